@@ -1,0 +1,62 @@
+"""asyncbatch: batches read straight from where the data lives.
+
+The layers, from the bytes up::
+
+    stores/     read byte ranges of objects: local files (preadv), fsspec (S3, HTTP, ...)
+    manifest    the one file read to open a dataset; dataset: opening it
+    layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
+    sampling/   the order of samples: Feistel permutation, per-rank epoch order
+    formats/    how samples map to spans and bytes decode into fields
+    engine      asyncio: planned reads into one buffer per batch, bounded, in order
+    handoff     the bounded queue between the engine and its consumer
+    loader      Loader (sync iterator on a background loop thread) and AsyncLoader
+    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect``
+"""
+
+from __future__ import annotations
+
+from .batch import Batch as Batch
+from .batch import FieldSchema as FieldSchema
+from .dataset import Dataset as Dataset
+from .dataset import open_dataset as open_dataset
+from .dataset import open_dataset_async as open_dataset_async
+from .errors import AsyncBatchError as AsyncBatchError
+from .errors import ConfigError as ConfigError
+from .errors import FormatError as FormatError
+from .errors import LoaderClosedError as LoaderClosedError
+from .errors import ManifestError as ManifestError
+from .errors import NotFoundError as NotFoundError
+from .errors import ResumeStateError as ResumeStateError
+from .errors import ShortReadError as ShortReadError
+from .errors import StoreError as StoreError
+from .errors import UnknownSchemeError as UnknownSchemeError
+from .loader import AsyncLoader as AsyncLoader
+from .loader import Loader as Loader
+from .stores import register_store as register_store
+from .writer import write_tokens as write_tokens
+from .writer import write_tokens_async as write_tokens_async
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncBatchError",
+    "AsyncLoader",
+    "Batch",
+    "ConfigError",
+    "Dataset",
+    "FieldSchema",
+    "FormatError",
+    "Loader",
+    "LoaderClosedError",
+    "ManifestError",
+    "NotFoundError",
+    "ResumeStateError",
+    "ShortReadError",
+    "StoreError",
+    "UnknownSchemeError",
+    "open_dataset",
+    "open_dataset_async",
+    "register_store",
+    "write_tokens",
+    "write_tokens_async",
+]

@@ -1,0 +1,115 @@
+"""The bounded queue between the engine (an event loop) and the consumer.
+
+Capacity counts batches from the moment the engine starts reading them until the consumer
+takes them, so memory stays bounded by ``prefetch`` batches whatever the consumer's speed.
+The engine side is async and never blocks its loop; the consumer side is either a plain
+thread (:meth:`get`, waiting in short slices so Ctrl-C gets through) or a coroutine in the
+engine's own loop (:meth:`aget`). Threads are only woken when the other side is waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: How long a waiting consumer sleeps before it checks for signals (Ctrl-C) again.
+WAIT_SLICE = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    capacity: int
+    #: Batches reserved now: being read, or ready and not yet taken.
+    reserved: int
+    ready: int
+    #: The most batches ever reserved at once; never more than ``capacity``.
+    peak_reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """The last item of a run: the end of the epoch, or the error that stopped it."""
+
+    error: BaseException | None = None
+
+
+class BatchQueue:
+    """Bounded hand-off of batches from one event loop to one consumer."""
+
+    def __init__(self, capacity: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.capacity = capacity
+        self._loop = loop
+        self._items: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._reserved = 0
+        self._peak = 0
+        self._space_waiter: asyncio.Future[None] | None = None
+        self._item_waiter: asyncio.Future[None] | None = None
+
+    async def reserve(self) -> None:
+        """Wait for a free slot and take it (engine side)."""
+        while True:
+            with self._lock:
+                if self._reserved < self.capacity:
+                    self._reserved += 1
+                    self._peak = max(self._peak, self._reserved)
+                    return
+                waiter = self._space_waiter = self._loop.create_future()
+            await waiter
+
+    def put(self, item: Any) -> None:
+        """Append a batch (holding a reserved slot) or a :class:`Final` (engine side)."""
+        with self._lock:
+            self._items.append(item)
+            self._not_empty.notify()
+            waiter, self._item_waiter = self._item_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _pop(self) -> Any:
+        """Pop the head (lock held) and free its slot."""
+        item = self._items.popleft()
+        if not isinstance(item, Final):
+            self._reserved -= 1
+        waiter, self._space_waiter = self._space_waiter, None
+        return item, waiter
+
+    def get(self, alive: Callable[[], bool] = lambda: True) -> Any:
+        """Next item, for a consumer in another thread; ``alive()`` false means none will come."""
+        with self._lock:
+            while not self._items:
+                if not alive():
+                    raise RuntimeError("the asyncbatch engine thread stopped without a result")
+                self._not_empty.wait(WAIT_SLICE)
+            item, waiter = self._pop()
+        if waiter is not None:
+            self._loop.call_soon_threadsafe(_wake, waiter)
+        return item
+
+    async def aget(self) -> Any:
+        """Next item, for a consumer running in the engine's loop."""
+        while True:
+            with self._lock:
+                if self._items:
+                    item, waiter = self._pop()
+                    break
+                item_waiter = self._item_waiter = self._loop.create_future()
+            await item_waiter
+        if waiter is not None:
+            _wake(waiter)
+        return item
+
+    def statistics(self) -> QueueStatistics:
+        with self._lock:
+            ready = sum(1 for item in self._items if not isinstance(item, Final))
+            return QueueStatistics(self.capacity, self._reserved, ready, self._peak)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

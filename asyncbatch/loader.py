@@ -1,0 +1,361 @@
+"""The loaders: :class:`Loader` (a synchronous, stateful iterator) and :class:`AsyncLoader`.
+
+Both run the same :class:`~asyncbatch.engine.Engine`. ``Loader`` runs it on one background
+thread with its own event loop, started on first use and stopped by :meth:`Loader.close`;
+``AsyncLoader`` runs it as a task in the caller's loop. Iterating past the end of an epoch
+raises ``StopIteration`` and moves the loader to the next epoch, so each ``for`` loop over a
+loader is one epoch, each with its own order.
+
+``state_dict()`` names the position after the last batch *handed to the caller*, never one
+merely prefetched, so resuming from it delivers exactly the batches an uninterrupted run
+would have delivered next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any, Self
+
+import numpy.typing as npt
+import torch
+
+from .batch import Batch
+from .dataset import Dataset, open_dataset, open_dataset_async
+from .engine import Engine
+from .errors import ConfigError, LoaderClosedError, ResumeStateError
+from .formats.tokens import TokenWindows
+from .handoff import BatchQueue, Final, QueueStatistics
+from .sampling.order import EpochOrder, normalize_shuffle
+
+STATE_VERSION = 1
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class _LoaderBase:
+    """Arguments, state and the meaning of queue items, shared by both loaders."""
+
+    def __init__(
+        self,
+        dataset: Dataset | str,
+        *,
+        batch_size: int,
+        seq_len: int,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        prefetch: int = 8,
+        max_inflight: int = 64,
+        next_token: bool = False,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        coalesce_gap: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.batch_size = _positive("batch_size", batch_size)
+        self.seq_len = _positive("seq_len", seq_len)
+        self.prefetch = _positive("prefetch", prefetch)
+        self.max_inflight = _positive("max_inflight", max_inflight)
+        self.world_size = _positive("world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
+            raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
+        if not isinstance(dataset, Dataset | str):
+            raise ConfigError(f"dataset must be a Dataset or a URL, got {dataset!r}")
+        self.shuffle = normalize_shuffle(shuffle)
+        self.rank = rank
+        self.seed = seed
+        self.next_token = bool(next_token)
+        self.dtype = dtype
+        self.drop_last = bool(drop_last)
+        self.coalesce_gap = coalesce_gap
+        self.storage_options = dict(storage_options or {})
+        self._dataset_arg = dataset
+        self._engine: Engine | None = None
+        self._epoch = 0
+        self._position = 0  # batches of the current epoch handed to the caller
+        self._queue: BatchQueue | None = None
+        self._closed = False
+
+    def _build(self, dataset: Dataset) -> Engine:
+        source = TokenWindows(dataset, self.seq_len, next_token=self.next_token, dtype=self.dtype)
+        order = EpochOrder(
+            source.num_samples,
+            self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+        )
+        self._engine = Engine(
+            source, order, max_inflight=self.max_inflight, coalesce_gap=self.coalesce_gap
+        )
+        return self._engine
+
+    @property
+    def dataset(self) -> Dataset | None:
+        """The dataset, once opened (at construction for ``Loader``, on entry for ``AsyncLoader``)."""
+        return self._engine.source.dataset if self._engine is not None else None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch at the next iteration."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._discard_run()
+        self._epoch, self._position = epoch, 0
+
+    def statistics(self) -> QueueStatistics | None:
+        """The prefetch queue's statistics of the current run, if one is running."""
+        return self._queue.statistics() if self._queue is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A few plain values that let ``load_state_dict`` resume after the last batch taken."""
+        dataset = self.dataset
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "batches_done": self._position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "next_token": self.next_token,
+            "drop_last": self.drop_last,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "dataset": dataset.fingerprint() if dataset is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; a state saved under other settings is a ResumeStateError."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "batch_size", "seq_len", "next_token", "drop_last", "rank", "world_size"):
+            if state.get(key) != mine[key]:
+                raise ResumeStateError(
+                    f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
+                )
+        if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
+            raise ResumeStateError(
+                f"cannot resume: the state is for dataset {state.get('dataset')!r},"
+                f" this loader reads {mine['dataset']!r}"
+            )
+        epoch, done = state.get("epoch"), state.get("batches_done")
+        if not isinstance(epoch, int) or not isinstance(done, int) or epoch < 0 or done < 0:
+            raise ResumeStateError(f"invalid position in state: epoch={epoch!r}, batches_done={done!r}")
+        self._discard_run()
+        self._epoch, self._position = epoch, done
+
+    def _take(self, item: Any) -> Batch | None:
+        """The batch to hand over, or None at the end of the epoch; raises the run's error."""
+        if isinstance(item, Batch):
+            self._position = item.extra["batch"] + 1
+            return item
+        assert isinstance(item, Final)
+        self._run_finished()
+        if item.error is not None:
+            raise item.error
+        self._epoch, self._position = self._epoch + 1, 0
+        return None
+
+    def __len__(self) -> int:
+        """Batches per epoch (known once the dataset is open)."""
+        if self._engine is None:
+            raise TypeError("len() is known once the dataset is open")
+        return self._engine.order.batches_per_epoch
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosedError(f"{type(self).__name__} used after close()")
+
+    def _discard_run(self) -> None:
+        raise NotImplementedError
+
+    def _run_finished(self) -> None:
+        raise NotImplementedError
+
+
+class Loader(_LoaderBase):
+    """Synchronous, stateful batch iterator; the engine runs on its own background thread.
+
+    Use as ``with Loader(...) as loader: for batch in loader: ...``, or call :meth:`close`.
+    """
+
+    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        if isinstance(dataset, str):
+            dataset = open_dataset(dataset, self.storage_options)
+        self._build(dataset)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pid = os.getpid()
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> Batch:
+        self._check_open()
+        if self._pid != os.getpid():
+            self._forget_run()  # the engine thread stayed in the parent process
+        if self._queue is None:
+            self._start()
+        assert self._queue is not None and self._thread is not None
+        batch = self._take(self._queue.get(self._thread.is_alive))
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def _start(self) -> None:
+        assert self._engine is not None
+        loop = asyncio.new_event_loop()
+        queue = BatchQueue(self.prefetch, loop)
+        task = loop.create_task(self._engine.run(queue, self._epoch, self._position))
+        thread = threading.Thread(
+            target=_run_loop, args=(loop, task), name="asyncbatch-loader", daemon=True
+        )
+        self._loop, self._queue, self._task, self._thread = loop, queue, task, thread
+        thread.start()
+
+    def _discard_run(self) -> None:
+        loop, task, thread = self._loop, self._task, self._thread
+        self._forget_run()
+        if thread is None or self._pid != os.getpid():
+            return
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:
+                pass  # the loop already finished and closed
+        thread.join()
+
+    def _run_finished(self) -> None:
+        self._discard_run()  # the run put its Final item; the thread is exiting
+
+    def _forget_run(self) -> None:
+        self._loop = self._queue = self._task = self._thread = None
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        """Stop the engine and release its thread, tasks and files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._discard_run()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None and not self._closed:
+            warnings.warn(
+                f"unclosed {self!r}: use 'with Loader(...)' or call close()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"Loader({self.dataset!r}, batch_size={self.batch_size}, seq_len={self.seq_len})"
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+class AsyncLoader(_LoaderBase):
+    """The same batches as :class:`Loader`, for ``async for`` in the caller's event loop.
+
+    Use as ``async with AsyncLoader(...) as loader: async for batch in loader: ...``.
+    """
+
+    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        if isinstance(dataset, Dataset):
+            self._build(dataset)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    async def open(self) -> Self:
+        """Open the dataset if given by URL (reads its manifest); called by ``async with``."""
+        self._check_open()
+        if self._engine is None:
+            assert isinstance(self._dataset_arg, str)
+            self._build(await open_dataset_async(self._dataset_arg, self.storage_options))
+        return self
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Batch:
+        self._check_open()
+        if self._engine is None:
+            await self.open()
+        if self._queue is None:
+            assert self._engine is not None
+            self._queue = BatchQueue(self.prefetch, asyncio.get_running_loop())
+            self._task = asyncio.create_task(
+                self._engine.run(self._queue, self._epoch, self._position), name="asyncbatch-engine"
+            )
+        batch = self._take(await self._queue.aget())
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
+
+    def _discard_run(self) -> None:
+        # Cancelling is enough to stop reading; aclose() also waits for the task to finish.
+        task, self._task, self._queue = self._task, None, None
+        if task is not None and not task.done():
+            task.cancel()
+            self._stopping.add(task)
+
+    def _run_finished(self) -> None:
+        self._task = self._queue = None
+
+    async def aclose(self) -> None:
+        """Stop the engine task and wait until its stores are closed; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._discard_run()
+        stopping, self._stopping = self._stopping, set()
+        await asyncio.gather(*stopping, return_exceptions=True)
+
+    async def __aenter__(self) -> Self:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,7 @@
+"""Sample order: pure functions of (seed, epoch, rank, world size, position)."""
+
+from __future__ import annotations
+
+from .feistel import FeistelPermutation as FeistelPermutation
+
+__all__ = ["FeistelPermutation"]

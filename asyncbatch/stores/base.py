@@ -1,0 +1,57 @@
+"""The store protocol: the only contract between the engine and I/O.
+
+A store reads byte ranges of one object into caller-given writable buffers, tells an
+object's size, lists a prefix, and writes whole objects. Ranges are ``[start, end)`` with
+exclusive ends. A store never completes a read with fewer bytes than asked for: it raises
+:class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from ..errors import ShortReadError, describe_range
+
+Buffer = memoryview
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An async byte-range store bound to the event loop that created it."""
+
+    #: Gap in bytes below which two ranges of one object are cheaper read as one.
+    coalesce_gap: int
+
+    async def size(self, url: str) -> int:
+        """Size of the object at ``url`` in bytes."""
+        ...
+
+    async def list(self, url: str) -> list[str]:
+        """URLs of the objects directly under the prefix ``url``, sorted."""
+        ...
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        """Fill ``buffers[i]`` with bytes ``[starts[i], ends[i])`` of ``url``, all or raise."""
+        ...
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        """Write ``data`` as the whole object at ``url``, creating parents as needed."""
+        ...
+
+    async def close(self) -> None:
+        """Release sessions and file descriptors; idempotent."""
+        ...
+
+
+def check_length(url: str, start: int, end: int, got: int) -> None:
+    """Raise :class:`ShortReadError` unless a read of ``[start, end)`` returned all its bytes."""
+    if got != end - start:
+        raise ShortReadError(
+            f"short read: {describe_range(url, start, end)} returned {got} of {end - start} bytes",
+            url,
+            start,
+            end,
+        )
