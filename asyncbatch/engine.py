@@ -1,9 +1,12 @@
-"""The asyncio engine: sample ids → planned reads → one buffer per batch → the queue.
+"""The asyncio engine: sample ids → planned reads → batch buffers → the queue.
 
-For each batch the engine reserves a queue slot (bounding memory), plans its reads with the
-shard map, reads them concurrently straight into the batch buffer, decodes the fields and
-delivers batches in order. Requests in flight are bounded by the store. Any error ends the
-run with a :class:`~asyncbatch.handoff.Final` item carrying it, after the batches before it.
+The engine works on *groups* of consecutive batches so that its fixed costs (planning,
+hops to the I/O threads, task switches) are paid once per group rather than once per batch:
+for each group it reserves queue slots (bounding memory), computes the sample ids and the
+reads in one vectorised call, reads everything concurrently straight into one buffer,
+decodes the fields once, and delivers the group's batches (views of that buffer) in order.
+Requests in flight are bounded by the store. Any error ends the run with a
+:class:`~asyncbatch.handoff.Final` item carrying it, after the batches before it.
 """
 
 from __future__ import annotations
@@ -18,14 +21,18 @@ import numpy.typing as npt
 from .batch import Batch
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final
+from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
 
-#: Batches whose sample ids are computed in one vectorised call.
-IDS_CHUNK = 64
+#: The most batches planned and read as one group.
+MAX_GROUP = 32
 
-ReadRequest = tuple[str, list[int], list[int], list[Buffer]]
+
+def group_size(prefetch: int) -> int:
+    """Batches per group: small enough that two groups fit in the prefetch queue."""
+    return max(1, min(MAX_GROUP, prefetch // 2))
 
 
 class Engine:
@@ -37,11 +44,13 @@ class Engine:
         order: EpochOrder,
         *,
         max_inflight: int,
+        group: int = 1,
         coalesce_gap: int | None = None,
     ) -> None:
         self.source = source
         self.order = order
         self.max_inflight = max_inflight
+        self.group = group
         self.coalesce_gap = coalesce_gap
 
     async def run(self, queue: BatchQueue, epoch: int, first_batch: int) -> None:
@@ -53,20 +62,15 @@ class Engine:
             store = open_store(dataset.url, dataset.storage_options, max_inflight=self.max_inflight)
             gap = store.coalesce_gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
-            batch_size = self.order.batch_size
             stop = self.order.batches_per_epoch
-            for chunk in range(first_batch, stop, IDS_CHUNK):
-                chunk_stop = min(stop, chunk + IDS_CHUNK)
-                ids = self.order.sample_ids(epoch, chunk, chunk_stop)
-                for index in range(chunk, chunk_stop):
-                    await queue.reserve()
-                    offset = (index - chunk) * batch_size
-                    batch_ids = ids[offset : offset + batch_size]
-                    previous = asyncio.create_task(
-                        self._deliver(store, gap, epoch, index, batch_ids, previous, queue)
-                    )
-                    tasks.add(previous)
-                    previous.add_done_callback(tasks.discard)
+            for first in range(first_batch, stop, self.group):
+                count = min(self.group, stop - first)
+                await queue.reserve(count)
+                previous = asyncio.create_task(
+                    self._deliver(store, gap, epoch, first, count, previous, queue)
+                )
+                tasks.add(previous)
+                previous.add_done_callback(tasks.discard)
             if previous is None or await previous:
                 queue.put(Final())
         except asyncio.CancelledError:
@@ -85,68 +89,89 @@ class Engine:
         store: Store,
         gap: int,
         epoch: int,
-        index: int,
-        ids: npt.NDArray[np.int64],
+        first: int,
+        count: int,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
     ) -> bool:
-        """Read one batch, wait for the batch before it, then queue it; False once failed."""
+        """Read a group, wait for the group before it, then queue it; False once failed."""
         try:
-            item: Batch | Final = await self._read_batch(store, gap, epoch, index, ids)
+            items: list[Batch | Final] = list(await self._read_group(store, gap, epoch, first, count))
         except Exception as exc:
-            item = Final(exc)
+            items = [Final(exc)]
         if previous is not None and not await previous:
             return False
-        queue.put(item)
-        return isinstance(item, Batch)
+        queue.put_many(items)
+        return not isinstance(items[-1], Final)
 
-    async def _read_batch(
-        self, store: Store, gap: int, epoch: int, index: int, ids: npt.NDArray[np.int64]
-    ) -> Batch:
+    async def _read_group(
+        self, store: Store, gap: int, epoch: int, first: int, count: int
+    ) -> list[Batch]:
+        ids = self.order.sample_ids(epoch, first, first + count)
         plan = self.source.plan(ids, gap)
         buffer = np.empty(plan.nbytes, dtype=np.uint8)
-        view = memoryview(buffer)
-        urls = self.source.dataset.shard_urls
-        requests: dict[str, ReadRequest] = {}
-        scratch: dict[int, bytearray] = {}
-        destinations = plan.read_dest.tolist()
-        for read, (shard, start, end, dest) in enumerate(
-            zip(plan.read_shard.tolist(), plan.read_start.tolist(), plan.read_end.tolist(), destinations)
-        ):
-            url = urls[shard]
-            request = requests.get(url)
-            if request is None:
-                request = requests[url] = (url, [], [], [])
-            request[1].append(start)
-            request[2].append(end)
-            if dest >= 0:
-                request[3].append(view[dest : dest + end - start])
-            else:
-                scratch[read] = bytearray(end - start)
-                request[3].append(memoryview(scratch[read]))
-        await _read_all(store, list(requests.values()))
-        # Pieces of merged reads that could not land in place (overlapping windows, gaps).
-        for read, src, dest, length in zip(
-            plan.piece_read.tolist(),
-            plan.piece_src.tolist(),
-            plan.piece_dest.tolist(),
-            plan.piece_length.tolist(),
-        ):
-            view[dest : dest + length] = memoryview(scratch[read])[src : src + length]
+        await read_plan(store, self.source.dataset.shard_urls, plan, buffer)
         fields = self.source.decode(buffer, int(ids.size))
-        return Batch(ids, fields, self.source.schema, {"epoch": epoch, "batch": index})
+        size = self.order.batch_size
+        schema = self.source.schema
+        return [
+            Batch(
+                ids[i * size : (i + 1) * size],
+                {name: value[i * size : (i + 1) * size] for name, value in fields.items()},
+                schema,
+                {"epoch": epoch, "batch": first + i},
+            )
+            for i in range(count)
+        ]
 
 
-async def _read_all(store: Store, requests: Sequence[ReadRequest]) -> None:
-    """Issue the reads of one batch: in one call where the store batches across objects."""
+async def read_plan(
+    store: Store, shard_urls: Sequence[str], plan: ReadPlan, buffer: npt.NDArray[np.uint8]
+) -> None:
+    """Carry out ``plan`` into ``buffer``: reads in place where possible, else via scratch."""
+    view = memoryview(buffer)
+    urls = [shard_urls[shard] for shard in plan.read_shard.tolist()]
+    starts = plan.read_start.tolist()
+    ends = plan.read_end.tolist()
+    scratch: dict[int, memoryview] = {}
+    buffers: list[Buffer] = []
+    for read, (start, end, dest) in enumerate(zip(starts, ends, plan.read_dest.tolist())):
+        if dest >= 0:
+            buffers.append(view[dest : dest + end - start])
+        else:
+            buffers.append(scratch.setdefault(read, memoryview(bytearray(end - start))))
+    await _read_all(store, urls, starts, ends, buffers)
+    # Pieces of merged reads that could not land in place (overlapping windows, gaps).
+    for read, src, dest, length in zip(
+        plan.piece_read.tolist(),
+        plan.piece_src.tolist(),
+        plan.piece_dest.tolist(),
+        plan.piece_length.tolist(),
+    ):
+        view[dest : dest + length] = scratch[read][src : src + length]
+
+
+async def _read_all(
+    store: Store,
+    urls: list[str],
+    starts: list[int],
+    ends: list[int],
+    buffers: list[Buffer],
+) -> None:
+    """Issue reads: in one call where the store batches across objects, else per object."""
     read_many: Any = getattr(store, "read_many", None)
     if read_many is not None:
-        await read_many(requests)
+        await read_many(urls, starts, ends, buffers)
         return
+    by_url: dict[str, tuple[list[int], list[int], list[Buffer]]] = {}
+    for url, start, end, buffer in zip(urls, starts, ends, buffers):
+        entry = by_url.setdefault(url, ([], [], []))
+        entry[0].append(start)
+        entry[1].append(end)
+        entry[2].append(buffer)
     await asyncio.gather(
         *(
-            store.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
-            for url, starts, ends, buffers in requests
+            store.read_ranges(url, starts=s, ends=e, buffers=b)
+            for url, (s, e, b) in by_url.items()
         )
     )
-

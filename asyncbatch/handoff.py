@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +51,13 @@ class BatchQueue:
         self._space_waiter: asyncio.Future[None] | None = None
         self._item_waiter: asyncio.Future[None] | None = None
 
-    async def reserve(self) -> None:
-        """Wait for a free slot and take it (engine side)."""
+    async def reserve(self, count: int = 1) -> None:
+        """Wait for ``count`` free slots (at most ``capacity``) and take them (engine side)."""
+        count = min(count, self.capacity)
         while True:
             with self._lock:
-                if self._reserved < self.capacity:
-                    self._reserved += 1
+                if self._reserved + count <= self.capacity:
+                    self._reserved += count
                     self._peak = max(self._peak, self._reserved)
                     return
                 waiter = self._space_waiter = self._loop.create_future()
@@ -64,8 +65,12 @@ class BatchQueue:
 
     def put(self, item: Any) -> None:
         """Append a batch (holding a reserved slot) or a :class:`Final` (engine side)."""
+        self.put_many((item,))
+
+    def put_many(self, items: Iterable[Any]) -> None:
+        """Append several items at once, waking the consumer once (engine side)."""
         with self._lock:
-            self._items.append(item)
+            self._items.extend(items)
             self._not_empty.notify()
             waiter, self._item_waiter = self._item_waiter, None
         if waiter is not None and not waiter.done():

@@ -25,7 +25,7 @@ import torch
 
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
-from .engine import Engine
+from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final, QueueStatistics
@@ -101,7 +101,11 @@ class _LoaderBase:
             drop_last=self.drop_last,
         )
         self._engine = Engine(
-            source, order, max_inflight=self.max_inflight, coalesce_gap=self.coalesce_gap
+            source,
+            order,
+            max_inflight=self.max_inflight,
+            group=group_size(self.prefetch),
+            coalesce_gap=self.coalesce_gap,
         )
         return self._engine
 

@@ -18,6 +18,9 @@ from .feistel import FeistelPermutation, _splitmix64
 
 SHUFFLES = ("none", "global")
 
+#: Positions whose sample ids are computed (and cached) together.
+ID_BLOCK = 16384
+
 
 def normalize_shuffle(shuffle: bool | str) -> str:
     """``True`` → ``"global"``, ``False`` → ``"none"``; anything unknown is a ConfigError."""
@@ -62,16 +65,34 @@ class EpochOrder:
         full, rest = divmod(self.samples_per_rank, batch_size)
         self.batches_per_epoch = full + int(rest > 0 and not drop_last)
         self._permutation = lru_cache(maxsize=2)(self._make_permutation)
+        self._block = lru_cache(maxsize=4)(self._make_block)
 
     def _make_permutation(self, epoch: int) -> FeistelPermutation:
         return FeistelPermutation(self.num_samples, epoch_key(self.seed, epoch))
 
-    def sample_ids(self, epoch: int, first_batch: int, stop_batch: int) -> npt.NDArray[np.int64]:
-        """Global sample ids of batches ``[first_batch, stop_batch)``, concatenated."""
-        stop = min(stop_batch * self.batch_size, self.samples_per_rank)
-        positions = np.arange(first_batch * self.batch_size, stop, dtype=np.int64)
+    def _make_block(self, epoch: int, block: int) -> npt.NDArray[np.int64]:
+        start = block * ID_BLOCK
+        stop = min(start + ID_BLOCK, self.samples_per_rank)
+        positions = np.arange(start, stop, dtype=np.int64)
         positions *= self.world_size
         positions += self.rank
         if self.shuffle == "global" and positions.size:
-            return self._permutation(epoch)(positions)
+            positions = self._permutation(epoch)(positions)
+        positions.flags.writeable = False
         return positions
+
+    def sample_ids(self, epoch: int, first_batch: int, stop_batch: int) -> npt.NDArray[np.int64]:
+        """Global sample ids of batches ``[first_batch, stop_batch)``, concatenated."""
+        start = first_batch * self.batch_size
+        stop = min(stop_batch * self.batch_size, self.samples_per_rank)
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        # Ids are computed a block at a time: a vectorised call has a fixed cost that a few
+        # hundred ids would not amortise (cycle walking repeats it a dozen times).
+        first, last = start // ID_BLOCK, (stop - 1) // ID_BLOCK
+        if first == last:
+            offset = first * ID_BLOCK
+            return self._block(epoch, first)[start - offset : stop - offset]
+        parts = [self._block(epoch, b) for b in range(first, last + 1)]
+        joined = np.concatenate(parts)
+        return joined[start - first * ID_BLOCK : stop - first * ID_BLOCK]

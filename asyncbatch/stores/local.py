@@ -23,7 +23,8 @@ from ..errors import ConfigError, NotFoundError, StoreError, describe_range
 from .base import Buffer, check_length
 
 #: Ranges one pool job reads before the batch is split across more threads.
-RANGES_PER_JOB = 32
+RANGES_PER_JOB = 128
+
 
 
 def local_path(url: str) -> str:
@@ -42,6 +43,7 @@ class LocalStore:
         self._max_open_files = max_open_files
         self._fds: OrderedDict[str, list[int]] = OrderedDict()  # url -> [fd, readers]
         self._fds_lock = threading.Lock()
+        self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
 
@@ -62,33 +64,52 @@ class LocalStore:
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
-        await self.read_many([(url, starts, ends, buffers)])
+        await self.read_many([url] * len(starts), starts, ends, buffers)
 
     async def read_many(
-        self, requests: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[Buffer]]]
+        self,
+        urls: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        buffers: Sequence[Buffer],
     ) -> None:
-        """Ranges of several files in as few thread-pool jobs as possible (one per batch)."""
-        ranges = [
-            (url, start, end, buffer)
-            for url, starts, ends, buffers in requests
-            for start, end, buffer in zip(starts, ends, buffers, strict=True)
-        ]
+        """Ranges of several files, ``urls[i]`` for range ``i``, in few thread-pool jobs.
+
+        Ranges of one file should be neighbours in the lists: the file is looked up once
+        per run of equal URLs.
+        """
         loop = asyncio.get_running_loop()
-        if len(ranges) <= RANGES_PER_JOB:
-            await loop.run_in_executor(self._pool, self._read_sync, ranges)
+        count = len(starts)
+        jobs = max(1, min(self._threads, count // RANGES_PER_JOB))
+        if jobs == 1:
+            await loop.run_in_executor(self._pool, self._read_sync, urls, starts, ends, buffers)
             return
+        step = -(-count // jobs)
         await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, self._read_sync, ranges[i : i + RANGES_PER_JOB])
-                for i in range(0, len(ranges), RANGES_PER_JOB)
+                loop.run_in_executor(
+                    self._pool,
+                    self._read_sync,
+                    urls[i : i + step],
+                    starts[i : i + step],
+                    ends[i : i + step],
+                    buffers[i : i + step],
+                )
+                for i in range(0, count, step)
             )
         )
 
-    def _read_sync(self, ranges: Sequence[tuple[str, int, int, Buffer]]) -> None:
+    def _read_sync(
+        self,
+        urls: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        buffers: Sequence[Buffer],
+    ) -> None:
         preadv = os.preadv
         url, fd = "", -1
         try:
-            for range_url, start, end, buffer in ranges:
+            for range_url, start, end, buffer in zip(urls, starts, ends, buffers, strict=True):
                 if range_url != url:
                     if fd >= 0:
                         self._release(url)
@@ -106,7 +127,8 @@ class LocalStore:
                 except OSError as exc:
                     where = describe_range(url, start, end)
                     raise StoreError(f"read failed: {where}: {exc}", url, start, end) from exc
-                check_length(url, start, end, got)
+                if got != end - start:
+                    check_length(url, start, end, got)
         finally:
             if fd >= 0:
                 self._release(url)

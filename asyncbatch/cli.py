@@ -1,0 +1,162 @@
+"""The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .dataset import open_dataset
+from .errors import AsyncBatchError, NotFoundError
+from .loader import Loader
+from .progress import Progress
+from .writer import write_tokens
+
+DEMO_TOKENS = 150_000_000  # 300 MB of uint16
+DEMO_VOCAB = 50_257
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("ASYNCBATCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "asyncbatch"
+    )
+    return Path(base)
+
+
+def _demo_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
+    rng = np.random.default_rng(seed)
+    step = 8_000_000
+    for start in range(0, total, step):
+        yield rng.integers(0, DEMO_VOCAB, min(step, total - start), dtype=np.uint16)
+
+
+def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
+    """The local demo dataset's path; written on first use (``tokens`` uint16 tokens)."""
+    root = cache_dir() / f"demo-tokens-{tokens}"
+    if not (root / "manifest.json").exists():
+        print(f"creating the demo dataset ({tokens * 2 / 1e6:.0f} MB) in {root}", file=sys.stderr)
+        bar = Progress(tokens * 2, "writing", "B")
+        chunks = _demo_chunks(tokens)
+
+        def counted() -> Iterator[npt.NDArray[np.uint16]]:
+            for chunk in chunks:
+                yield chunk
+                bar.update(chunk.nbytes)
+
+        write_tokens(str(root), counted(), dtype=np.uint16, shard_size=64 * 2**20)
+        bar.close()
+    return str(root)
+
+
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def demo(args: argparse.Namespace) -> int:
+    url = args.url or ensure_demo_dataset(args.tokens)
+    started = time.perf_counter()
+    loader = Loader(
+        url,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+        prefetch=args.prefetch,
+        max_inflight=args.max_inflight,
+        storage_options=_options(args.option),
+    )
+    with loader:
+        steps = min(len(loader), args.steps) if args.steps else len(loader)
+        first_batch = 0.0
+        tokens = 0
+        bar = Progress(steps, "streaming", " batches")
+        for step, batch in enumerate(loader):
+            if step == 0:
+                first_batch = time.perf_counter() - started
+            tokens += batch["tokens"].numel()
+            bar.update(1)
+            if step + 1 >= steps:
+                break
+        bar.close()
+        elapsed = time.perf_counter() - started
+    order = "sequential" if args.no_shuffle else "global shuffle"
+    print(f"dataset         {url}")
+    print(f"batches         {steps} x {args.batch_size} x {args.seq_len} tokens ({order})")
+    print(f"time to first   {first_batch * 1e3:.1f} ms (including opening the dataset)")
+    print(f"throughput      {tokens / elapsed / 1e6:.1f} M tokens/s ({elapsed:.2f} s)")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    dataset = open_dataset(args.url, _options(args.option))
+    manifest = dataset.manifest
+    print(f"dataset   {dataset.url}")
+    print(f"format    {manifest.format}")
+    print(f"dtype     {manifest.dtype}")
+    print(f"shards    {len(manifest.shards)}")
+    print(f"elements  {manifest.total_elements}")
+    print(f"bytes     {manifest.total_bytes}")
+    for shard in manifest.shards[: args.shards]:
+        print(f"  {shard.path}  {shard.nbytes} bytes  {shard.elements} elements")
+    if len(manifest.shards) > args.shards:
+        print(f"  ... {len(manifest.shards) - args.shards} more")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="asyncbatch", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("demo", help="stream a dataset (by default a local demo one)")
+    run.add_argument("--url", help="dataset URL (default: a demo dataset created on first run)")
+    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--seq-len", type=int, default=2048)
+    run.add_argument("--steps", type=int, default=0, help="stop after N batches (0: one epoch)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--prefetch", type=int, default=8)
+    run.add_argument("--max-inflight", type=int, default=64)
+    run.add_argument("--no-shuffle", action="store_true", help="sequential order")
+    run.add_argument("--tokens", type=int, default=DEMO_TOKENS, help="demo dataset size")
+    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="storage option (JSON values allowed), repeatable")
+    run.set_defaults(func=demo)
+
+    look = commands.add_parser("inspect", help="print a dataset's manifest summary")
+    look.add_argument("url")
+    look.add_argument("--shards", type=int, default=5, help="shards to list")
+    look.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    look.set_defaults(func=inspect)
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except (AsyncBatchError, NotFoundError) as exc:
+        print(f"asyncbatch: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
