@@ -1,0 +1,220 @@
+"""Loader semantics: sync and async agree, exact resume, epochs, closing, bad arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from conftest import asyncbatch_threads, expected_windows
+
+import asyncbatch as ab
+from asyncbatch.errors import ConfigError, LoaderClosedError, ResumeStateError
+
+
+@pytest.fixture
+def dataset(tmp_path: Path, tokens: npt.NDArray[np.uint16]) -> ab.Dataset:
+    return ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=2222)
+
+
+def ids_of(loader: Any, limit: int | None = None) -> list[list[int]]:
+    out = []
+    for step, batch in enumerate(loader):
+        out.append(batch.global_indexes.tolist())
+        if limit is not None and step + 1 == limit:
+            break
+    return out
+
+
+def test_sync_and_async_deliver_the_same_batches(dataset: ab.Dataset) -> None:
+    kwargs: dict[str, Any] = dict(batch_size=8, seq_len=32, shuffle=True, seed=3, prefetch=5)
+    with ab.Loader(dataset, **kwargs) as loader:
+        sync = [(b.global_indexes.tolist(), b["tokens"].clone()) for b in loader]
+
+    async def collect() -> list[tuple[list[int], torch.Tensor]]:
+        async with ab.AsyncLoader(dataset.url, **kwargs) as loader:
+            return [(b.global_indexes.tolist(), b["tokens"].clone()) async for b in loader]
+
+    result = asyncio.run(collect())
+    assert len(sync) == len(result) == (dataset.manifest.total_elements // 32) // 8
+    for (ids_a, tok_a), (ids_b, tok_b) in zip(sync, result, strict=True):
+        assert ids_a == ids_b
+        assert torch.equal(tok_a, tok_b)
+
+
+def run_resume_case(
+    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool, world_size: int
+) -> None:
+    """Stop after ``stop`` batches, resume from the state in a new loader, compare."""
+    for rank in range(world_size):
+        kwargs: dict[str, Any] = dict(
+            batch_size=5, seq_len=40, shuffle=shuffle, seed=11, prefetch=prefetch,
+            rank=rank, world_size=world_size,
+        )
+        with ab.Loader(dataset, **kwargs) as loader:
+            full = ids_of(loader)
+        with ab.Loader(dataset, **kwargs) as loader:
+            first = ids_of(loader, stop) if stop else []
+            state = loader.state_dict()
+        with ab.Loader(dataset, **kwargs) as loader:
+            loader.load_state_dict(state)
+            rest = ids_of(loader)
+        assert first + rest == full, (stop, prefetch, shuffle, world_size, rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("prefetch", [1, 4, 16])
+@pytest.mark.parametrize("stop", [0, 1, 7, 49])
+def test_resume_delivers_exactly_the_remaining_batches(
+    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool, world_size: int
+) -> None:
+    run_resume_case(dataset, stop, prefetch, shuffle, world_size)
+
+
+def test_state_is_after_the_last_batch_handed_over(dataset: ab.Dataset) -> None:
+    with ab.Loader(dataset, batch_size=4, seq_len=16, prefetch=8) as loader:
+        it = iter(loader)
+        next(it)
+        next(it)
+        stats = loader.statistics()
+        assert stats is not None and stats.peak_reserved <= 8
+        state = loader.state_dict()
+    assert (state["epoch"], state["batches_done"]) == (0, 2)
+    assert len(repr(state)) < 1024
+
+
+def test_epochs_differ_and_repeat_from_the_seed(dataset: ab.Dataset) -> None:
+    with ab.Loader(dataset, batch_size=16, seq_len=50, seed=1) as loader:
+        epoch0, epoch1 = ids_of(loader), ids_of(loader)
+        assert loader.epoch == 2
+        loader.set_epoch(1)
+        assert ids_of(loader) == epoch1
+    assert epoch0 != epoch1
+    assert sorted(sum(epoch0, [])) == sorted(sum(epoch1, []))
+
+
+def test_ranks_partition_the_epoch(dataset: ab.Dataset) -> None:
+    per_rank = []
+    for rank in range(3):
+        with ab.Loader(dataset, batch_size=4, seq_len=50, rank=rank, world_size=3) as loader:
+            per_rank.append(sum(ids_of(loader), []))
+    assert len({len(ids) for ids in per_rank}) == 1  # same number of batches on every rank
+    union = sum(per_rank, [])
+    assert len(set(union)) == len(union)
+
+
+def test_drop_last_false_keeps_the_partial_batch(dataset: ab.Dataset, tokens: Any) -> None:
+    windows = tokens.size // 50
+    with ab.Loader(dataset, batch_size=64, seq_len=50, shuffle=False, drop_last=False) as loader:
+        batches = list(loader)
+    assert [b.batch_size for b in batches] == [64] * (windows // 64) + [windows % 64]
+    last = batches[-1]
+    np.testing.assert_array_equal(
+        last["tokens"].numpy(), expected_windows(tokens, last.global_indexes, 50)
+    )
+
+
+def test_output_dtype_and_structured_fields(tmp_path: Path) -> None:
+    record = np.dtype([("token", "<u4"), ("doc", "<u2")])
+    data = np.zeros(1000, dtype=record)
+    data["token"] = np.arange(1000) * 7
+    data["doc"] = np.arange(1000) // 100
+    ab.write_tokens(str(tmp_path / "rec"), data, shard_size=600)
+    with ab.Loader(str(tmp_path / "rec"), batch_size=3, seq_len=10, shuffle=False) as loader:
+        batch = next(iter(loader))
+    assert set(batch) == {"token", "doc"}
+    assert batch["token"].dtype == torch.uint32
+    assert batch["doc"][2].tolist() == [0] * 10
+    assert batch["token"][1].tolist() == (np.arange(10, 20) * 7).tolist()
+    ab.write_tokens(str(tmp_path / "u16"), np.arange(500, dtype=np.uint16))
+    with ab.Loader(str(tmp_path / "u16"), batch_size=2, seq_len=10, dtype=torch.int64) as loader:
+        batch = next(iter(loader))
+    assert batch["tokens"].dtype == torch.int64
+    assert batch.schema["tokens"].dtype == "int64"
+
+
+def test_early_break_and_close_leave_nothing_behind(dataset: ab.Dataset) -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with ab.Loader(dataset, batch_size=4, seq_len=16, prefetch=6) as loader:
+            for step, _batch in enumerate(loader):
+                if step == 3:
+                    break
+        loader.close()  # idempotent
+    assert asyncbatch_threads() == []
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    with pytest.raises(LoaderClosedError):
+        next(iter(loader))
+
+
+def test_async_loader_closes_its_task(dataset: ab.Dataset) -> None:
+    async def main() -> None:
+        async with ab.AsyncLoader(dataset, batch_size=4, seq_len=16, prefetch=3) as loader:
+            async for _ in loader:
+                break
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(main())
+    assert asyncbatch_threads() == []
+
+
+def test_unclosed_loader_warns(dataset: ab.Dataset) -> None:
+    loader = ab.Loader(dataset, batch_size=4, seq_len=16)
+    next(iter(loader))
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del loader
+        gc.collect()
+    assert asyncbatch_threads() == []
+
+
+def test_engine_error_reaches_the_consumer_after_good_batches(tmp_path: Path) -> None:
+    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16), shard_size=2000)
+    os.remove(dataset.shard_urls[1])
+    with ab.Loader(dataset, batch_size=2, seq_len=100, shuffle=False, prefetch=2) as loader:
+        got = []
+        with pytest.raises(FileNotFoundError, match="shard-00001.bin") as caught:
+            for batch in loader:
+                got.append(batch.global_indexes.tolist())
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # every batch of the first shard
+    assert isinstance(caught.value, ab.NotFoundError)
+    assert caught.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"seq_len": -1}, "seq_len"),
+        ({"prefetch": 0}, "prefetch"),
+        ({"shuffle": "sideways"}, "shuffle"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"dtype": "not-a-dtype"}, "dtype"),
+        ({"max_inflight": 1.5}, "max_inflight"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(
+    dataset: ab.Dataset, kwargs: dict[str, Any], match: str
+) -> None:
+    args: dict[str, Any] = {"batch_size": 4, "seq_len": 16, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        ab.Loader(dataset, **args)
+    assert asyncbatch_threads() == []
+
+
+def test_foreign_state_is_refused(dataset: ab.Dataset, tmp_path: Path) -> None:
+    with ab.Loader(dataset, batch_size=4, seq_len=16) as loader:
+        state = loader.state_dict()
+    with ab.Loader(dataset, batch_size=8, seq_len=16) as other:
+        with pytest.raises(ResumeStateError, match="batch_size"):
+            other.load_state_dict(state)
+    small = ab.write_tokens(str(tmp_path / "small"), np.arange(300, dtype=np.uint16))
+    with ab.Loader(small, batch_size=4, seq_len=16) as other:
+        with pytest.raises(ResumeStateError, match="dataset"):
+            other.load_state_dict(state)

@@ -1,0 +1,168 @@
+"""Every store returns exactly the bytes of the source, or a typed error naming URL and range."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from conftest import WriteDataset, expected_windows
+
+import asyncbatch as ab
+from asyncbatch.errors import ConfigError, ShortReadError, UnknownSchemeError
+from asyncbatch.stores import open_store, register_store, registered_stores
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("next_token", [False, True])
+def test_batches_equal_source_windows(
+    write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16], shuffle: bool, next_token: bool
+) -> None:
+    # Shards of 3001 elements: windows of 64 (+1) often cross shard ends.
+    url, options = write_dataset(tokens, shard_size=3001 * 2)
+    seen = []
+    with ab.Loader(
+        url,
+        batch_size=7,
+        seq_len=64,
+        shuffle=shuffle,
+        next_token=next_token,
+        prefetch=4,
+        storage_options=options,
+    ) as loader:
+        for batch in loader:
+            got = batch["tokens"].numpy()
+            assert got.dtype == np.uint16
+            np.testing.assert_array_equal(
+                got, expected_windows(tokens, batch.global_indexes, 64, next_token)
+            )
+            seen.append(batch.global_indexes)
+    ids = np.concatenate(seen)
+    windows = (tokens.size - int(next_token)) // 64
+    assert ids.size == windows // 7 * 7
+    assert np.unique(ids).size == ids.size
+    if not shuffle:
+        np.testing.assert_array_equal(ids, np.arange(ids.size))
+
+
+def test_manifest_only_at_open(write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16]) -> None:
+    url, options = write_dataset(tokens, shard_size=4000)
+    dataset = ab.open_dataset(url, options)
+    assert dataset.manifest.total_elements == tokens.size
+    assert len(dataset.shard_urls) == -(-tokens.nbytes // 4000)
+
+
+def test_short_read_is_an_error(
+    store: str,
+    write_dataset: WriteDataset,
+    tokens: npt.NDArray[np.uint16],
+    request: pytest.FixtureRequest,
+) -> None:
+    url, options = write_dataset(tokens, shard_size=8000)
+    dataset = ab.open_dataset(url, options)
+    last = dataset.shard_urls[1]
+    _truncate(store, last, 100, options, request)
+    with ab.Loader(dataset, batch_size=4, seq_len=100, shuffle=False, prefetch=2) as loader:
+        with pytest.raises(ShortReadError) as caught:
+            for _ in loader:
+                pass
+    message = str(caught.value)
+    assert last in message and "bytes [" in message
+    assert caught.value.url == last
+
+
+def _truncate(
+    store: str, url: str, nbytes: int, options: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    """Replace the object at ``url`` with its first ``nbytes`` bytes, behind the manifest's back."""
+    if store == "s3":
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options)
+        fs.pipe(url, fs.cat_file(url)[:nbytes])
+        return
+    if store == "http":
+        root, server = request.getfixturevalue("http_root")
+        path = root / url.removeprefix(server.url + "/")
+    else:
+        path = Path(url)
+    path.write_bytes(path.read_bytes()[:nbytes])
+
+
+def test_missing_dataset_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ab.open_dataset(str(tmp_path / "nothing"))
+
+
+def test_read_ranges_into_buffers(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 4)
+
+    async def main() -> list[bytes]:
+        store = open_store(str(path))
+        buffers = [bytearray(3), bytearray(10), bytearray(0)]
+        try:
+            await store.read_ranges(
+                str(path),
+                starts=[0, 250, 1024],
+                ends=[3, 260, 1024],
+                buffers=[memoryview(b) for b in buffers],
+            )
+            with pytest.raises(ShortReadError, match=r"bytes \[1000, 1030\)"):
+                await store.read_ranges(
+                    str(path), starts=[1000], ends=[1030], buffers=[memoryview(bytearray(30))]
+                )
+        finally:
+            await store.close()
+        return [bytes(b) for b in buffers]
+
+    assert asyncio.run(main()) == [bytes([0, 1, 2]), bytes(range(250, 256)) + bytes(range(4)), b""]
+
+
+def test_unknown_scheme_names_it() -> None:
+    with pytest.raises(UnknownSchemeError, match="nosuchscheme"):
+        open_store("nosuchscheme://x/y")
+
+
+class _MemoryStore:
+    """A third-party store: objects in a dict."""
+
+    coalesce_gap = 0
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+
+    async def size(self, url: str) -> int:
+        return len(self.objects[url])
+
+    async def list(self, url: str) -> list[str]:
+        return sorted(k for k in self.objects if k.startswith(url))
+
+    async def read_ranges(self, url: str, *, starts: Any, ends: Any, buffers: Any) -> None:
+        for start, end, buffer in zip(starts, ends, buffers, strict=True):
+            buffer[:] = self.objects[url][start:end]
+
+    async def write(self, url: str, data: Any) -> None:
+        self.objects[url] = bytes(data)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_registered_store_serves_its_scheme(tokens: npt.NDArray[np.uint16]) -> None:
+    objects: dict[str, bytes] = {}
+    register_store("memtest", lambda scheme, options, max_inflight: _MemoryStore(objects))
+    assert "memtest" in registered_stores
+    with pytest.raises(ConfigError, match="already registered"):
+        register_store("memtest", lambda *a, **k: None)
+    with pytest.raises(TypeError):
+        registered_stores["x"] = "y"  # type: ignore[index]
+    ab.write_tokens("memtest://bucket/ds", tokens, shard_size=5000)
+    with ab.Loader("memtest://bucket/ds", batch_size=5, seq_len=50, prefetch=2) as loader:
+        for batch in loader:
+            np.testing.assert_array_equal(
+                batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
+            )
