@@ -141,7 +141,7 @@ def test_output_dtype_and_structured_fields(tmp_path: Path) -> None:
 
 
 def test_early_break_and_close_leave_nothing_behind(dataset: ab.Dataset) -> None:
-    fds_before = len(os.listdir("/proc/self/fd"))
+    fds_before = _open_fds()
     for _ in range(3):
         with ab.Loader(dataset, batch_size=4, seq_len=16, prefetch=6) as loader:
             for step, _batch in enumerate(loader):
@@ -149,7 +149,7 @@ def test_early_break_and_close_leave_nothing_behind(dataset: ab.Dataset) -> None
                     break
         loader.close()  # idempotent
     assert asyncbatch_threads() == []
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert _open_fds() == fds_before
     with pytest.raises(LoaderClosedError):
         next(iter(loader))
 
@@ -218,3 +218,13 @@ def test_foreign_state_is_refused(dataset: ab.Dataset, tmp_path: Path) -> None:
     with ab.Loader(small, batch_size=4, seq_len=16) as other:
         with pytest.raises(ResumeStateError, match="dataset"):
             other.load_state_dict(state)
+
+
+def _open_fds() -> dict[str, str]:
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    return fds

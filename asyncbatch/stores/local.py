@@ -150,6 +150,9 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"cannot open {url}: {exc}", url) from exc
         with self._fds_lock:
+            if self._closed:  # close() ran while this thread was opening the file
+                os.close(fd)
+                raise StoreError(f"store closed while reading {url}", url)
             entry = self._fds.get(url)
             if entry is not None:  # another thread opened it meanwhile
                 os.close(fd)

@@ -1,0 +1,41 @@
+"""The command line: demo creates and streams its own dataset; inspect summarises one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import asyncbatch as ab
+
+
+def run(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, ASYNCBATCH_CACHE=str(cache))
+    return subprocess.run(
+        [sys.executable, "-m", "asyncbatch.cli", *args],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+
+
+def test_demo_creates_then_reuses_its_dataset(tmp_path: Path) -> None:
+    first = run("demo", "--tokens", "400000", "--seq-len", "128", cache=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "creating the demo dataset" in first.stderr
+    assert "M tokens/s" in first.stdout and "time to first" in first.stdout
+    second = run("demo", "--tokens", "400000", "--seq-len", "128", "--steps", "5", cache=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "creating" not in second.stderr
+    assert "5 x 16 x 128" in second.stdout
+
+
+def test_inspect_and_errors(tmp_path: Path) -> None:
+    ab.write_tokens(str(tmp_path / "ds"), np.arange(1000, dtype=np.uint32), shard_size=1000)
+    out = run("inspect", str(tmp_path / "ds"), cache=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "uint32" in out.stdout and "shards    4" in out.stdout
+    missing = run("inspect", str(tmp_path / "nope"), cache=tmp_path)
+    assert missing.returncode == 1
+    assert "not found" in missing.stderr
