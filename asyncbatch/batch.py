@@ -55,11 +55,10 @@ class Batch(Mapping[str, Any]):
     def to_buffers(self) -> tuple[dict[str, Any], list[memoryview]]:
         """A header (plain Python values) and one buffer per field, plus one for the indexes."""
         header: dict[str, Any] = {"extra": self.extra, "fields": []}
-        buffers = [memoryview(np.ascontiguousarray(self.global_indexes)).cast("B")]
+        buffers = [_bytes_view(self.global_indexes)]
         for name, value in self.fields.items():
             is_tensor = isinstance(value, torch.Tensor)
             array = value.numpy(force=True) if is_tensor else np.asarray(value)
-            array = np.ascontiguousarray(array)
             header["fields"].append(
                 {
                     "name": name,
@@ -69,7 +68,7 @@ class Batch(Mapping[str, Any]):
                     "shape": array.shape,
                 }
             )
-            buffers.append(memoryview(array).cast("B"))
+            buffers.append(_bytes_view(array))
         return header, buffers
 
     @classmethod
@@ -89,8 +88,15 @@ class Batch(Mapping[str, Any]):
         return (_from_pickle, (header, [bytes(b) for b in buffers]))
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{name}: {tuple(getattr(v, 'shape', ()))}" for name, v in self.fields.items())
+        shapes = ", ".join(
+            f"{name}: {tuple(getattr(v, 'shape', ()))}" for name, v in self.fields.items()
+        )
         return f"Batch(size={self.batch_size}, {shapes})"
+
+
+def _bytes_view(array: npt.NDArray[Any]) -> memoryview:
+    """The bytes of ``array`` (copied first only if it is not contiguous)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _from_pickle(header: dict[str, Any], buffers: list[bytes]) -> Batch:

@@ -134,8 +134,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--max-inflight", type=int, default=64)
     run.add_argument("--no-shuffle", action="store_true", help="sequential order")
     run.add_argument("--tokens", type=int, default=DEMO_TOKENS, help="demo dataset size")
-    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                     help="storage option (JSON values allowed), repeatable")
+    run.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="storage option (JSON values allowed), repeatable",
+    )
     run.set_defaults(func=demo)
 
     look = commands.add_parser("inspect", help="print a dataset's manifest summary")

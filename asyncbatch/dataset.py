@@ -59,11 +59,11 @@ async def read_object(store: Store, url: str) -> bytes:
     return bytes(buffer)
 
 
-async def open_dataset_async(
-    url: str, storage_options: Mapping[str, Any] | None = None
-) -> Dataset:
+async def open_dataset_async(url: str, storage_options: Mapping[str, Any] | None = None) -> Dataset:
     """Open the dataset at ``url`` (its root, or its ``manifest.json``) in the running loop."""
-    root = url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
+    root = (
+        url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
+    )
     manifest_url = join_url(root, MANIFEST_NAME)
     options = dict(storage_options or {})
     store = open_store(manifest_url, options)

@@ -96,7 +96,9 @@ class Engine:
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
         try:
-            items: list[Batch | Final] = list(await self._read_group(store, gap, epoch, first, count))
+            items: list[Batch | Final] = list(
+                await self._read_group(store, gap, epoch, first, count)
+            )
         except Exception as exc:
             items = [Final(exc)]
         if previous is not None and not await previous:
@@ -129,13 +131,15 @@ async def read_plan(
     store: Store, shard_urls: Sequence[str], plan: ReadPlan, buffer: npt.NDArray[np.uint8]
 ) -> None:
     """Carry out ``plan`` into ``buffer``: reads in place where possible, else via scratch."""
-    view = memoryview(buffer)
+    view = memoryview(buffer)  # type: ignore[arg-type]
     urls = [shard_urls[shard] for shard in plan.read_shard.tolist()]
     starts = plan.read_start.tolist()
     ends = plan.read_end.tolist()
     scratch: dict[int, memoryview] = {}
     buffers: list[Buffer] = []
-    for read, (start, end, dest) in enumerate(zip(starts, ends, plan.read_dest.tolist())):
+    for read, (start, end, dest) in enumerate(
+        zip(starts, ends, plan.read_dest.tolist(), strict=True)
+    ):
         if dest >= 0:
             buffers.append(view[dest : dest + end - start])
         else:
@@ -147,6 +151,7 @@ async def read_plan(
         plan.piece_src.tolist(),
         plan.piece_dest.tolist(),
         plan.piece_length.tolist(),
+        strict=True,
     ):
         view[dest : dest + length] = scratch[read][src : src + length]
 
@@ -164,14 +169,11 @@ async def _read_all(
         await read_many(urls, starts, ends, buffers)
         return
     by_url: dict[str, tuple[list[int], list[int], list[Buffer]]] = {}
-    for url, start, end, buffer in zip(urls, starts, ends, buffers):
+    for url, start, end, buffer in zip(urls, starts, ends, buffers, strict=True):
         entry = by_url.setdefault(url, ([], [], []))
         entry[0].append(start)
         entry[1].append(end)
         entry[2].append(buffer)
     await asyncio.gather(
-        *(
-            store.read_ranges(url, starts=s, ends=e, buffers=b)
-            for url, (s, e, b) in by_url.items()
-        )
+        *(store.read_ranges(url, starts=s, ends=e, buffers=b) for url, (s, e, b) in by_url.items())
     )

@@ -33,7 +33,9 @@ class ResumeStateError(ConfigError):
 class StoreError(AsyncBatchError, OSError):
     """A store operation failed; the message names the URL and, for reads, the byte range."""
 
-    def __init__(self, message: str, url: str = "", start: int | None = None, end: int | None = None):
+    def __init__(
+        self, message: str, url: str = "", start: int | None = None, end: int | None = None
+    ):
         super().__init__(message)
         self.url = url
         self.start = start

@@ -68,19 +68,29 @@ class ShardMap:
         # One piece per (span, shard it touches): spans crossing shard ends split in two or more.
         pieces_per_span = last - first + 1
         span = np.repeat(np.arange(starts.size), pieces_per_span)
-        step = np.arange(span.size) - np.repeat(np.cumsum(pieces_per_span) - pieces_per_span, pieces_per_span)
+        step = np.arange(span.size) - np.repeat(
+            np.cumsum(pieces_per_span) - pieces_per_span, pieces_per_span
+        )
         shard = first[span] + step
         piece_start = np.maximum(starts[span], self.starts[shard])
         piece_end = np.minimum(ends[span], self.ends[shard])
         keep = piece_end > piece_start  # zero-length spans read nothing
-        span, shard, piece_start, piece_end = span[keep], shard[keep], piece_start[keep], piece_end[keep]
+        span, shard, piece_start, piece_end = (
+            span[keep],
+            shard[keep],
+            piece_start[keep],
+            piece_end[keep],
+        )
         piece_dest = dest[span] + (piece_start - starts[span])
 
         # Merge pieces of one shard whose gap is small. Global element positions increase with
         # the shard index, so a running maximum of ends never reaches into another shard.
         order = np.argsort(piece_start, kind="stable")
         shard, piece_start, piece_end, piece_dest = (
-            shard[order], piece_start[order], piece_end[order], piece_dest[order],
+            shard[order],
+            piece_start[order],
+            piece_end[order],
+            piece_dest[order],
         )
         reach = np.maximum.accumulate(piece_end)
         gap = gap_bytes // self.itemsize
@@ -97,7 +107,9 @@ class ShardMap:
         offset = piece_dest - piece_start
         same_offset = np.ones(shard.size, dtype=bool)
         same_offset[1:] = (offset[1:] == offset[:-1]) & (piece_start[1:] == piece_end[:-1])
-        direct = np.logical_and.reduceat(same_offset | new_read, heads) if heads.size else new_read[:0]
+        direct = (
+            np.logical_and.reduceat(same_offset | new_read, heads) if heads.size else new_read[:0]
+        )
         read_dest = np.where(direct, piece_dest[heads], -1)
 
         indirect = ~direct[read_of_piece]

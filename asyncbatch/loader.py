@@ -14,6 +14,7 @@ would have delivered next.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import warnings
@@ -32,6 +33,17 @@ from .handoff import BatchQueue, Final, QueueStatistics
 from .sampling.order import EpochOrder, normalize_shuffle
 
 STATE_VERSION = 1
+#: Settings a saved state must share with the loader resuming it.
+MUST_MATCH = (
+    "seed",
+    "shuffle",
+    "batch_size",
+    "seq_len",
+    "next_token",
+    "drop_last",
+    "rank",
+    "world_size",
+)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -111,7 +123,7 @@ class _LoaderBase:
 
     @property
     def dataset(self) -> Dataset | None:
-        """The dataset, once opened (at construction for ``Loader``, on entry for ``AsyncLoader``)."""
+        """The dataset once opened: at construction (``Loader``), on entry (``AsyncLoader``)."""
         return self._engine.source.dataset if self._engine is not None else None
 
     @property
@@ -152,10 +164,20 @@ class _LoaderBase:
         if state.get("version") != STATE_VERSION:
             raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "batch_size", "seq_len", "next_token", "drop_last", "rank", "world_size"):
+        for key in (
+            "seed",
+            "shuffle",
+            "batch_size",
+            "seq_len",
+            "next_token",
+            "drop_last",
+            "rank",
+            "world_size",
+        ):
             if state.get(key) != mine[key]:
                 raise ResumeStateError(
-                    f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
+                    f"cannot resume: the state has {key}={state.get(key)!r},"
+                    f" this loader {mine[key]!r}"
                 )
         if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
             raise ResumeStateError(
@@ -164,7 +186,9 @@ class _LoaderBase:
             )
         epoch, done = state.get("epoch"), state.get("batches_done")
         if not isinstance(epoch, int) or not isinstance(done, int) or epoch < 0 or done < 0:
-            raise ResumeStateError(f"invalid position in state: epoch={epoch!r}, batches_done={done!r}")
+            raise ResumeStateError(
+                f"invalid position in state: epoch={epoch!r}, batches_done={done!r}"
+            )
         self._discard_run()
         self._epoch, self._position = epoch, done
 
@@ -222,7 +246,8 @@ class Loader(_LoaderBase):
             self._forget_run()  # the engine thread stayed in the parent process
         if self._queue is None:
             self._start()
-        assert self._queue is not None and self._thread is not None
+        assert self._queue is not None
+        assert self._thread is not None
         batch = self._take(self._queue.get(self._thread.is_alive))
         if batch is None:
             raise StopIteration
@@ -245,10 +270,8 @@ class Loader(_LoaderBase):
         if thread is None or self._pid != os.getpid():
             return
         if loop is not None and task is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop already finished and closed
                 loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:
-                pass  # the loop already finished and closed
         thread.join()
 
     def _run_finished(self) -> None:

@@ -66,7 +66,8 @@ class Manifest:
                 raise ManifestError(f"{url}: unsupported manifest version {version!r}")
             dtype = np.lib.format.descr_to_dtype(_tuples(raw["dtype"]))
             shards = tuple(
-                ShardInfo(str(s["path"]), int(s["bytes"]), int(s["elements"])) for s in raw["shards"]
+                ShardInfo(str(s["path"]), int(s["bytes"]), int(s["elements"]))
+                for s in raw["shards"]
             )
             manifest = cls(str(raw["format"]), dtype, shards, dict(raw.get("metadata", {})))
         except ManifestError:
@@ -85,5 +86,8 @@ class Manifest:
 def _tuples(descr: Any) -> Any:
     """JSON turns the tuples of a structured dtype's descr into lists; turn them back."""
     if isinstance(descr, list):
-        return [tuple(_tuples(part) for part in item) if isinstance(item, list) else item for item in descr]
+        return [
+            tuple(_tuples(part) for part in item) if isinstance(item, list) else item
+            for item in descr
+        ]
     return descr

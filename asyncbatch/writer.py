@@ -56,7 +56,9 @@ async def write_tokens_async(
         raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
     root = url.rstrip("/")
     options = dict(storage_options or {})
-    chunks: Iterable[npt.ArrayLike] = [tokens] if isinstance(tokens, np.ndarray) else tokens  # type: ignore[list-item]
+    chunks: Iterable[npt.ArrayLike] = (
+        [tokens] if isinstance(tokens, np.ndarray) else tokens  # type: ignore[assignment]
+    )
     target = np.dtype(dtype) if dtype is not None else None
     store = open_store(root, options, max_inflight=max_concurrency)
     shards: list[ShardInfo] = []
@@ -65,7 +67,7 @@ async def write_tokens_async(
 
     async def write_shard(name: str, data: npt.NDArray[Any]) -> None:
         try:
-            await store.write(join_url(root, name), memoryview(data).cast("B"))
+            await store.write(join_url(root, name), memoryview(data.view(np.uint8)))  # type: ignore[arg-type]
             if progress is not None:
                 progress.update(data.nbytes)
         finally:

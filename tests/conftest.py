@@ -52,9 +52,7 @@ def store(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def write_dataset(
-    store: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> WriteDataset:
+def write_dataset(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> WriteDataset:
     """``write_dataset(tokens, **kwargs)`` writes with ``ab.write_tokens`` to the current store
     and returns ``(url, storage_options)`` for reading it back."""
 

@@ -15,7 +15,10 @@ from asyncbatch.batch import Batch, FieldSchema
 def make_batch(samples: int, fields: int) -> Batch:
     return Batch(
         np.arange(samples, dtype=np.int64),
-        {f"f{i}": torch.arange(samples * 8, dtype=torch.int32).reshape(samples, 8) for i in range(fields)},
+        {
+            f"f{i}": torch.arange(samples * 8, dtype=torch.int32).reshape(samples, 8)
+            for i in range(fields)
+        },
         {f"f{i}": FieldSchema("int32", (8,)) for i in range(fields)},
         {"epoch": 0},
     )

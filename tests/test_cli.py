@@ -16,7 +16,11 @@ def run(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ASYNCBATCH_CACHE=str(cache))
     return subprocess.run(
         [sys.executable, "-m", "asyncbatch.cli", *args],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
 
 

@@ -16,7 +16,9 @@ from asyncbatch.layout import ShardMap
     gap=st.sampled_from([0, 1, 8, 64, 10**6]),
     data=st.data(),
 )
-def test_plan_reassembles_spans(counts: list[int], itemsize: int, gap: int, data: st.DataObject) -> None:
+def test_plan_reassembles_spans(
+    counts: list[int], itemsize: int, gap: int, data: st.DataObject
+) -> None:
     total = sum(counts)
     stream = np.random.default_rng(total).integers(0, 256, total * itemsize, dtype=np.uint8)
     shards, offset = [], 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 from pathlib import Path
@@ -54,8 +55,13 @@ def run_resume_case(
     """Stop after ``stop`` batches, resume from the state in a new loader, compare."""
     for rank in range(world_size):
         kwargs: dict[str, Any] = dict(
-            batch_size=5, seq_len=40, shuffle=shuffle, seed=11, prefetch=prefetch,
-            rank=rank, world_size=world_size,
+            batch_size=5,
+            seq_len=40,
+            shuffle=shuffle,
+            seed=11,
+            prefetch=prefetch,
+            rank=rank,
+            world_size=world_size,
         )
         with ab.Loader(dataset, **kwargs) as loader:
             full = ids_of(loader)
@@ -175,7 +181,9 @@ def test_unclosed_loader_warns(dataset: ab.Dataset) -> None:
 
 
 def test_engine_error_reaches_the_consumer_after_good_batches(tmp_path: Path) -> None:
-    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16), shard_size=2000)
+    dataset = ab.write_tokens(
+        str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16), shard_size=2000
+    )
     os.remove(dataset.shard_urls[1])
     with ab.Loader(dataset, batch_size=2, seq_len=100, shuffle=False, prefetch=2) as loader:
         got = []
@@ -211,20 +219,22 @@ def test_bad_arguments_fail_at_construction(
 def test_foreign_state_is_refused(dataset: ab.Dataset, tmp_path: Path) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as loader:
         state = loader.state_dict()
-    with ab.Loader(dataset, batch_size=8, seq_len=16) as other:
-        with pytest.raises(ResumeStateError, match="batch_size"):
-            other.load_state_dict(state)
+    with (
+        ab.Loader(dataset, batch_size=8, seq_len=16) as other,
+        pytest.raises(ResumeStateError, match="batch_size"),
+    ):
+        other.load_state_dict(state)
     small = ab.write_tokens(str(tmp_path / "small"), np.arange(300, dtype=np.uint16))
-    with ab.Loader(small, batch_size=4, seq_len=16) as other:
-        with pytest.raises(ResumeStateError, match="dataset"):
-            other.load_state_dict(state)
+    with (
+        ab.Loader(small, batch_size=4, seq_len=16) as other,
+        pytest.raises(ResumeStateError, match="dataset"),
+    ):
+        other.load_state_dict(state)
 
 
 def _open_fds() -> dict[str, str]:
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the descriptor listdir itself used
             fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # the descriptor listdir itself used
-            pass
     return fds

@@ -65,10 +65,12 @@ def test_short_read_is_an_error(
     dataset = ab.open_dataset(url, options)
     last = dataset.shard_urls[1]
     _truncate(store, last, 100, options, request)
-    with ab.Loader(dataset, batch_size=4, seq_len=100, shuffle=False, prefetch=2) as loader:
-        with pytest.raises(ShortReadError) as caught:
-            for _ in loader:
-                pass
+    with (
+        ab.Loader(dataset, batch_size=4, seq_len=100, shuffle=False, prefetch=2) as loader,
+        pytest.raises(ShortReadError) as caught,
+    ):
+        for _ in loader:
+            pass
     message = str(caught.value)
     assert last in message and "bytes [" in message
     assert caught.value.url == last

@@ -62,7 +62,9 @@ class TokenWindows:
         stored = self.stored_dtype
         array = buffer.view(stored).reshape(count, self.window)
         if stored.names:
-            return {name: torch.from_numpy(np.ascontiguousarray(array[name])) for name in stored.names}
+            return {
+                name: torch.from_numpy(np.ascontiguousarray(array[name])) for name in stored.names
+            }
         if self.out_dtype is not None and self.out_dtype != stored:
             array = array.astype(self.out_dtype)
         return {TOKENS_FIELD: torch.from_numpy(array)}

@@ -56,7 +56,9 @@ class FeistelPermutation:
             addends.append(np.uint64(a))
         self._rounds = list(zip(multipliers, addends, strict=True))
 
-    def _round(self, right: npt.NDArray[np.uint64], m: np.uint64, a: np.uint64) -> npt.NDArray[np.uint64]:
+    def _round(
+        self, right: npt.NDArray[np.uint64], m: np.uint64, a: np.uint64
+    ) -> npt.NDArray[np.uint64]:
         out = right * m
         out += a
         out >>= self._out_shift

@@ -26,7 +26,6 @@ from .base import Buffer, check_length
 RANGES_PER_JOB = 128
 
 
-
 def local_path(url: str) -> str:
     """Filesystem path of a ``file://`` URL or a plain path."""
     if url.startswith("file://"):
