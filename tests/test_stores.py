@@ -168,3 +168,38 @@ def test_registered_store_serves_its_scheme(tokens: npt.NDArray[np.uint16]) -> N
             np.testing.assert_array_equal(
                 batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
             )
+
+
+def test_sync_fsspec_filesystem_runs_in_threads(tokens: npt.NDArray[np.uint16]) -> None:
+    # fsspec's memory filesystem is synchronous: served from a thread pool, never the loop.
+    ab.write_tokens("memory://asyncbatch-tests/ds", tokens, shard_size=3000)
+    with ab.Loader("memory://asyncbatch-tests/ds", batch_size=3, seq_len=70) as loader:
+        for batch in loader:
+            np.testing.assert_array_equal(
+                batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 70)
+            )
+
+
+def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A third-party package, installed as a real distribution on sys.path.
+    (tmp_path / "thirdparty_store.py").write_text(
+        "from asyncbatch.stores.local import LocalStore\n"
+        "def factory(scheme, options, *, max_inflight):\n"
+        "    store = LocalStore()\n"
+        "    store.served_scheme = scheme\n"
+        "    return store\n"
+    )
+    info = tmp_path / "thirdparty_store-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-store\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[asyncbatch.stores]\nepstore = thirdparty_store:factory\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from asyncbatch.stores import registry
+
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    store = open_store("epstore://anything")
+    assert getattr(store, "served_scheme", None) == "epstore"
+    asyncio.run(store.close())
