@@ -48,7 +48,8 @@ class RangeHandler(BaseHTTPRequestHandler):
         if path is None:
             return
         data = path.read_bytes()
-        self.server.requests += 1
+        with self.server.lock:
+            self.server.requests += 1
         match = _RANGE.match(self.headers.get("Range", ""))
         if match is None:
             self.send_response(200)
@@ -76,7 +77,8 @@ class RangeHTTPServer(ThreadingHTTPServer):
     def __init__(self, root: Path) -> None:
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root = root.resolve()
-        self.requests = 0
+        self.requests = 0  # GET requests served
+        self.lock = threading.Lock()
 
     @property
     def url(self) -> str:

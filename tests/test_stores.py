@@ -48,8 +48,18 @@ def test_batches_equal_source_windows(
         np.testing.assert_array_equal(ids, np.arange(ids.size))
 
 
-def test_manifest_only_at_open(write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16]) -> None:
+def test_manifest_only_at_open(
+    store: str,
+    write_dataset: WriteDataset,
+    tokens: npt.NDArray[np.uint16],
+    request: pytest.FixtureRequest,
+) -> None:
     url, options = write_dataset(tokens, shard_size=4000)
+    if store == "http":
+        server = request.getfixturevalue("http_root")[1]
+        before = server.requests
+        dataset = ab.open_dataset(url, options)
+        assert server.requests - before == 1  # one GET: the manifest; no shard touched
     dataset = ab.open_dataset(url, options)
     assert dataset.manifest.total_elements == tokens.size
     assert len(dataset.shard_urls) == -(-tokens.nbytes // 4000)

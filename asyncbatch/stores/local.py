@@ -36,7 +36,9 @@ def local_path(url: str) -> str:
 class LocalStore:
     """Store for local paths and ``file://`` URLs."""
 
-    coalesce_gap = 64 * 1024
+    # A read syscall costs about as much as copying ~10 KB from the page cache: merging
+    # neighbours further apart than that moves more bytes than it saves in calls.
+    coalesce_gap = 16 * 1024
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128) -> None:
         self._max_open_files = max_open_files
