@@ -5,6 +5,7 @@ hops to the I/O threads, task switches) are paid once per group rather than once
 for each group it reserves queue slots (bounding memory), computes the sample ids and the
 reads in one vectorised call, reads everything concurrently straight into one buffer,
 decodes the fields once, and delivers the group's batches (views of that buffer) in order.
+The first groups are small, so the first batch waits only for its own reads.
 Requests in flight are bounded by the store. Any error ends the run with a
 :class:`~asyncbatch.handoff.Final` item carrying it, after the batches before it.
 """
@@ -63,14 +64,19 @@ class Engine:
             gap = store.coalesce_gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
             stop = self.order.batches_per_epoch
-            for first in range(first_batch, stop, self.group):
-                count = min(self.group, stop - first)
+            first, size = first_batch, 1
+            while first < stop:
+                # Groups grow 1, 2, 4, ... up to the full size: the first batch only waits
+                # for its own reads, later ones share the fixed costs of a whole group.
+                count = min(size, stop - first)
+                size = min(self.group, size * 2)
                 await queue.reserve(count)
                 previous = asyncio.create_task(
                     self._deliver(store, gap, epoch, first, count, previous, queue)
                 )
                 tasks.add(previous)
                 previous.add_done_callback(tasks.discard)
+                first += count
             if previous is None or await previous:
                 queue.put(Final())
         except asyncio.CancelledError:
