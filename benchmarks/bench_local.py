@@ -1,0 +1,410 @@
+"""Local-file throughput of ``asyncbatch.Loader`` beside a preadv ceiling and a DataLoader baseline.
+
+One run on a local token dataset (uint16, >= 1 GB by default, created once in a cache folder
+outside the repository), ``seq_len`` 2048, batch 16, global shuffle, page cache warm. Every
+approach reads the same windows: the sample ids of the first ``--batches`` batches of epoch 0,
+as given by :class:`asyncbatch.sampling.order.EpochOrder`.
+
+Measured, in interleaved rounds (the median is reported; the machine is shared and noisy):
+
+* ``loader uint16`` / ``loader int64``: ``ab.Loader`` with the stored dtype, and with
+  ``dtype=torch.int64``; timed from constructing the Loader to the last batch in hand;
+* ``ceiling preadv``: the same windows read with ``os.preadv`` into one preallocated batch
+  buffer in a tight Python loop (files opened once, offsets computed beforehand, no checks);
+* ``DataLoader w0`` / ``w2``: ``torch.utils.data.DataLoader`` over a map-style dataset of
+  ``np.memmap`` shards, batch 16, ``num_workers`` 0 and 2 (worker start-up included), fed
+  the loader's shuffled order as its sampler;
+* the Loader's time to first batch and the consumer-thread time of ``next()`` when batches
+  are already waiting in the prefetch queue.
+
+Usage: ``.venv/bin/python benchmarks/bench_local.py [--size-gb 1] [--rounds 5] [--batches 16384]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
+
+import asyncbatch as ab
+from asyncbatch.sampling.order import EpochOrder
+
+SEQ_LEN = 2048
+BATCH_SIZE = 16
+PREFETCH = 32
+MAX_INFLIGHT = 64
+SEED = 0
+VOCAB = 50_257
+SHARD_SIZE = 64 * 2**20
+CHUNK_TOKENS = 16 * 2**20
+REPO = Path(__file__).resolve().parent.parent
+
+IdArray = npt.NDArray[np.int64]
+
+
+def git_revision() -> str:
+    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "asyncbatch"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head} (asyncbatch/ modified in the working tree)" if dirty else head
+
+
+def default_data_dir(size_gb: float) -> Path:
+    """``~/.cache/asyncbatch/bench-local-<size>g`` (``$XDG_CACHE_HOME`` respected)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "asyncbatch" / f"bench-local-{size_gb:g}g"
+
+
+def token_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
+    """``total`` random uint16 tokens below ``VOCAB``, in chunks, with a progress line."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, total, CHUNK_TOKENS):
+        done, size = start * 2 / 1e9, total * 2 / 1e9
+        print(f"\r  writing {done:.2f} / {size:.2f} GB", end="", file=sys.stderr)
+        yield rng.integers(0, VOCAB, min(CHUNK_TOKENS, total - start), dtype=np.uint16)
+    print(file=sys.stderr)
+
+
+def ensure_dataset(root: Path, size_gb: float) -> ab.Dataset:
+    """Open the cached dataset at ``root``, writing it first if its manifest is missing."""
+    tokens = int(size_gb * 2**30) // 2
+    if not (root / "manifest.json").exists():
+        print(f"creating {tokens * 2 / 1e9:.2f} GB of uint16 tokens in {root}", file=sys.stderr)
+        ab.write_tokens(str(root), token_chunks(tokens), dtype=np.uint16, shard_size=SHARD_SIZE)
+    dataset = ab.open_dataset(str(root))
+    if dataset.manifest.total_elements != tokens:
+        raise SystemExit(
+            f"{root} holds {dataset.manifest.total_elements} tokens, not {tokens}:"
+            " pass --data-dir, or delete it to re-create it"
+        )
+    return dataset
+
+
+def warm_page_cache(dataset: ab.Dataset) -> tuple[int, float]:
+    """Read every shard once, sequentially; returns (bytes, seconds)."""
+    buffer = bytearray(16 * 2**20)
+    total, start = 0, time.perf_counter()
+    for url in dataset.shard_urls:
+        with open(url, "rb", buffering=0) as file:
+            while got := file.readinto(buffer):
+                total += got
+    return total, time.perf_counter() - start
+
+
+def batch_ids(dataset: ab.Dataset, batches: int) -> IdArray:
+    """Sample ids of batches ``[0, batches)`` of epoch 0, shape ``(batches, BATCH_SIZE)``."""
+    num_windows = dataset.manifest.total_elements // SEQ_LEN
+    order = EpochOrder(num_windows, BATCH_SIZE, shuffle=True, seed=SEED)
+    return order.sample_ids(0, 0, batches).reshape(batches, BATCH_SIZE)
+
+
+def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) -> float:
+    """Seconds from constructing a Loader to holding its ``batches``-th batch."""
+    start = time.perf_counter()
+    with ab.Loader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        seq_len=SEQ_LEN,
+        shuffle=True,
+        seed=SEED,
+        prefetch=PREFETCH,
+        max_inflight=MAX_INFLIGHT,
+        dtype=dtype,
+    ) as loader:
+        for done, _batch in enumerate(loader, 1):
+            if done == batches:
+                return time.perf_counter() - start
+    raise RuntimeError(f"the loader ended after fewer than {batches} batches")
+
+
+def loader_latency(dataset: ab.Dataset, samples: int, settle: float) -> tuple[float, list[float]]:
+    """Time to first batch (s) and consumer-side ``next()`` times (s) with a full queue."""
+    start = time.perf_counter()
+    with ab.Loader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        seq_len=SEQ_LEN,
+        shuffle=True,
+        seed=SEED,
+        prefetch=PREFETCH,
+        max_inflight=MAX_INFLIGHT,
+    ) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        first = time.perf_counter() - start
+        time.sleep(settle)  # let the engine fill the prefetch queue
+        stats = loader.statistics()
+        ready = stats.ready if stats is not None else 0
+        times = []
+        clock = time.perf_counter_ns
+        for _ in range(min(samples, ready)):
+            before = clock()
+            next(iterator)
+            times.append((clock() - before) / 1e9)
+    return first, times
+
+
+def ceiling_plan(
+    dataset: ab.Dataset, ids: IdArray, rows: list[memoryview], fds: list[int]
+) -> list[list[tuple[int, memoryview, int]]]:
+    """Per batch, the ``(fd, destination, offset)`` reads of its windows (split at shard ends)."""
+    shard_map = dataset.shard_map
+    ends = shard_map.ends.tolist()
+    starts = shard_map.starts.tolist()
+    itemsize = shard_map.itemsize
+    plan = []
+    for batch in ids.tolist():
+        reads = []
+        for row, sample in zip(rows, batch, strict=True):
+            base = sample * SEQ_LEN
+            first, last = base, base + SEQ_LEN
+            while first < last:
+                shard = bisect.bisect_right(ends, first)
+                stop = min(last, ends[shard])
+                dest = row[(first - base) * itemsize : (stop - base) * itemsize]
+                reads.append((fds[shard], dest, (first - starts[shard]) * itemsize))
+                first = stop
+        plan.append(reads)
+    return plan
+
+
+def time_ceiling(dataset: ab.Dataset, ids: IdArray, check: npt.NDArray[np.uint16] | None) -> float:
+    """Seconds to read the windows of ``ids`` with ``os.preadv``, one reused batch buffer."""
+    fds = [os.open(url, os.O_RDONLY | os.O_CLOEXEC) for url in dataset.shard_urls]
+    try:
+        buffer = np.empty((BATCH_SIZE, SEQ_LEN), dtype=dataset.manifest.dtype)
+        rows = [memoryview(row).cast("B") for row in buffer]
+        plan = ceiling_plan(dataset, ids, rows, fds)
+        preadv = os.preadv
+        start = time.perf_counter()
+        for reads in plan:
+            for fd, dest, offset in reads:
+                preadv(fd, (dest,), offset)
+        elapsed = time.perf_counter() - start
+        if check is not None:  # the last batch read must be the reference
+            np.testing.assert_array_equal(buffer, check)
+        return elapsed
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class MemmapWindows(TorchDataset[torch.Tensor]):
+    """Map-style dataset: sample ``i`` is tokens ``[i*L, (i+1)*L)`` of memmapped shards."""
+
+    def __init__(self, paths: list[str], counts: list[int], dtype: np.dtype[np.generic]) -> None:
+        self.paths = paths
+        self.dtype = dtype
+        self.ends = np.cumsum(counts).tolist()
+        self.starts = [end - count for end, count in zip(self.ends, counts, strict=True)]
+        self.length = self.ends[-1] // SEQ_LEN if counts else 0
+        self._maps: list[np.memmap] | None = None  # opened lazily, in each worker
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self._maps is None:
+            self._maps = [np.memmap(path, dtype=self.dtype, mode="r") for path in self.paths]
+        first = index * SEQ_LEN
+        shard = bisect.bisect_right(self.ends, first)
+        offset = first - self.starts[shard]
+        if first + SEQ_LEN <= self.ends[shard]:
+            return torch.from_numpy(np.array(self._maps[shard][offset : offset + SEQ_LEN]))
+        head = self._maps[shard][offset:]
+        tail = self._maps[shard + 1][: SEQ_LEN - head.size]
+        return torch.from_numpy(np.concatenate([head, tail]))
+
+
+def time_dataloader(dataset: ab.Dataset, ids: IdArray, workers: int) -> float:
+    """Seconds for a DataLoader (``workers`` processes) to yield the batches of ``ids``."""
+    windows = MemmapWindows(
+        dataset.shard_urls,
+        [shard.elements for shard in dataset.manifest.shards],
+        dataset.manifest.dtype,
+    )
+    batches = ids.shape[0]
+    start = time.perf_counter()
+    loader = DataLoader(
+        windows,
+        batch_size=BATCH_SIZE,
+        sampler=ids.reshape(-1).tolist(),
+        num_workers=workers,
+        drop_last=True,
+    )
+    iterator = iter(loader)
+    try:
+        for done, _batch in enumerate(iterator, 1):
+            if done == batches:
+                return time.perf_counter() - start
+    finally:
+        del iterator  # shuts the workers down (not timed)
+    raise RuntimeError(f"the DataLoader ended after fewer than {batches} batches")
+
+
+def reference_batch(dataset: ab.Dataset, ids: IdArray) -> npt.NDArray[np.uint16]:
+    """The last batch of ``ids`` from the Loader, after checking its first batch's ids."""
+    with ab.Loader(
+        dataset, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, shuffle=True, seed=SEED, prefetch=PREFETCH
+    ) as loader:
+        for index, batch in enumerate(loader):
+            if not np.array_equal(batch.global_indexes, ids[index]):
+                raise SystemExit(f"the Loader's batch {index} is not EpochOrder's: cannot compare")
+            if index == ids.shape[0] - 1:
+                return np.array(batch["tokens"].numpy())
+    raise RuntimeError("the loader ended early")
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median over rounds of the ratio of two figures measured side by side in each round."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def fmt_rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1e6:10.1f} M tok/s"
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def main() -> None:
+    """Parse options, prepare and warm the dataset, run the rounds and print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.0, help="dataset size in GiB")
+    parser.add_argument("--data-dir", type=Path, default=None, help="where the dataset is cached")
+    parser.add_argument("--rounds", type=positive, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--batches", type=positive, default=16384, help="batches per measurement")
+    parser.add_argument(
+        "--worker-batches",
+        type=positive,
+        default=4096,
+        help="batches per DataLoader measurement (the slowest ones)",
+    )
+    parser.add_argument("--latency-samples", type=positive, default=15, help="next() calls timed")
+    args = parser.parse_args()
+
+    root = args.data_dir or default_data_dir(args.size_gb)
+    dataset = ensure_dataset(root, args.size_gb)
+    num_batches = dataset.manifest.total_elements // SEQ_LEN // BATCH_SIZE
+    batches = min(args.batches, num_batches)
+    worker_batches = min(args.worker_batches, batches)
+    ids = batch_ids(dataset, batches)
+    tokens = BATCH_SIZE * SEQ_LEN
+
+    nbytes, seconds = warm_page_cache(dataset)
+    print(f"asyncbatch bench_local  {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"  git {git_revision()}  python {platform.python_version()}  torch {torch.__version__}")
+    print(f"  numpy {np.__version__}  cpus {os.cpu_count()}  {platform.machine()}")
+    print(
+        f"  dataset {root}: {nbytes / 1e9:.2f} GB, {len(dataset.shard_urls)} shards,"
+        f" {num_batches} batches/epoch; warm-up read {nbytes / seconds / 1e9:.1f} GB/s"
+    )
+    print(
+        f"  seq_len {SEQ_LEN}, batch {BATCH_SIZE}, shuffle global, prefetch {PREFETCH},"
+        f" max_inflight {MAX_INFLIGHT}; {batches} batches per measurement"
+        f" ({worker_batches} for DataLoader), {args.rounds} rounds"
+    )
+
+    reference = reference_batch(dataset, ids)
+    measures: dict[str, tuple[int, Callable[[], float]]] = {
+        "ceiling preadv": (batches, lambda: time_ceiling(dataset, ids, reference)),
+        "loader uint16": (batches, lambda: time_loader(dataset, batches, None)),
+        "loader int64": (batches, lambda: time_loader(dataset, batches, torch.int64)),
+        "DataLoader w0": (batches, lambda: time_dataloader(dataset, ids, 0)),
+        "DataLoader w2": (
+            worker_batches,
+            lambda: time_dataloader(dataset, ids[:worker_batches], 2),
+        ),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in measures}
+    first_batch: list[float] = []
+    next_times: list[float] = []
+    names = list(measures)
+    for round_ in range(args.rounds):
+        shift = round_ % len(names)  # rotate the order so no approach always runs first
+        for name in names[shift:] + names[:shift]:
+            count, measure = measures[name]
+            rates[name].append(count * tokens / measure())
+        first, times = loader_latency(dataset, args.latency_samples, settle=0.5)
+        first_batch.append(first)
+        next_times.extend(times)
+        print(
+            f"  round {round_ + 1}: "
+            + ", ".join(f"{name} {rates[name][-1] / 1e6:.0f}" for name in names)
+            + " M tok/s",
+            file=sys.stderr,
+        )
+
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    ceiling = median["ceiling preadv"]
+    baseline_name = max(("DataLoader w0", "DataLoader w2"), key=median.__getitem__)
+    baseline = median[baseline_name]
+    print()
+    print(
+        f"{'approach':16} {'median':>16} {'min':>9} {'max':>9} {'us/batch':>9}"
+        f" {'/ceiling':>9} {'/best baseline':>15}"
+    )
+    for name in names:
+        value, low, high = median[name], min(rates[name]) / 1e6, max(rates[name]) / 1e6
+        print(
+            f"{name:16} {fmt_rate(value)} {low:9.1f} {high:9.1f}"
+            f" {tokens / value * 1e6:9.1f} {value / ceiling:9.3f} {value / baseline:15.2f}"
+        )
+    print(f"(best baseline: {baseline_name}; min/max in M tok/s over {args.rounds} rounds)")
+    print()
+    print("paired ratios (median over rounds of the ratio within each round):")
+    for name in ("loader uint16", "loader int64"):
+        ceil = paired_ratio(rates[name], rates["ceiling preadv"])
+        base = paired_ratio(rates[name], rates[baseline_name])
+        print(f"  {name}: / ceiling {ceil:.3f}, / {baseline_name} {base:.2f}")
+    print()
+    print(
+        f"loader time to first batch: median {statistics.median(first_batch) * 1e3:.1f} ms"
+        f" (min {min(first_batch) * 1e3:.1f}, max {max(first_batch) * 1e3:.1f})"
+    )
+    if next_times:
+        print(
+            f"loader next() with batches ready: median {statistics.median(next_times) * 1e6:.1f} us"
+            f" (min {min(next_times) * 1e6:.1f}, max {max(next_times) * 1e6:.1f},"
+            f" {len(next_times)} calls)"
+        )
+    else:
+        print("loader next() with batches ready: no batch was ready after the settle time")
+
+
+if __name__ == "__main__":
+    main()
