@@ -27,13 +27,14 @@ from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
 
-#: The most batches planned and read as one group.
+#: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 32
+MAX_GROUP_BYTES = 16 * 2**20
 
 
-def group_size(prefetch: int) -> int:
-    """Batches per group: small enough that two groups fit in the prefetch queue."""
-    return max(1, min(MAX_GROUP, prefetch // 2))
+def group_size(prefetch: int, batch_bytes: int) -> int:
+    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB."""
+    return max(1, min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes)))
 
 
 class Engine:
@@ -117,8 +118,7 @@ class Engine:
     ) -> list[Batch]:
         ids = self.order.sample_ids(epoch, first, first + count)
         plan = self.source.plan(ids, gap)
-        buffer = np.empty(plan.nbytes, dtype=np.uint8)
-        await read_plan(store, self.source.dataset.shard_urls, plan, buffer)
+        buffer = await read_plan(store, self.source.dataset.shard_urls, plan)
         fields = self.source.decode(buffer, int(ids.size))
         size = self.order.batch_size
         schema = self.source.schema
@@ -134,52 +134,61 @@ class Engine:
 
 
 async def read_plan(
-    store: Store, shard_urls: Sequence[str], plan: ReadPlan, buffer: npt.NDArray[np.uint8]
+    store: Store, shard_urls: Sequence[str], plan: ReadPlan
+) -> npt.NDArray[np.uint8]:
+    """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
+
+    Reads that land in place go straight to their offset in one buffer; merged reads whose
+    pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
+    pieces are copied into place.
+    """
+    sizes = plan.read_end - plan.read_start
+    indirect = plan.read_dest < 0
+    scratch_sizes = np.where(indirect, sizes, 0)
+    scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
+    dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
+    buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
+    read_into: Any = getattr(store, "read_into", None)
+    if read_into is not None:
+        await read_into(
+            shard_urls, plan.read_shard, plan.read_start, plan.read_end, buffer, dest_offsets
+        )
+    else:
+        await _read_ranges(store, shard_urls, plan, buffer, dest_offsets)
+    if plan.piece_read.size:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        sources = scratch_at[plan.piece_read] + plan.piece_src
+        for src, dest, length in zip(
+            sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
+        ):
+            view[dest : dest + length] = view[src : src + length]
+    return buffer[: plan.nbytes]
+
+
+async def _read_ranges(
+    store: Store,
+    shard_urls: Sequence[str],
+    plan: ReadPlan,
+    buffer: npt.NDArray[np.uint8],
+    dest_offsets: npt.NDArray[np.int64],
 ) -> None:
-    """Carry out ``plan`` into ``buffer``: reads in place where possible, else via scratch."""
+    """The plan's reads through the plain protocol: one ``read_ranges`` call per object."""
     view = memoryview(buffer)  # type: ignore[arg-type]
-    urls = [shard_urls[shard] for shard in plan.read_shard.tolist()]
-    starts = plan.read_start.tolist()
-    ends = plan.read_end.tolist()
-    scratch: dict[int, memoryview] = {}
-    buffers: list[Buffer] = []
-    for read, (start, end, dest) in enumerate(
-        zip(starts, ends, plan.read_dest.tolist(), strict=True)
-    ):
-        if dest >= 0:
-            buffers.append(view[dest : dest + end - start])
-        else:
-            buffers.append(scratch.setdefault(read, memoryview(bytearray(end - start))))
-    await _read_all(store, urls, starts, ends, buffers)
-    # Pieces of merged reads that could not land in place (overlapping windows, gaps).
-    for read, src, dest, length in zip(
-        plan.piece_read.tolist(),
-        plan.piece_src.tolist(),
-        plan.piece_dest.tolist(),
-        plan.piece_length.tolist(),
+    by_shard: dict[int, tuple[list[int], list[int], list[Buffer]]] = {}
+    for shard, start, end, at in zip(
+        plan.read_shard.tolist(),
+        plan.read_start.tolist(),
+        plan.read_end.tolist(),
+        dest_offsets.tolist(),
         strict=True,
     ):
-        view[dest : dest + length] = scratch[read][src : src + length]
-
-
-async def _read_all(
-    store: Store,
-    urls: list[str],
-    starts: list[int],
-    ends: list[int],
-    buffers: list[Buffer],
-) -> None:
-    """Issue reads: in one call where the store batches across objects, else per object."""
-    read_many: Any = getattr(store, "read_many", None)
-    if read_many is not None:
-        await read_many(urls, starts, ends, buffers)
-        return
-    by_url: dict[str, tuple[list[int], list[int], list[Buffer]]] = {}
-    for url, start, end, buffer in zip(urls, starts, ends, buffers, strict=True):
-        entry = by_url.setdefault(url, ([], [], []))
+        entry = by_shard.setdefault(shard, ([], [], []))
         entry[0].append(start)
         entry[1].append(end)
-        entry[2].append(buffer)
+        entry[2].append(view[at : at + end - start])
     await asyncio.gather(
-        *(store.read_ranges(url, starts=s, ends=e, buffers=b) for url, (s, e, b) in by_url.items())
+        *(
+            store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
+            for shard, (s, e, b) in by_shard.items()
+        )
     )

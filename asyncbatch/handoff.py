@@ -49,6 +49,7 @@ class BatchQueue:
         self._reserved = 0
         self._peak = 0
         self._space_waiter: asyncio.Future[None] | None = None
+        self._space_wanted = 0  # slots the waiting producer needs
         self._item_waiter: asyncio.Future[None] | None = None
 
     async def reserve(self, count: int = 1) -> None:
@@ -61,6 +62,7 @@ class BatchQueue:
                     self._peak = max(self._peak, self._reserved)
                     return
                 waiter = self._space_waiter = self._loop.create_future()
+                self._space_wanted = count
             await waiter
 
     def put(self, item: Any) -> None:
@@ -81,8 +83,12 @@ class BatchQueue:
         item = self._items.popleft()
         if not isinstance(item, Final):
             self._reserved -= 1
-        waiter, self._space_waiter = self._space_waiter, None
-        return item, waiter
+        # Wake the producer only once it can take the whole group it waits for.
+        waiter = self._space_waiter
+        if waiter is not None and self._reserved + self._space_wanted <= self.capacity:
+            self._space_waiter = None
+            return item, waiter
+        return item, None
 
     def get(self, alive: Callable[[], bool] = lambda: True) -> Any:
         """Next item, for a consumer in another thread; ``alive()`` false means none will come."""

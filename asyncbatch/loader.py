@@ -63,7 +63,7 @@ class _LoaderBase:
         seq_len: int,
         shuffle: bool | str = True,
         seed: int = 0,
-        prefetch: int = 8,
+        prefetch: int = 64,
         max_inflight: int = 64,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
@@ -116,7 +116,9 @@ class _LoaderBase:
             source,
             order,
             max_inflight=self.max_inflight,
-            group=group_size(self.prefetch),
+            group=group_size(
+                self.prefetch, self.batch_size * source.window * source.stored_dtype.itemsize
+            ),
             coalesce_gap=self.coalesce_gap,
         )
         return self._engine
