@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,12 @@ class Engine:
         dataset = self.source.dataset
         tasks: set[asyncio.Task[bool]] = set()
         store: Store | None = None
+        # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
+        decoder = (
+            ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
+            if self.source.converts
+            else None
+        )
         try:
             store = open_store(dataset.url, dataset.storage_options, max_inflight=self.max_inflight)
             gap = store.coalesce_gap if self.coalesce_gap is None else self.coalesce_gap
@@ -73,7 +80,7 @@ class Engine:
                 size = min(self.group, size * 2)
                 await queue.reserve(count)
                 previous = asyncio.create_task(
-                    self._deliver(store, gap, epoch, first, count, previous, queue)
+                    self._deliver(store, decoder, gap, epoch, first, count, previous, queue)
                 )
                 tasks.add(previous)
                 previous.add_done_callback(tasks.discard)
@@ -90,10 +97,13 @@ class Engine:
             await asyncio.gather(*tasks, return_exceptions=True)
             if store is not None:
                 await store.close()
+            if decoder is not None:
+                decoder.shutdown(wait=True)
 
     async def _deliver(
         self,
         store: Store,
+        decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
         first: int,
@@ -104,7 +114,7 @@ class Engine:
         """Read a group, wait for the group before it, then queue it; False once failed."""
         try:
             items: list[Batch | Final] = list(
-                await self._read_group(store, gap, epoch, first, count)
+                await self._read_group(store, decoder, gap, epoch, first, count)
             )
         except Exception as exc:
             items = [Final(exc)]
@@ -114,12 +124,22 @@ class Engine:
         return not isinstance(items[-1], Final)
 
     async def _read_group(
-        self, store: Store, gap: int, epoch: int, first: int, count: int
+        self,
+        store: Store,
+        decoder: ThreadPoolExecutor | None,
+        gap: int,
+        epoch: int,
+        first: int,
+        count: int,
     ) -> list[Batch]:
         ids = self.order.sample_ids(epoch, first, first + count)
         plan = self.source.plan(ids, gap)
         buffer = await read_plan(store, self.source.dataset.shard_urls, plan)
-        fields = self.source.decode(buffer, int(ids.size))
+        if decoder is not None:
+            loop = asyncio.get_running_loop()
+            fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
+        else:
+            fields = self.source.decode(buffer, int(ids.size))
         size = self.order.batch_size
         schema = self.source.schema
         return [

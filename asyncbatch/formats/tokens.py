@@ -46,6 +46,8 @@ class TokenWindows:
         self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
         if self.out_dtype is not None and stored.names:
             raise ConfigError(f"dtype={dtype!r} cannot convert the structured dtype {stored}")
+        #: Whether decoding converts every value (worth a thread of its own).
+        self.converts = self.out_dtype is not None and self.out_dtype != stored
         self.schema = {
             name: FieldSchema(
                 dtype=str(self.out_dtype or (stored[name] if stored.names else stored)),
