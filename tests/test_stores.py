@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,52 @@ def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     store = open_store("epstore://anything")
     assert getattr(store, "served_scheme", None) == "epstore"
     asyncio.run(store.close())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_local_reads_with_and_without_the_c_helper(
+    native: bool, tmp_path: Path, tokens: npt.NDArray[np.uint16], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncbatch.stores import local
+
+    if native:
+        assert local._preadv is not None, "the C helper was not built"
+    else:
+        monkeypatch.setattr(local, "_preadv", None)
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    with ab.Loader(dataset, batch_size=5, seq_len=33, next_token=True, prefetch=8) as loader:
+        for batch in loader:
+            np.testing.assert_array_equal(
+                batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 33, True)
+            )
+    Path(dataset.shard_urls[2]).write_bytes(b"\0" * 10)
+    with (
+        ab.Loader(dataset, batch_size=5, seq_len=33, shuffle=False) as loader,
+        pytest.raises(ShortReadError, match=r"shard-00002.bin bytes \[0, "),
+    ):
+        for _ in loader:
+            pass
+
+
+def test_c_helper_refuses_ranges_outside_the_buffer(tmp_path: Path) -> None:
+    from asyncbatch.stores import local
+
+    if local._preadv is None:
+        pytest.skip("the C helper was not built")
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(100))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fds = np.array([fd], dtype=np.int32)
+        dest = np.zeros(10, dtype=np.uint8)
+        one = np.array([0], dtype=np.int64)
+        with pytest.raises(ValueError, match="outside"):
+            local._preadv.read_many(fds, one, np.array([11], dtype=np.int64), dest, one)
+        with pytest.raises(ValueError, match="outside"):
+            local._preadv.read_many(fds, one, np.array([5], dtype=np.int64), dest, one + 6)
+        done, got, error = local._preadv.read_many(
+            fds, np.array([95], dtype=np.int64), np.array([10], dtype=np.int64), dest, one
+        )
+        assert (done, got, error) == (0, 5, 0)  # a short read at the end of the file
+    finally:
+        os.close(fd)
