@@ -29,7 +29,7 @@ from .stores import open_store
 from .stores.base import Buffer, Store
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
-MAX_GROUP = 32
+MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
 
 

@@ -33,6 +33,9 @@ from .handoff import BatchQueue, Final, QueueStatistics
 from .sampling.order import EpochOrder, normalize_shuffle
 
 STATE_VERSION = 1
+#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128).
+PREFETCH_BYTES = 64 * 2**20
+MAX_DEFAULT_PREFETCH = 128
 #: Settings a saved state must share with the loader resuming it.
 MUST_MATCH = (
     "seed",
@@ -63,7 +66,7 @@ class _LoaderBase:
         seq_len: int,
         shuffle: bool | str = True,
         seed: int = 0,
-        prefetch: int = 64,
+        prefetch: int | None = None,
         max_inflight: int = 64,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
@@ -75,7 +78,9 @@ class _LoaderBase:
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
         self.seq_len = _positive("seq_len", seq_len)
-        self.prefetch = _positive("prefetch", prefetch)
+        self._prefetch_arg = None if prefetch is None else _positive("prefetch", prefetch)
+        #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
+        self.prefetch = self._prefetch_arg or 0
         self.max_inflight = _positive("max_inflight", max_inflight)
         self.world_size = _positive("world_size", world_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -112,13 +117,17 @@ class _LoaderBase:
             world_size=self.world_size,
             drop_last=self.drop_last,
         )
+        itemsize = source.stored_dtype.itemsize
+        if source.out_dtype is not None and source.converts:
+            itemsize += source.out_dtype.itemsize
+        batch_bytes = self.batch_size * source.window * itemsize
+        if self._prefetch_arg is None:
+            self.prefetch = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
         self._engine = Engine(
             source,
             order,
             max_inflight=self.max_inflight,
-            group=group_size(
-                self.prefetch, self.batch_size * source.window * source.stored_dtype.itemsize
-            ),
+            group=group_size(self.prefetch, batch_bytes),
             coalesce_gap=self.coalesce_gap,
         )
         return self._engine

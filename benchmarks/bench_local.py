@@ -45,7 +45,7 @@ from asyncbatch.sampling.order import EpochOrder
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16
-PREFETCH = 64  # the Loader default
+PREFETCH = None  # the Loader default: as many batches as fit in 64 MiB
 MAX_INFLIGHT = 64
 SEED = 0
 VOCAB = 50_257

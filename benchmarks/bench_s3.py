@@ -62,7 +62,7 @@ from asyncbatch.stores import open_store
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16
-PREFETCH = 64  # the Loader default
+PREFETCH = None  # the Loader default: as many batches as fit in 64 MiB
 SEED = 0
 VOCAB = 50_257
 SHARD_SIZE = 64 * 2**20

@@ -238,3 +238,17 @@ def _open_fds() -> dict[str, str]:
         with contextlib.suppress(FileNotFoundError):  # the descriptor listdir itself used
             fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
     return fds
+
+
+def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
+    with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
+        assert small.prefetch == 128
+    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2.
+    with ab.Loader(dataset, batch_size=4096, seq_len=10_000) as big:
+        assert big.prefetch == 2
+    # 16 × 2048 × (2 stored + 8 as int64) bytes = 320 KiB per batch: 204 fit, capped at 128;
+    # 64 × 2048 × 10 bytes = 1.25 MiB: 51 fit.
+    with ab.Loader(dataset, batch_size=64, seq_len=2048, dtype=torch.int64) as wide:
+        assert wide.prefetch == 51
+    with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
+        assert chosen.prefetch == 3

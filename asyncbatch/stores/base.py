@@ -4,6 +4,11 @@ A store reads byte ranges of one object into caller-given writable buffers, tell
 object's size, lists a prefix, and writes whole objects. Ranges are ``[start, end)`` with
 exclusive ends. A store never completes a read with fewer bytes than asked for: it raises
 :class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
+
+A store may also offer ``read_into(urls, which, starts, ends, dest, dest_offsets)``: read
+range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at ``dest_offsets[i]``, all
+arrays int64. The engine uses it when present (the local store does, to read a whole group
+in one GIL-free call) and ``read_ranges`` otherwise.
 """
 
 from __future__ import annotations

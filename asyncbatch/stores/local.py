@@ -82,6 +82,8 @@ class LocalStore:
     ) -> None:
         if not buffers:
             return
+        # The engine calls read_into with one buffer per group; this protocol path (small
+        # reads such as manifests) goes through it with one copy.
         sizes = np.array([len(b) for b in buffers], dtype=np.int64)
         dest = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.cumsum(sizes) - sizes
@@ -248,10 +250,8 @@ def _read_many_python(
     """What ``_preadv.read_many`` does, with a Python loop (and the GIL held between reads)."""
     view = memoryview(dest)  # type: ignore[arg-type]
     preadv = os.preadv
-    index = 0
-    for index, (fd, start, length, at) in enumerate(  # noqa: B007 - index is returned
-        zip(fds.tolist(), starts.tolist(), lengths.tolist(), dest_offsets.tolist(), strict=True)
-    ):
+    rows = zip(fds.tolist(), starts.tolist(), lengths.tolist(), dest_offsets.tolist(), strict=True)
+    for index, (fd, start, length, at) in enumerate(rows):
         got = 0
         try:
             while got < length:
