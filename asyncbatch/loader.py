@@ -175,16 +175,7 @@ class _LoaderBase:
         if state.get("version") != STATE_VERSION:
             raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
         mine = self.state_dict()
-        for key in (
-            "seed",
-            "shuffle",
-            "batch_size",
-            "seq_len",
-            "next_token",
-            "drop_last",
-            "rank",
-            "world_size",
-        ):
+        for key in MUST_MATCH:
             if state.get(key) != mine[key]:
                 raise ResumeStateError(
                     f"cannot resume: the state has {key}={state.get(key)!r},"

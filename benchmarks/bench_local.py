@@ -28,7 +28,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import torch
+from common import git_revision, positive
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
@@ -51,31 +51,8 @@ SEED = 0
 VOCAB = 50_257
 SHARD_SIZE = 64 * 2**20
 CHUNK_TOKENS = 16 * 2**20
-REPO = Path(__file__).resolve().parent.parent
 
 IdArray = npt.NDArray[np.int64]
-
-
-def git_revision() -> str:
-    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "asyncbatch"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} (asyncbatch/ modified in the working tree)" if dirty else head
 
 
 def default_data_dir(size_gb: float) -> Path:
@@ -291,14 +268,6 @@ def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
 
 def fmt_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e6:10.1f} M tok/s"
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import s3fs
 import torch
+from common import git_revision, positive
 
 import asyncbatch as ab
 from asyncbatch.sampling.order import EpochOrder
@@ -69,29 +70,6 @@ SHARD_SIZE = 64 * 2**20
 BUCKET = "bench"
 # s3rver's built-in credentials.
 KEY = SECRET = "S3RVER"
-REPO = Path(__file__).resolve().parent.parent
-
-
-def git_revision() -> str:
-    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "asyncbatch"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} (asyncbatch/ modified in the working tree)" if dirty else head
 
 
 def default_s3rver_dir() -> Path:
@@ -355,14 +333,6 @@ def coalesce_gap(url: str, options: dict[str, Any]) -> int:
         return int(store.coalesce_gap)
     finally:
         asyncio.run(store.close())
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
 
 
 def main() -> None:
