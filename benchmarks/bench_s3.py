@@ -33,20 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import datetime
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +49,15 @@ import numpy.typing as npt
 import s3fs
 import torch
 from common import git_revision, positive
+from s3rver import (
+    BUCKET,
+    KEY,
+    SECRET,
+    default_s3rver_dir,
+    ensure_s3rver,
+    running_s3rver,
+    token_chunks,
+)
 
 import asyncbatch as ab
 from asyncbatch.sampling.order import EpochOrder
@@ -65,112 +67,7 @@ SEQ_LEN = 2048
 BATCH_SIZE = 16
 PREFETCH = None  # the Loader default: as many batches as fit in 64 MiB
 SEED = 0
-VOCAB = 50_257
 SHARD_SIZE = 64 * 2**20
-BUCKET = "bench"
-# s3rver's built-in credentials.
-KEY = SECRET = "S3RVER"
-
-
-def default_s3rver_dir() -> Path:
-    """``~/.cache/asyncbatch/s3rver`` (``$XDG_CACHE_HOME`` respected)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(cache) / "asyncbatch" / "s3rver"
-
-
-def ensure_s3rver(prefix: Path) -> Path:
-    """The s3rver CLI script under ``prefix``, installed with npm if missing."""
-    script = prefix / "node_modules" / "s3rver" / "bin" / "s3rver.js"
-    if not script.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            raise SystemExit("npm is needed to install s3rver (apt-get install nodejs npm)")
-        print(f"installing s3rver into {prefix}", file=sys.stderr)
-        prefix.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "s3rver"],
-            check=True,
-            stdout=sys.stderr,
-        )
-    if not script.exists():
-        raise SystemExit(f"npm install finished but {script} is missing")
-    return script
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_until_answering(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    """Poll ``url`` until any HTTP answer; raise if the process exits or time runs out."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"s3rver exited with status {process.returncode}")
-        try:
-            with opener.open(url, timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return  # an S3 error document is an answer
-        except (urllib.error.URLError, OSError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"s3rver did not answer at {url} within {timeout} s") from None
-            time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def running_s3rver(script: Path) -> Iterator[str]:
-    """Run s3rver on 127.0.0.1 with a temporary directory and bucket; yields its endpoint."""
-    node = shutil.which("node")
-    if node is None:
-        raise SystemExit("node is needed to run s3rver")
-    with tempfile.TemporaryDirectory(prefix="asyncbatch-s3rver-") as data:
-        port = free_port()
-        log_path = Path(data) / "s3rver.log"
-        command = [
-            node,
-            str(script),
-            "--directory",
-            str(Path(data) / "store"),
-            "--address",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--silent",
-            "--configure-bucket",
-            BUCKET,
-        ]
-        (Path(data) / "store").mkdir()
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            endpoint = f"http://127.0.0.1:{port}"
-            try:
-                wait_until_answering(endpoint + "/", process, timeout=30)
-            except RuntimeError:
-                sys.stderr.write(log_path.read_text(errors="replace"))
-                raise
-            yield endpoint
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def token_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
-    """``total`` random uint16 tokens below ``VOCAB``, in chunks."""
-    rng = np.random.default_rng(seed)
-    step = 16 * 2**20
-    for start in range(0, total, step):
-        yield rng.integers(0, VOCAB, min(step, total - start), dtype=np.uint16)
 
 
 @dataclass
