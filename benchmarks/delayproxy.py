@@ -303,12 +303,20 @@ async def serve(
         await stop.wait()
 
 
-class Proxy:
-    """A running proxy process: its URL and its counters."""
+def read_counts(path: Path) -> Counts:
+    """The counters of the proxy started with ``--counters path`` (from any process)."""
+    with open(path, "rb") as file:
+        data = file.read(8 * SLOTS)
+    return Counts(*memoryview(data).cast("q").tolist())
 
-    def __init__(self, url: str, delay: float, counters: memoryview) -> None:
+
+class Proxy:
+    """A running proxy process: its URL and its counters (also in the file ``counters_path``)."""
+
+    def __init__(self, url: str, delay: float, counters: memoryview, counters_path: Path) -> None:
         self.url = url
         self.delay = delay
+        self.counters_path = counters_path
         self._counters = counters
 
     def counts(self) -> Counts:
@@ -342,7 +350,8 @@ def running_proxy(upstream: str, delay: float = 0.010) -> Iterator[Proxy]:
             if not line.startswith("listening "):
                 process.wait(10)
                 raise RuntimeError(f"the delay proxy did not start (status {process.poll()})")
-            yield Proxy(f"http://127.0.0.1:{int(line.split()[1])}", delay, counters)
+            url = f"http://127.0.0.1:{int(line.split()[1])}"
+            yield Proxy(url, delay, counters, Path(file.name))
         finally:
             process.terminate()
             try:
