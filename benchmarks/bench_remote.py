@@ -82,6 +82,8 @@ class Sample:
     first_batch: float
     batches: int
     counts: Counts
+    #: The proxy's counts from construction to the first batch in hand.
+    first_counts: Counts
 
     @property
     def tokens_per_s(self) -> float:
@@ -147,14 +149,15 @@ def time_asyncbatch(
     """From constructing a Loader (dataset opening included) to holding its last batch."""
     before = proxy.counts()
     start = time.perf_counter()
-    first = 0.0
+    first, first_counts = 0.0, Counts()
     with make_loader(url, options, args, shuffle) as loader:
         for done, batch in enumerate(loader, 1):
             if done == 1:
-                first = time.perf_counter() - start
+                first, first_counts = time.perf_counter() - start, proxy.counts() - before
                 check_batch(batch["tokens"])
             if done == batches:
-                return Sample(time.perf_counter() - start, first, batches, proxy.counts() - before)
+                seconds = time.perf_counter() - start
+                return Sample(seconds, first, batches, proxy.counts() - before, first_counts)
     raise RuntimeError(f"the Loader ended after fewer than {batches} batches")
 
 
@@ -232,11 +235,11 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
         loader = StreamingDataLoader(
             dataset, batch_size=BATCH_SIZE, num_workers=spec["workers"], drop_last=True
         )
-        first = 0.0
+        first, first_counts = 0.0, Counts()
         done = 0
         for done, batch in enumerate(loader, 1):
             if done == 1:
-                first = time.perf_counter() - start
+                first, first_counts = time.perf_counter() - start, read_counts(counters) - before
                 check_batch(batch)
             if done == batches:
                 break
@@ -247,6 +250,7 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
         "first_batch": first,
         "batches": done,
         "counts": counts.as_tuple(),
+        "first_counts": first_counts.as_tuple(),
     }
 
 
@@ -275,7 +279,13 @@ def time_litdata(url: str, proxy: Proxy, workers: int, batches: int, pre_downloa
     )
     if result["batches"] != batches:
         raise RuntimeError(f"litData ended after {result['batches']} of {batches} batches")
-    return Sample(result["seconds"], result["first_batch"], batches, Counts(*result["counts"]))
+    return Sample(
+        result["seconds"],
+        result["first_batch"],
+        batches,
+        Counts(*result["counts"]),
+        Counts(*result["first_counts"]),
+    )
 
 
 def child_main(text: str) -> None:
@@ -442,8 +452,9 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
     )
     print()
     print(
-        f"{'approach':17} {'M tok/s':>8} {'min-max':>12} {'after 1st':>10} {'first batch s':>14}"
-        f" {'requests/sample':>16} {'fetched/payload':>16} {'/ best litData':>15}"
+        f"{'approach':17} {'M tok/s':>8} {'min-max':>12} {'after 1st':>10} {'1st batch s':>12}"
+        f" {'MiB by 1st':>11} {'requests/sample':>16} {'fetched/payload':>16}"
+        f" {'/ best litData':>15}"
     )
     for name in names:
         runs = samples[name]
@@ -453,7 +464,8 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
             f"{name:17} {statistics.median(rates):8.1f}"
             f" {f'{min(rates):.1f}-{max(rates):.1f}':>12}"
             f" {statistics.median(run.steady_tokens_per_s for run in runs) / 1e6:10.1f}"
-            f" {statistics.median(run.first_batch for run in runs):14.2f}"
+            f" {statistics.median(run.first_batch for run in runs):12.2f}"
+            f" {statistics.median(run.first_counts.down_bytes for run in runs) / 2**20:11.1f}"
             f" {statistics.median(run.requests_per_sample for run in runs):16.4f}"
             f" {statistics.median(run.fetched_per_payload for run in runs):16.2f}"
             f"{ratio}"
@@ -472,7 +484,8 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
         print(f"  requests per sample, block / exact: {block / exact:.4f}")
     print(
         "(M tok/s: median over rounds, from constructing the loader to its last batch; after"
-        " 1st: the same from the first batch on; first batch: median, from construction;"
+        " 1st: the same from the first batch on; 1st batch s: median, from construction;"
+        " MiB by 1st: bytes the proxy passed back by then;"
         " requests/sample and fetched/payload: the proxy's counts over the run / samples and"
         " bytes delivered)"
     )
