@@ -29,6 +29,7 @@ Usage: ``.venv/bin/python benchmarks/bench_remote.py [--size-mb 256] [--delay-ms
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -199,7 +200,13 @@ def child_write_litdata(spec: dict[str, Any]) -> dict[str, Any]:
             fs.put_file(os.path.join(folder, name), f"{spec['path']}/{name}")
         with open(os.path.join(folder, "index.json")) as file:
             chunks = json.load(file)["chunks"]
-    return {"chunks": len(chunks), "tokens": sum(chunk["dim"] for chunk in chunks)}
+    first = chunks[0]
+    return {
+        "chunks": len(chunks),
+        "tokens": sum(chunk["dim"] for chunk in chunks),
+        "first_chunk": f"{spec['path']}/{first['filename']}",
+        "header": first["chunk_bytes"] - first["dim"] * 2,  # the chunk's item offsets
+    }
 
 
 def _items(tokens: int, _input: int) -> Iterator[npt.NDArray[np.uint16]]:
@@ -376,6 +383,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str) -> N
         )
         if written["tokens"] != tokens:
             raise RuntimeError(f"litData wrote {written['tokens']} tokens, not {tokens}")
+        same_tokens(dataset.shard_urls[0], written["first_chunk"], written["header"], direct)
     else:
         lit_workers = []
 
@@ -496,6 +504,26 @@ def paired_speedup(numerator: list[Sample], denominator: list[Sample]) -> float:
     return statistics.median(
         a.tokens_per_s / b.tokens_per_s for a, b in zip(numerator, denominator, strict=True)
     )
+
+
+def same_tokens(shard: str, chunk: str, header: int, options: dict[str, Any]) -> None:
+    """Check that litData's first chunk starts with the tokens of asyncbatch's first shard."""
+
+    async def read() -> list[bytes]:
+        fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+        await fs.set_session()
+        try:
+            size = 2**20
+            pieces: list[bytes] = await fs._cat_ranges(
+                [shard, chunk], [0, header], [size, header + size]
+            )
+            return pieces
+        finally:
+            await fs._s3.close()
+
+    ours, theirs = asyncio.run(read())
+    if ours != theirs:
+        raise RuntimeError(f"{chunk} does not hold the tokens of {shard}")
 
 
 def node_version() -> str:
