@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -185,21 +186,21 @@ def child_write_litdata(spec: dict[str, Any]) -> dict[str, Any]:
 
     from litdata import TokensLoader, optimize
 
-    with tempfile.TemporaryDirectory(prefix="bench-remote-litdata-") as folder:
-        optimize(
-            fn=partial(_items, spec["tokens"]),
-            inputs=[0],
-            output_dir=folder,
-            chunk_size=LIT_CHUNK_TOKENS,
-            item_loader=TokensLoader(),
-            num_workers=1,
-        )
-        fs = s3fs.S3FileSystem(endpoint_url=spec["endpoint"], key=KEY, secret=SECRET)
-        names = sorted(os.listdir(folder))
-        for name in names:
-            fs.put_file(os.path.join(folder, name), f"{spec['path']}/{name}")
-        with open(os.path.join(folder, "index.json")) as file:
-            chunks = json.load(file)["chunks"]
+    folder = spec["folder"]
+    optimize(
+        fn=partial(_items, spec["tokens"]),
+        inputs=[0],
+        output_dir=folder,
+        chunk_size=LIT_CHUNK_TOKENS,
+        item_loader=TokensLoader(),
+        num_workers=1,
+    )
+    fs = s3fs.S3FileSystem(endpoint_url=spec["endpoint"], key=KEY, secret=SECRET)
+    names = sorted(os.listdir(folder))
+    for name in names:
+        fs.put_file(os.path.join(folder, name), f"{spec['path']}/{name}")
+    with open(os.path.join(folder, "index.json")) as file:
+        chunks = json.load(file)["chunks"]
     first = chunks[0]
     return {
         "chunks": len(chunks),
@@ -227,31 +228,31 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
     }
     counters = Path(spec["counters"])
     batches = spec["batches"]
-    with tempfile.TemporaryDirectory(prefix="bench-remote-litcache-") as cache:
-        before = read_counts(counters)
-        start = time.perf_counter()
-        dataset = StreamingDataset(
-            spec["url"],
-            item_loader=TokensLoader(block_size=SEQ_LEN),
-            shuffle=True,
-            seed=SEED,
-            storage_options=options,
-            cache_dir=cache,
-            max_pre_download=spec["pre_download"],
-        )
-        loader = StreamingDataLoader(
-            dataset, batch_size=BATCH_SIZE, num_workers=spec["workers"], drop_last=True
-        )
-        first, first_counts = 0.0, Counts()
-        done = 0
-        for done, batch in enumerate(loader, 1):
-            if done == 1:
-                first, first_counts = time.perf_counter() - start, read_counts(counters) - before
-                check_batch(batch)
-            if done == batches:
-                break
-        seconds = time.perf_counter() - start
-        counts = read_counts(counters) - before
+    cache = spec["cache"]
+    before = read_counts(counters)
+    start = time.perf_counter()
+    dataset = StreamingDataset(
+        spec["url"],
+        item_loader=TokensLoader(block_size=SEQ_LEN),
+        shuffle=True,
+        seed=SEED,
+        storage_options=options,
+        cache_dir=cache,
+        max_pre_download=spec["pre_download"],
+    )
+    loader = StreamingDataLoader(
+        dataset, batch_size=BATCH_SIZE, num_workers=spec["workers"], drop_last=True
+    )
+    first, first_counts = 0.0, Counts()
+    done = 0
+    for done, batch in enumerate(loader, 1):
+        if done == 1:
+            first, first_counts = time.perf_counter() - start, read_counts(counters) - before
+            check_batch(batch)
+        if done == batches:
+            break
+    seconds = time.perf_counter() - start
+    counts = read_counts(counters) - before
     return {
         "seconds": seconds,
         "first_batch": first,
@@ -261,10 +262,16 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``spec`` in a fresh Python process; its result is the last line it prints."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+def run_child(spec: dict[str, Any], folder: str) -> dict[str, Any]:
+    """Run ``spec`` in a fresh Python process; its result is the last line it prints.
+
+    ``folder`` (its scratch folder: a chunk cache, an output folder) is made and removed here,
+    so nothing is left behind when the child is killed.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-remote-") as scratch:
+        spec = {**spec, folder: scratch}
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
         raise RuntimeError(f"child {spec['mode']} failed with status {done.returncode}")
@@ -282,7 +289,8 @@ def time_litdata(url: str, proxy: Proxy, workers: int, batches: int, pre_downloa
             "workers": workers,
             "batches": batches,
             "pre_download": pre_download,
-        }
+        },
+        "cache",
     )
     if result["batches"] != batches:
         raise RuntimeError(f"litData ended after {result['batches']} of {batches} batches")
@@ -347,6 +355,8 @@ def main() -> None:
         child_main(args.child)
         return
 
+    # SIGTERM unwinds like Ctrl-C, so every server and child process is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     script = ensure_s3rver(args.s3rver_dir or default_s3rver_dir())
     with (
         running_s3rver(script) as endpoint,
@@ -375,7 +385,8 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str) -> N
     if lit is not None:
         start = time.perf_counter()
         written = run_child(
-            {"mode": "write-litdata", "tokens": tokens, "endpoint": endpoint, "path": lit_url}
+            {"mode": "write-litdata", "tokens": tokens, "endpoint": endpoint, "path": lit_url},
+            "folder",
         )
         lit_note = (
             f"{lit_url}: {written['chunks']} chunks of {LIT_CHUNK_TOKENS * 2 // 2**20} MiB,"
