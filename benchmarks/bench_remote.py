@@ -399,6 +399,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str) -> N
         lit_workers = []
 
     block_error = block_shuffle_error(ab_url, delayed, args)
+    latency = [request_latency(opts, dataset.shard_urls[0]) for opts in (direct, delayed)]
     batches_per_epoch = tokens // SEQ_LEN // BATCH_SIZE
     batches = min(args.batches or batches_per_epoch, batches_per_epoch)
     exact_batches = min(args.exact_batches, batches_per_epoch)
@@ -411,6 +412,10 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str) -> N
     print(
         f"  cpus {os.cpu_count()}, shared by s3rver, the proxy process and the readers;"
         f" s3rver {endpoint}, proxy {proxy.url} (+{args.delay_ms:g} ms per request)"
+    )
+    print(
+        f"  one 4 KiB range GET (s3fs, median of 20): {latency[0] * 1e3:.1f} ms direct,"
+        f" {latency[1] * 1e3:.1f} ms through the proxy"
     )
     print(
         f"  {ab_url}: {dataset.manifest.total_bytes / 2**20:.0f} MiB, {len(dataset.shard_urls)}"
@@ -535,6 +540,26 @@ def same_tokens(shard: str, chunk: str, header: int, options: dict[str, Any]) ->
     ours, theirs = asyncio.run(read())
     if ours != theirs:
         raise RuntimeError(f"{chunk} does not hold the tokens of {shard}")
+
+
+def request_latency(options: dict[str, Any], key: str, count: int = 20) -> float:
+    """Median seconds of one 4 KiB range GET of ``key`` (one warm-up request first)."""
+
+    async def measure() -> float:
+        fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+        await fs.set_session()
+        try:
+            await fs._cat_file(key, start=0, end=4096)
+            times = []
+            for _ in range(count):
+                start = time.perf_counter()
+                await fs._cat_file(key, start=0, end=4096)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+        finally:
+            await fs._s3.close()
+
+    return asyncio.run(measure())
 
 
 def node_version() -> str:
