@@ -33,13 +33,15 @@ MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
 
 
-def group_size(prefetch: int, batch_bytes: int) -> int:
-    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB."""
-    return max(1, min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes)))
+def group_size(prefetch: int, batch_bytes: int, want: int = 0) -> int:
+    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB
+    unless ``want`` (a block shuffle's window) asks for more and the queue has room."""
+    base = min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes))
+    return max(1, base, min(want, prefetch // 2))
 
 
 class Engine:
-    """Produces the batches of one epoch of one rank, from any position, into a queue."""
+    """Produces the batches of one rank (or one worker of it), from any position, into a queue."""
 
     def __init__(
         self,
@@ -49,15 +51,28 @@ class Engine:
         max_inflight: int,
         group: int = 1,
         coalesce_gap: int | None = None,
+        worker: int = 0,
+        stride: int = 1,
+        unit: int = 1,
     ) -> None:
         self.source = source
         self.order = order
         self.max_inflight = max_inflight
-        self.group = group
+        #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
+        #: start on them, when a group can hold one.
+        self.unit = unit if group >= unit else 1
+        self.group = group // self.unit * self.unit
         self.coalesce_gap = coalesce_gap
+        #: A DataLoader worker's share: the run's batches number worker, worker + stride, ...
+        #: (counted from where the run starts), as the DataLoader takes them in turn.
+        self.worker = worker
+        self.stride = stride
 
-    async def run(self, queue: BatchQueue, epoch: int, first_batch: int) -> None:
-        """Deliver batches ``first_batch, ...`` of ``epoch`` then a :class:`Final`; never raises."""
+    async def run(
+        self, queue: BatchQueue, epoch: int, first_batch: int, *, infinite: bool = False
+    ) -> None:
+        """Deliver this engine's batches from ``first_batch`` of ``epoch`` on, then a
+        :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
         dataset = self.source.dataset
         tasks: set[asyncio.Task[bool]] = set()
         store: Store | None = None
@@ -71,20 +86,37 @@ class Engine:
             store = open_store(dataset.url, dataset.storage_options, max_inflight=self.max_inflight)
             gap = store.coalesce_gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
-            stop = self.order.batches_per_epoch
-            first, size = first_batch, 1
-            while first < stop:
-                # Groups grow 1, 2, 4, ... up to the full size: the first batch only waits
-                # for its own reads, later ones share the fixed costs of a whole group.
-                count = min(size, stop - first)
-                size = min(self.group, size * 2)
-                await queue.reserve(count)
-                previous = asyncio.create_task(
-                    self._deliver(store, decoder, gap, epoch, first, count, previous, queue)
-                )
-                tasks.add(previous)
-                previous.add_done_callback(tasks.discard)
-                first += count
+            size = self.unit
+            per_epoch = self.order.batches_per_epoch
+            done = 0  # batches of the run (all workers) in the epochs before this one
+            while True:
+                # Slot i is batch start + i * stride of the epoch.
+                start = first_batch + (self.worker - done) % self.stride
+                stop = max(0, -(-(per_epoch - start) // self.stride))
+                slot = 0
+                while slot < stop:
+                    # Groups grow 1, 2, 4, ... units up to the full size (the first batch only
+                    # waits for the reads of its unit), and end on multiples of the group size
+                    # counted from the epoch's start, so that each covers whole shuffle windows.
+                    at = start // self.stride + slot
+                    count = min(size, stop - slot, self.group - at % self.group)
+                    size = min(self.group, size * 2)
+                    await queue.reserve(count)
+                    batches = range(
+                        start + slot * self.stride,
+                        start + (slot + count) * self.stride,
+                        self.stride,
+                    )
+                    previous = asyncio.create_task(
+                        self._deliver(store, decoder, gap, epoch, batches, previous, queue)
+                    )
+                    tasks.add(previous)
+                    previous.add_done_callback(tasks.discard)
+                    slot += count
+                if not infinite or per_epoch == 0:
+                    break
+                done += max(0, per_epoch - first_batch)
+                epoch, first_batch = epoch + 1, 0
             if previous is None or await previous:
                 queue.put(Final())
         except asyncio.CancelledError:
@@ -106,15 +138,14 @@ class Engine:
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
-        first: int,
-        count: int,
+        batches: range,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
         try:
             items: list[Batch | Final] = list(
-                await self._read_group(store, decoder, gap, epoch, first, count)
+                await self._read_group(store, decoder, gap, epoch, batches)
             )
         except Exception as exc:
             items = [Final(exc)]
@@ -129,10 +160,15 @@ class Engine:
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
-        first: int,
-        count: int,
+        batches: range,
     ) -> list[Batch]:
-        ids = self.order.sample_ids(epoch, first, first + count)
+        order = self.order
+        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
+        lengths = [order.batch_length(b) for b in batches]
+        if batches.step > 1:  # a DataLoader worker's share: every stride-th batch
+            size = order.batch_size
+            starts = [(b - batches.start) * size for b in batches]
+            ids = np.concatenate([ids[s : s + n] for s, n in zip(starts, lengths, strict=True)])
         plan = self.source.plan(ids, gap)
         buffer = await read_plan(store, self.source.dataset.shard_urls, plan)
         if decoder is not None:
@@ -140,17 +176,21 @@ class Engine:
             fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
         else:
             fields = self.source.decode(buffer, int(ids.size))
-        size = self.order.batch_size
         schema = self.source.schema
-        return [
-            Batch(
-                ids[i * size : (i + 1) * size],
-                {name: value[i * size : (i + 1) * size] for name, value in fields.items()},
-                schema,
-                {"epoch": epoch, "batch": first + i},
+        out = []
+        start = 0
+        for batch, length in zip(batches, lengths, strict=True):
+            stop = start + length
+            out.append(
+                Batch(
+                    ids[start:stop],
+                    {name: value[start:stop] for name, value in fields.items()},
+                    schema,
+                    {"epoch": epoch, "batch": batch},
+                )
             )
-            for i in range(count)
-        ]
+            start = stop
+        return out
 
 
 async def read_plan(

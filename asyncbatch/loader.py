@@ -30,22 +30,29 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final, QueueStatistics
-from .sampling.order import EpochOrder, normalize_shuffle
+from .sampling.order import TAILS, EpochOrder, normalize_shuffle
 
-STATE_VERSION = 1
-#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128).
+STATE_VERSION = 2
+#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
+#: or two shuffle windows' worth with ``shuffle="block"``).
 PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
-#: Settings a saved state must share with the loader resuming it.
+#: With ``shuffle="block"``: the default block holds this many bytes of samples, and a
+#: window this many blocks.
+BLOCK_BYTES = 2**20
+DEFAULT_WINDOW = 8
+#: Settings a saved state must share with the loader resuming it. The rank, world size and
+#: per-rank batch size may change, as long as the global batch (their product) does not.
 MUST_MATCH = (
     "seed",
     "shuffle",
-    "batch_size",
+    "block_size",
+    "window",
     "seq_len",
     "next_token",
     "drop_last",
-    "rank",
-    "world_size",
+    "tail",
+    "global_batch_size",
 )
 
 
@@ -53,6 +60,54 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)`` as given, else from ``torch.distributed`` when it is
+    initialised, else ``(0, 1)``; a ConfigError for values that do not fit."""
+    if rank is None and world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if world_size is None:
+        raise ConfigError(f"rank={rank!r} was given without world_size")
+    world_size = _positive("world_size", world_size)
+    if rank is None:
+        if world_size != 1:
+            raise ConfigError(f"world_size={world_size} was given without rank")
+        rank = 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int, int]:
+    """``(epoch, batches_done)`` of ``state`` if a loader whose state is ``mine`` can resume
+    it; a ResumeStateError naming the first setting that differs otherwise."""
+    if state.get("version") != STATE_VERSION:
+        raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
+    for key in MUST_MATCH:
+        if state.get(key) != mine[key]:
+            raise ResumeStateError(
+                f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
+            )
+    if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
+        raise ResumeStateError(
+            f"cannot resume: the state is for dataset {state.get('dataset')!r},"
+            f" this loader reads {mine['dataset']!r}"
+        )
+    epoch, done = state.get("epoch"), state.get("batches_done")
+    if (
+        not isinstance(epoch, int)
+        or not isinstance(done, int)
+        or isinstance(epoch, bool)
+        or isinstance(done, bool)
+        or epoch < 0
+        or done < 0
+    ):
+        raise ResumeStateError(f"invalid position in state: epoch={epoch!r}, batches_done={done!r}")
+    return epoch, done
 
 
 class _LoaderBase:
@@ -71,10 +126,15 @@ class _LoaderBase:
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
         drop_last: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
+        tail: str = "drop",
+        block_size: int | None = None,
+        window: int | None = None,
+        infinite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
         self.seq_len = _positive("seq_len", seq_len)
@@ -82,9 +142,7 @@ class _LoaderBase:
         #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
         self.prefetch = self._prefetch_arg or 0
         self.max_inflight = _positive("max_inflight", max_inflight)
-        self.world_size = _positive("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        self.rank, self.world_size = resolve_rank(rank, world_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
@@ -92,7 +150,21 @@ class _LoaderBase:
         if not isinstance(dataset, Dataset | str):
             raise ConfigError(f"dataset must be a Dataset or a URL, got {dataset!r}")
         self.shuffle = normalize_shuffle(shuffle)
-        self.rank = rank
+        if tail not in TAILS:
+            raise ConfigError(f"tail={tail!r}: expected one of {TAILS}")
+        self.tail = tail
+        if self.shuffle != "block" and (block_size is not None or window is not None):
+            raise ConfigError(
+                f"block_size and window apply to shuffle='block', not shuffle={self.shuffle!r}"
+            )
+        self._block_size_arg = None if block_size is None else _positive("block_size", block_size)
+        #: Samples per block and blocks per window of the block shuffle (None without it).
+        self.block_size: int | None = None
+        self.window = None if window is None else _positive("window", window)
+        if self.shuffle == "block" and self.window is None:
+            self.window = DEFAULT_WINDOW
+        self.infinite = bool(infinite)
+        self._worker = _worker
         self.seed = seed
         self.next_token = bool(next_token)
         self.dtype = dtype
@@ -108,6 +180,9 @@ class _LoaderBase:
 
     def _build(self, dataset: Dataset) -> Engine:
         source = TokenWindows(dataset, self.seq_len, next_token=self.next_token, dtype=self.dtype)
+        sample_bytes = source.window * source.stored_dtype.itemsize
+        if self.shuffle == "block":
+            self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
         order = EpochOrder(
             source.num_samples,
             self.batch_size,
@@ -116,19 +191,33 @@ class _LoaderBase:
             rank=self.rank,
             world_size=self.world_size,
             drop_last=self.drop_last,
+            tail=self.tail,
+            block_size=self.block_size or 1,
+            window=self.window or 1,
         )
         itemsize = source.stored_dtype.itemsize
         if source.out_dtype is not None and source.converts:
             itemsize += source.out_dtype.itemsize
         batch_bytes = self.batch_size * source.window * itemsize
+        worker, stride = self._worker
+        # A block shuffle reads best a whole window at a time: this rank's (or worker's)
+        # share of one is this many batches.
+        want = 0
+        if self.block_size is not None and self.window is not None:
+            per_batch = self.batch_size * self.world_size * stride
+            want = -(-self.block_size * self.window // per_batch)
         if self._prefetch_arg is None:
-            self.prefetch = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
+            default = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
+            self.prefetch = max(default, 2 * want)
         self._engine = Engine(
             source,
             order,
             max_inflight=self.max_inflight,
-            group=group_size(self.prefetch, batch_bytes),
+            group=group_size(self.prefetch, batch_bytes, want),
             coalesce_gap=self.coalesce_gap,
+            worker=worker,
+            stride=stride,
+            unit=max(1, want),
         )
         return self._engine
 
@@ -142,9 +231,15 @@ class _LoaderBase:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch at the next iteration."""
+        """Go to the start of ``epoch``; nothing changes when the loader is already in it.
+
+        So calling ``set_epoch(epoch)`` at the top of every epoch (as with torch's
+        ``DistributedSampler``) is safe after ``load_state_dict`` resumed mid-epoch.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch == self._epoch:
+            return
         self._discard_run()
         self._epoch, self._position = epoch, 0
 
@@ -161,43 +256,34 @@ class _LoaderBase:
             "batches_done": self._position,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+            "window": self.window,
             "seq_len": self.seq_len,
             "next_token": self.next_token,
             "drop_last": self.drop_last,
+            "tail": self.tail,
+            "global_batch_size": self.batch_size * self.world_size,
+            "batch_size": self.batch_size,
             "rank": self.rank,
             "world_size": self.world_size,
             "dataset": dataset.fingerprint() if dataset is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``; a state saved under other settings is a ResumeStateError."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
-        mine = self.state_dict()
-        for key in MUST_MATCH:
-            if state.get(key) != mine[key]:
-                raise ResumeStateError(
-                    f"cannot resume: the state has {key}={state.get(key)!r},"
-                    f" this loader {mine[key]!r}"
-                )
-        if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
-            raise ResumeStateError(
-                f"cannot resume: the state is for dataset {state.get('dataset')!r},"
-                f" this loader reads {mine['dataset']!r}"
-            )
-        epoch, done = state.get("epoch"), state.get("batches_done")
-        if not isinstance(epoch, int) or not isinstance(done, int) or epoch < 0 or done < 0:
-            raise ResumeStateError(
-                f"invalid position in state: epoch={epoch!r}, batches_done={done!r}"
-            )
+        """Continue from ``state``; a state saved under other settings is a ResumeStateError.
+
+        The state of any rank resumes every rank, on the same world size or another one with
+        the same global batch size (``batch_size * world_size``): the remaining global
+        batches hold the same samples, none skipped or repeated.
+        """
+        epoch, done = check_state(state, self.state_dict())
         self._discard_run()
         self._epoch, self._position = epoch, done
 
     def _take(self, item: Any) -> Batch | None:
         """The batch to hand over, or None at the end of the epoch; raises the run's error."""
         if isinstance(item, Batch):
-            self._position = item.extra["batch"] + 1
+            self._epoch, self._position = item.extra["epoch"], item.extra["batch"] + 1
             return item
         assert isinstance(item, Final)
         self._run_finished()
@@ -259,7 +345,9 @@ class Loader(_LoaderBase):
         assert self._engine is not None
         loop = asyncio.new_event_loop()
         queue = BatchQueue(self.prefetch, loop)
-        task = loop.create_task(self._engine.run(queue, self._epoch, self._position))
+        task = loop.create_task(
+            self._engine.run(queue, self._epoch, self._position, infinite=self.infinite)
+        )
         thread = threading.Thread(
             target=_run_loop, args=(loop, task), name="asyncbatch-loader", daemon=True
         )
@@ -357,7 +445,8 @@ class AsyncLoader(_LoaderBase):
             assert self._engine is not None
             self._queue = BatchQueue(self.prefetch, asyncio.get_running_loop())
             self._task = asyncio.create_task(
-                self._engine.run(self._queue, self._epoch, self._position), name="asyncbatch-engine"
+                self._engine.run(self._queue, self._epoch, self._position, infinite=self.infinite),
+                name="asyncbatch-engine",
             )
         batch = self._take(await self._queue.aget())
         if batch is None:
