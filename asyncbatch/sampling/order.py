@@ -230,8 +230,9 @@ class EpochOrder:
         stop = min(stop_batch * self.batch_size, self.samples_per_rank)
         if stop <= start:
             return np.empty(0, dtype=np.int64)
-        # Ids are computed a block at a time: a vectorised call has a fixed cost that a few
-        # hundred ids would not amortise (cycle walking repeats it a dozen times).
+        # Ids are computed a block at a time: a vectorised call has a fixed cost (about 55
+        # numpy passes, ~25 us, plus as much again when cycle walking needs a second pass)
+        # that a few hundred ids would not amortise.
         first, last = start // ID_BLOCK, (stop - 1) // ID_BLOCK
         if first == last:
             offset = first * ID_BLOCK
