@@ -34,6 +34,8 @@ from .errors import StoreError as StoreError
 from .errors import UnknownSchemeError as UnknownSchemeError
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
+from .mixture import Mixture as Mixture
+from .mixture import mix as mix
 from .stores import register_store as register_store
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
@@ -53,11 +55,13 @@ __all__ = [
     "LoaderClosedError",
     "LoaderDataset",
     "ManifestError",
+    "Mixture",
     "NotFoundError",
     "ResumeStateError",
     "ShortReadError",
     "StoreError",
     "UnknownSchemeError",
+    "mix",
     "open_dataset",
     "open_dataset_async",
     "register_store",

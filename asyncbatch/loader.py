@@ -30,7 +30,16 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final, QueueStatistics
-from .sampling.order import TAILS, EpochOrder, normalize_shuffle
+from .mixture import Mixture
+from .sampling.mixture import MixtureOrder
+from .sampling.order import (
+    TAILS,
+    EpochOrder,
+    SampleOrder,
+    derive_key,
+    make_sample_order,
+    normalize_shuffle,
+)
 
 STATE_VERSION = 2
 #: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
@@ -115,7 +124,7 @@ class _LoaderBase:
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mixture | str,
         *,
         batch_size: int,
         seq_len: int,
@@ -147,8 +156,8 @@ class _LoaderBase:
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
             raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
-        if not isinstance(dataset, Dataset | str):
-            raise ConfigError(f"dataset must be a Dataset or a URL, got {dataset!r}")
+        if not isinstance(dataset, Dataset | Mixture | str):
+            raise ConfigError(f"dataset must be a Dataset, a Mixture or a URL, got {dataset!r}")
         self.shuffle = normalize_shuffle(shuffle)
         if tail not in TAILS:
             raise ConfigError(f"tail={tail!r}: expected one of {TAILS}")
@@ -173,18 +182,25 @@ class _LoaderBase:
         self.storage_options = dict(storage_options or {})
         self._dataset_arg = dataset
         self._engine: Engine | None = None
+        self._data: Dataset | Mixture | None = None
         self._epoch = 0
         self._position = 0  # batches of the current epoch handed to the caller
         self._queue: BatchQueue | None = None
         self._closed = False
 
-    def _build(self, dataset: Dataset) -> Engine:
-        source = TokenWindows(dataset, self.seq_len, next_token=self.next_token, dtype=self.dtype)
+    def _build(self, data: Dataset | Mixture) -> Engine:
+        datasets = data.datasets if isinstance(data, Mixture) else data
+        source = TokenWindows(datasets, self.seq_len, next_token=self.next_token, dtype=self.dtype)
         sample_bytes = source.window * source.stored_dtype.itemsize
         if self.shuffle == "block":
             self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
+        samples: SampleOrder | None = None
+        num_samples = source.num_samples
+        if isinstance(data, Mixture):
+            samples = self._mixture_order(data, source)
+            num_samples = samples.num_samples
         order = EpochOrder(
-            source.num_samples,
+            num_samples,
             self.batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
@@ -194,7 +210,9 @@ class _LoaderBase:
             tail=self.tail,
             block_size=self.block_size or 1,
             window=self.window or 1,
+            samples=samples,
         )
+        self._data = data
         itemsize = source.stored_dtype.itemsize
         if source.out_dtype is not None and source.converts:
             itemsize += source.out_dtype.itemsize
@@ -221,10 +239,30 @@ class _LoaderBase:
         )
         return self._engine
 
+    def _mixture_order(self, mixture: Mixture, source: TokenWindows) -> MixtureOrder:
+        sizes = source.sizes.tolist()
+        for dataset, size in zip(mixture.datasets, sizes, strict=True):
+            if size == 0:
+                raise ConfigError(f"{dataset.url} is too short for one window of {source.window}")
+        inner = [
+            make_sample_order(
+                size, self.shuffle, derive_key(self.seed, d), self.block_size or 1, self.window or 1
+            )
+            for d, size in enumerate(sizes)
+        ]
+        return MixtureOrder(
+            sizes,
+            mixture.weights or sizes,
+            mixture.seed,
+            mixture.samples or sum(sizes),
+            inner,
+        )
+
     @property
-    def dataset(self) -> Dataset | None:
-        """The dataset once opened: at construction (``Loader``), on entry (``AsyncLoader``)."""
-        return self._engine.source.dataset if self._engine is not None else None
+    def dataset(self) -> Dataset | Mixture | None:
+        """The dataset (or mixture) once opened: at construction (``Loader``), on entry
+        (``AsyncLoader``)."""
+        return self._data
 
     @property
     def epoch(self) -> int:
@@ -315,7 +353,7 @@ class Loader(_LoaderBase):
     Use as ``with Loader(...) as loader: for batch in loader: ...``, or call :meth:`close`.
     """
 
-    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         if isinstance(dataset, str):
             dataset = open_dataset(dataset, self.storage_options)
@@ -419,9 +457,9 @@ class AsyncLoader(_LoaderBase):
     Use as ``async with AsyncLoader(...) as loader: async for batch in loader: ...``.
     """
 
-    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
-        if isinstance(dataset, Dataset):
+        if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
         self._stopping: set[asyncio.Task[None]] = set()

@@ -20,6 +20,7 @@ from .batch import Batch
 from .dataset import Dataset, open_dataset
 from .errors import ConfigError
 from .loader import Loader, check_state, resolve_rank
+from .mixture import Mixture
 
 
 def keep_batch(batch: Batch) -> Batch:
@@ -36,7 +37,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     themselves); save the position with :meth:`state_dict` and the last batch taken.
     """
 
-    def __init__(self, dataset: Dataset | str, **loader_args: Any) -> None:
+    def __init__(self, dataset: Dataset | Mixture | str, **loader_args: Any) -> None:
         if "_worker" in loader_args:
             raise ConfigError("_worker is set per DataLoader worker by LoaderDataset")
         rank, world_size = resolve_rank(

@@ -114,7 +114,8 @@ def run_elastic_case(
             rest.load_state_dict(states[0])
             delivered += ids(take(rest))
     assert sorted(delivered) == sorted(whole), (stop, shuffle, before, after, prefetch)
-    assert len(set(delivered)) == len(delivered)
+    if len(set(whole)) == len(whole):  # (a mixture may repeat samples within its epoch)
+        assert len(set(delivered)) == len(delivered)
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 1), (1, 3), (4, 2), (3, 4)])
