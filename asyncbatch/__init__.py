@@ -5,11 +5,13 @@ The layers, from the bytes up::
     stores/     read byte ranges of objects: local files (preadv), fsspec (S3, HTTP, ...)
     manifest    the one file read to open a dataset; dataset: opening it
     layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
-    sampling/   the order of samples: Feistel permutation, per-rank epoch order
+    sampling/   the order of samples: Feistel permutation, global and block shuffles,
+                ranks, the tail, mixtures
     formats/    how samples map to spans and bytes decode into fields
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
     handoff     the bounded queue between the engine and its consumer
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
+    workers     LoaderDataset: the loader inside torch DataLoader worker processes
     writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect``
 """
 
@@ -32,7 +34,10 @@ from .errors import StoreError as StoreError
 from .errors import UnknownSchemeError as UnknownSchemeError
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
+from .mixture import Mixture as Mixture
+from .mixture import mix as mix
 from .stores import register_store as register_store
+from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
 from .writer import write_tokens_async as write_tokens_async
 
@@ -48,12 +53,15 @@ __all__ = [
     "FormatError",
     "Loader",
     "LoaderClosedError",
+    "LoaderDataset",
     "ManifestError",
+    "Mixture",
     "NotFoundError",
     "ResumeStateError",
     "ShortReadError",
     "StoreError",
     "UnknownSchemeError",
+    "mix",
     "open_dataset",
     "open_dataset_async",
     "register_store",

@@ -27,19 +27,22 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
+from .stores.registry import scheme_of
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
 
 
-def group_size(prefetch: int, batch_bytes: int) -> int:
-    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB."""
-    return max(1, min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes)))
+def group_size(prefetch: int, batch_bytes: int, want: int = 0) -> int:
+    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB
+    unless ``want`` (a block shuffle's window) asks for more and the queue has room."""
+    base = min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes))
+    return max(1, base, min(want, prefetch // 2))
 
 
 class Engine:
-    """Produces the batches of one epoch of one rank, from any position, into a queue."""
+    """Produces the batches of one rank (or one worker of it), from any position, into a queue."""
 
     def __init__(
         self,
@@ -49,18 +52,30 @@ class Engine:
         max_inflight: int,
         group: int = 1,
         coalesce_gap: int | None = None,
+        worker: int = 0,
+        stride: int = 1,
+        unit: int = 1,
     ) -> None:
         self.source = source
         self.order = order
         self.max_inflight = max_inflight
-        self.group = group
+        #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
+        #: start on them, when a group can hold one.
+        self.unit = unit if group >= unit else 1
+        self.group = group // self.unit * self.unit
         self.coalesce_gap = coalesce_gap
+        #: A DataLoader worker's share: the run's batches number worker, worker + stride, ...
+        #: (counted from where the run starts), as the DataLoader takes them in turn.
+        self.worker = worker
+        self.stride = stride
 
-    async def run(self, queue: BatchQueue, epoch: int, first_batch: int) -> None:
-        """Deliver batches ``first_batch, ...`` of ``epoch`` then a :class:`Final`; never raises."""
-        dataset = self.source.dataset
+    async def run(
+        self, queue: BatchQueue, epoch: int, first_batch: int, *, infinite: bool = False
+    ) -> None:
+        """Deliver this engine's batches from ``first_batch`` of ``epoch`` on, then a
+        :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
         tasks: set[asyncio.Task[bool]] = set()
-        store: Store | None = None
+        stores: list[Store] = []
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
@@ -68,23 +83,55 @@ class Engine:
             else None
         )
         try:
-            store = open_store(dataset.url, dataset.storage_options, max_inflight=self.max_inflight)
-            gap = store.coalesce_gap if self.coalesce_gap is None else self.coalesce_gap
+            # One store per scheme and options (a mixture may read several).
+            index: dict[tuple[str, str], int] = {}
+            of_dataset = []
+            for dataset in self.source.datasets:
+                key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
+                if key not in index:
+                    index[key] = len(stores)
+                    stores.append(
+                        open_store(
+                            dataset.url, dataset.storage_options, max_inflight=self.max_inflight
+                        )
+                    )
+                of_dataset.append(index[key])
+            shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
+            reader = Reader(stores, self.source.shard_urls, shard_store)
+            gap = min(s.coalesce_gap for s in stores)
+            gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
-            stop = self.order.batches_per_epoch
-            first, size = first_batch, 1
-            while first < stop:
-                # Groups grow 1, 2, 4, ... up to the full size: the first batch only waits
-                # for its own reads, later ones share the fixed costs of a whole group.
-                count = min(size, stop - first)
-                size = min(self.group, size * 2)
-                await queue.reserve(count)
-                previous = asyncio.create_task(
-                    self._deliver(store, decoder, gap, epoch, first, count, previous, queue)
-                )
-                tasks.add(previous)
-                previous.add_done_callback(tasks.discard)
-                first += count
+            size = self.unit
+            per_epoch = self.order.batches_per_epoch
+            done = 0  # batches of the run (all workers) in the epochs before this one
+            while True:
+                # Slot i is batch start + i * stride of the epoch.
+                start = first_batch + (self.worker - done) % self.stride
+                stop = max(0, -(-(per_epoch - start) // self.stride))
+                slot = 0
+                while slot < stop:
+                    # Groups grow 1, 2, 4, ... units up to the full size (the first batch only
+                    # waits for the reads of its unit), and end on multiples of the group size
+                    # counted from the epoch's start, so that each covers whole shuffle windows.
+                    at = start // self.stride + slot
+                    count = min(size, stop - slot, self.group - at % self.group)
+                    size = min(self.group, size * 2)
+                    await queue.reserve(count)
+                    batches = range(
+                        start + slot * self.stride,
+                        start + (slot + count) * self.stride,
+                        self.stride,
+                    )
+                    previous = asyncio.create_task(
+                        self._deliver(reader, decoder, gap, epoch, batches, previous, queue)
+                    )
+                    tasks.add(previous)
+                    previous.add_done_callback(tasks.discard)
+                    slot += count
+                if not infinite or per_epoch == 0:
+                    break
+                done += max(0, per_epoch - first_batch)
+                epoch, first_batch = epoch + 1, 0
             if previous is None or await previous:
                 queue.put(Final())
         except asyncio.CancelledError:
@@ -95,26 +142,25 @@ class Engine:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if store is not None:
+            for store in stores:
                 await store.close()
             if decoder is not None:
                 decoder.shutdown(wait=True)
 
     async def _deliver(
         self,
-        store: Store,
+        reader: Reader,
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
-        first: int,
-        count: int,
+        batches: range,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
         try:
             items: list[Batch | Final] = list(
-                await self._read_group(store, decoder, gap, epoch, first, count)
+                await self._read_group(reader, decoder, gap, epoch, batches)
             )
         except Exception as exc:
             items = [Final(exc)]
@@ -125,82 +171,123 @@ class Engine:
 
     async def _read_group(
         self,
-        store: Store,
+        reader: Reader,
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
-        first: int,
-        count: int,
+        batches: range,
     ) -> list[Batch]:
-        ids = self.order.sample_ids(epoch, first, first + count)
+        order = self.order
+        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
+        lengths = [order.batch_length(b) for b in batches]
+        if batches.step > 1:  # a DataLoader worker's share: every stride-th batch
+            size = order.batch_size
+            starts = [(b - batches.start) * size for b in batches]
+            ids = np.concatenate([ids[s : s + n] for s, n in zip(starts, lengths, strict=True)])
         plan = self.source.plan(ids, gap)
-        buffer = await read_plan(store, self.source.dataset.shard_urls, plan)
+        buffer = await reader.read_plan(plan)
         if decoder is not None:
             loop = asyncio.get_running_loop()
             fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
         else:
             fields = self.source.decode(buffer, int(ids.size))
-        size = self.order.batch_size
         schema = self.source.schema
-        return [
-            Batch(
-                ids[i * size : (i + 1) * size],
-                {name: value[i * size : (i + 1) * size] for name, value in fields.items()},
-                schema,
-                {"epoch": epoch, "batch": first + i},
+        out = []
+        start = 0
+        for batch, length in zip(batches, lengths, strict=True):
+            stop = start + length
+            out.append(
+                Batch(
+                    ids[start:stop],
+                    {name: value[start:stop] for name, value in fields.items()},
+                    schema,
+                    {"epoch": epoch, "batch": batch},
+                )
             )
-            for i in range(count)
-        ]
+            start = stop
+        return out
 
 
-async def read_plan(
-    store: Store, shard_urls: Sequence[str], plan: ReadPlan
-) -> npt.NDArray[np.uint8]:
-    """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
+class Reader:
+    """Carries out read plans over shards that may live in several stores."""
 
-    Reads that land in place go straight to their offset in one buffer; merged reads whose
-    pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
-    pieces are copied into place.
-    """
-    sizes = plan.read_end - plan.read_start
-    indirect = plan.read_dest < 0
-    scratch_sizes = np.where(indirect, sizes, 0)
-    scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
-    dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
-    buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
-    read_into: Any = getattr(store, "read_into", None)
-    if read_into is not None:
-        await read_into(
-            shard_urls, plan.read_shard, plan.read_start, plan.read_end, buffer, dest_offsets
-        )
-    else:
-        await _read_ranges(store, shard_urls, plan, buffer, dest_offsets)
-    if plan.piece_read.size:
-        view = memoryview(buffer)  # type: ignore[arg-type]
-        sources = scratch_at[plan.piece_read] + plan.piece_src
-        for src, dest, length in zip(
-            sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
-        ):
-            view[dest : dest + length] = view[src : src + length]
-    return buffer[: plan.nbytes]
+    def __init__(
+        self, stores: Sequence[Store], shard_urls: Sequence[str], shard_store: npt.NDArray[np.int64]
+    ) -> None:
+        self.stores = stores
+        self.shard_urls = shard_urls
+        self.shard_store = shard_store
+
+    async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
+
+        Reads that land in place go straight to their offset in one buffer; merged reads whose
+        pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
+        pieces are copied into place.
+        """
+        sizes = plan.read_end - plan.read_start
+        indirect = plan.read_dest < 0
+        scratch_sizes = np.where(indirect, sizes, 0)
+        scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
+        dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
+        buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
+        if len(self.stores) == 1:
+            await self._read(self.stores[0], plan, None, buffer, dest_offsets)
+        else:
+            store_of_read = self.shard_store[plan.read_shard]
+            await asyncio.gather(
+                *(
+                    self._read(
+                        store, plan, np.flatnonzero(store_of_read == i), buffer, dest_offsets
+                    )
+                    for i, store in enumerate(self.stores)
+                )
+            )
+        if plan.piece_read.size:
+            view = memoryview(buffer)  # type: ignore[arg-type]
+            sources = scratch_at[plan.piece_read] + plan.piece_src
+            for src, dest, length in zip(
+                sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
+            ):
+                view[dest : dest + length] = view[src : src + length]
+        return buffer[: plan.nbytes]
+
+    async def _read(
+        self,
+        store: Store,
+        plan: ReadPlan,
+        picked: npt.NDArray[np.intp] | None,
+        buffer: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """The plan's reads (those ``picked``, if given) from one store."""
+        shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
+        if picked is not None:
+            if not picked.size:
+                return
+            shards, starts, ends = shards[picked], starts[picked], ends[picked]
+            dest_offsets = dest_offsets[picked]
+        read_into: Any = getattr(store, "read_into", None)
+        if read_into is not None:
+            await read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
+        else:
+            await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
 
 
 async def _read_ranges(
     store: Store,
     shard_urls: Sequence[str],
-    plan: ReadPlan,
+    shards: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    ends: npt.NDArray[np.int64],
     buffer: npt.NDArray[np.uint8],
     dest_offsets: npt.NDArray[np.int64],
 ) -> None:
-    """The plan's reads through the plain protocol: one ``read_ranges`` call per object."""
+    """Reads through the plain protocol: one ``read_ranges`` call per object."""
     view = memoryview(buffer)  # type: ignore[arg-type]
     by_shard: dict[int, tuple[list[int], list[int], list[Buffer]]] = {}
     for shard, start, end, at in zip(
-        plan.read_shard.tolist(),
-        plan.read_start.tolist(),
-        plan.read_end.tolist(),
-        dest_offsets.tolist(),
-        strict=True,
+        shards.tolist(), starts.tolist(), ends.tolist(), dest_offsets.tolist(), strict=True
     ):
         entry = by_shard.setdefault(shard, ([], [], []))
         entry[0].append(start)

@@ -30,22 +30,38 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final, QueueStatistics
-from .sampling.order import EpochOrder, normalize_shuffle
+from .mixture import Mixture
+from .sampling.mixture import MixtureOrder
+from .sampling.order import (
+    TAILS,
+    EpochOrder,
+    SampleOrder,
+    derive_key,
+    make_sample_order,
+    normalize_shuffle,
+)
 
-STATE_VERSION = 1
-#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128).
+STATE_VERSION = 2
+#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
+#: or two shuffle windows' worth with ``shuffle="block"``).
 PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
-#: Settings a saved state must share with the loader resuming it.
+#: With ``shuffle="block"``: the default block holds this many bytes of samples, and a
+#: window this many blocks.
+BLOCK_BYTES = 2**20
+DEFAULT_WINDOW = 8
+#: Settings a saved state must share with the loader resuming it. The rank, world size and
+#: per-rank batch size may change, as long as the global batch (their product) does not.
 MUST_MATCH = (
     "seed",
     "shuffle",
-    "batch_size",
+    "block_size",
+    "window",
     "seq_len",
     "next_token",
     "drop_last",
-    "rank",
-    "world_size",
+    "tail",
+    "global_batch_size",
 )
 
 
@@ -55,12 +71,60 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)`` as given, else from ``torch.distributed`` when it is
+    initialised, else ``(0, 1)``; a ConfigError for values that do not fit."""
+    if rank is None and world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if world_size is None:
+        raise ConfigError(f"rank={rank!r} was given without world_size")
+    world_size = _positive("world_size", world_size)
+    if rank is None:
+        if world_size != 1:
+            raise ConfigError(f"world_size={world_size} was given without rank")
+        rank = 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int, int]:
+    """``(epoch, batches_done)`` of ``state`` if a loader whose state is ``mine`` can resume
+    it; a ResumeStateError naming the first setting that differs otherwise."""
+    if state.get("version") != STATE_VERSION:
+        raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
+    for key in MUST_MATCH:
+        if state.get(key) != mine[key]:
+            raise ResumeStateError(
+                f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
+            )
+    if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
+        raise ResumeStateError(
+            f"cannot resume: the state is for dataset {state.get('dataset')!r},"
+            f" this loader reads {mine['dataset']!r}"
+        )
+    epoch, done = state.get("epoch"), state.get("batches_done")
+    if (
+        not isinstance(epoch, int)
+        or not isinstance(done, int)
+        or isinstance(epoch, bool)
+        or isinstance(done, bool)
+        or epoch < 0
+        or done < 0
+    ):
+        raise ResumeStateError(f"invalid position in state: epoch={epoch!r}, batches_done={done!r}")
+    return epoch, done
+
+
 class _LoaderBase:
     """Arguments, state and the meaning of queue items, shared by both loaders."""
 
     def __init__(
         self,
-        dataset: Dataset | str,
+        dataset: Dataset | Mixture | str,
         *,
         batch_size: int,
         seq_len: int,
@@ -71,10 +135,15 @@ class _LoaderBase:
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
         drop_last: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
+        tail: str = "drop",
+        block_size: int | None = None,
+        window: int | None = None,
+        infinite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
         self.seq_len = _positive("seq_len", seq_len)
@@ -82,17 +151,29 @@ class _LoaderBase:
         #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
         self.prefetch = self._prefetch_arg or 0
         self.max_inflight = _positive("max_inflight", max_inflight)
-        self.world_size = _positive("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        self.rank, self.world_size = resolve_rank(rank, world_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
             raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
-        if not isinstance(dataset, Dataset | str):
-            raise ConfigError(f"dataset must be a Dataset or a URL, got {dataset!r}")
+        if not isinstance(dataset, Dataset | Mixture | str):
+            raise ConfigError(f"dataset must be a Dataset, a Mixture or a URL, got {dataset!r}")
         self.shuffle = normalize_shuffle(shuffle)
-        self.rank = rank
+        if tail not in TAILS:
+            raise ConfigError(f"tail={tail!r}: expected one of {TAILS}")
+        self.tail = tail
+        if self.shuffle != "block" and (block_size is not None or window is not None):
+            raise ConfigError(
+                f"block_size and window apply to shuffle='block', not shuffle={self.shuffle!r}"
+            )
+        self._block_size_arg = None if block_size is None else _positive("block_size", block_size)
+        #: Samples per block and blocks per window of the block shuffle (None without it).
+        self.block_size: int | None = None
+        self.window = None if window is None else _positive("window", window)
+        if self.shuffle == "block" and self.window is None:
+            self.window = DEFAULT_WINDOW
+        self.infinite = bool(infinite)
+        self._worker = _worker
         self.seed = seed
         self.next_token = bool(next_token)
         self.dtype = dtype
@@ -101,50 +182,102 @@ class _LoaderBase:
         self.storage_options = dict(storage_options or {})
         self._dataset_arg = dataset
         self._engine: Engine | None = None
+        self._data: Dataset | Mixture | None = None
         self._epoch = 0
         self._position = 0  # batches of the current epoch handed to the caller
         self._queue: BatchQueue | None = None
         self._closed = False
 
-    def _build(self, dataset: Dataset) -> Engine:
-        source = TokenWindows(dataset, self.seq_len, next_token=self.next_token, dtype=self.dtype)
+    def _build(self, data: Dataset | Mixture) -> Engine:
+        datasets = data.datasets if isinstance(data, Mixture) else data
+        source = TokenWindows(datasets, self.seq_len, next_token=self.next_token, dtype=self.dtype)
+        sample_bytes = source.window * source.stored_dtype.itemsize
+        if self.shuffle == "block":
+            self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
+        samples: SampleOrder | None = None
+        num_samples = source.num_samples
+        if isinstance(data, Mixture):
+            samples = self._mixture_order(data, source)
+            num_samples = samples.num_samples
         order = EpochOrder(
-            source.num_samples,
+            num_samples,
             self.batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
             rank=self.rank,
             world_size=self.world_size,
             drop_last=self.drop_last,
+            tail=self.tail,
+            block_size=self.block_size or 1,
+            window=self.window or 1,
+            samples=samples,
         )
+        self._data = data
         itemsize = source.stored_dtype.itemsize
         if source.out_dtype is not None and source.converts:
             itemsize += source.out_dtype.itemsize
         batch_bytes = self.batch_size * source.window * itemsize
+        worker, stride = self._worker
+        # A block shuffle reads best a whole window at a time: this rank's (or worker's)
+        # share of one is this many batches.
+        want = 0
+        if self.block_size is not None and self.window is not None:
+            per_batch = self.batch_size * self.world_size * stride
+            want = -(-self.block_size * self.window // per_batch)
         if self._prefetch_arg is None:
-            self.prefetch = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
+            default = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
+            self.prefetch = max(default, 2 * want)
         self._engine = Engine(
             source,
             order,
             max_inflight=self.max_inflight,
-            group=group_size(self.prefetch, batch_bytes),
+            group=group_size(self.prefetch, batch_bytes, want),
             coalesce_gap=self.coalesce_gap,
+            worker=worker,
+            stride=stride,
+            unit=max(1, want),
         )
         return self._engine
 
+    def _mixture_order(self, mixture: Mixture, source: TokenWindows) -> MixtureOrder:
+        sizes = source.sizes.tolist()
+        for dataset, size in zip(mixture.datasets, sizes, strict=True):
+            if size == 0:
+                raise ConfigError(f"{dataset.url} is too short for one window of {source.window}")
+        inner = [
+            make_sample_order(
+                size, self.shuffle, derive_key(self.seed, d), self.block_size or 1, self.window or 1
+            )
+            for d, size in enumerate(sizes)
+        ]
+        return MixtureOrder(
+            sizes,
+            mixture.weights or sizes,
+            mixture.seed,
+            mixture.samples or sum(sizes),
+            inner,
+        )
+
     @property
-    def dataset(self) -> Dataset | None:
-        """The dataset once opened: at construction (``Loader``), on entry (``AsyncLoader``)."""
-        return self._engine.source.dataset if self._engine is not None else None
+    def dataset(self) -> Dataset | Mixture | None:
+        """The dataset (or mixture) once opened: at construction (``Loader``), on entry
+        (``AsyncLoader``)."""
+        return self._data
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch at the next iteration."""
+        """Go to the start of ``epoch``; nothing changes when the loader is already in it.
+
+        So calling ``set_epoch(epoch)`` at the top of every epoch (as with torch's
+        ``DistributedSampler``) is safe after ``load_state_dict`` resumed mid-epoch.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch == self._epoch:
+            return
         self._discard_run()
         self._epoch, self._position = epoch, 0
 
@@ -161,43 +294,34 @@ class _LoaderBase:
             "batches_done": self._position,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+            "window": self.window,
             "seq_len": self.seq_len,
             "next_token": self.next_token,
             "drop_last": self.drop_last,
+            "tail": self.tail,
+            "global_batch_size": self.batch_size * self.world_size,
+            "batch_size": self.batch_size,
             "rank": self.rank,
             "world_size": self.world_size,
             "dataset": dataset.fingerprint() if dataset is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``; a state saved under other settings is a ResumeStateError."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
-        mine = self.state_dict()
-        for key in MUST_MATCH:
-            if state.get(key) != mine[key]:
-                raise ResumeStateError(
-                    f"cannot resume: the state has {key}={state.get(key)!r},"
-                    f" this loader {mine[key]!r}"
-                )
-        if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
-            raise ResumeStateError(
-                f"cannot resume: the state is for dataset {state.get('dataset')!r},"
-                f" this loader reads {mine['dataset']!r}"
-            )
-        epoch, done = state.get("epoch"), state.get("batches_done")
-        if not isinstance(epoch, int) or not isinstance(done, int) or epoch < 0 or done < 0:
-            raise ResumeStateError(
-                f"invalid position in state: epoch={epoch!r}, batches_done={done!r}"
-            )
+        """Continue from ``state``; a state saved under other settings is a ResumeStateError.
+
+        The state of any rank resumes every rank, on the same world size or another one with
+        the same global batch size (``batch_size * world_size``): the remaining global
+        batches hold the same samples, none skipped or repeated.
+        """
+        epoch, done = check_state(state, self.state_dict())
         self._discard_run()
         self._epoch, self._position = epoch, done
 
     def _take(self, item: Any) -> Batch | None:
         """The batch to hand over, or None at the end of the epoch; raises the run's error."""
         if isinstance(item, Batch):
-            self._position = item.extra["batch"] + 1
+            self._epoch, self._position = item.extra["epoch"], item.extra["batch"] + 1
             return item
         assert isinstance(item, Final)
         self._run_finished()
@@ -229,7 +353,7 @@ class Loader(_LoaderBase):
     Use as ``with Loader(...) as loader: for batch in loader: ...``, or call :meth:`close`.
     """
 
-    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         if isinstance(dataset, str):
             dataset = open_dataset(dataset, self.storage_options)
@@ -259,7 +383,9 @@ class Loader(_LoaderBase):
         assert self._engine is not None
         loop = asyncio.new_event_loop()
         queue = BatchQueue(self.prefetch, loop)
-        task = loop.create_task(self._engine.run(queue, self._epoch, self._position))
+        task = loop.create_task(
+            self._engine.run(queue, self._epoch, self._position, infinite=self.infinite)
+        )
         thread = threading.Thread(
             target=_run_loop, args=(loop, task), name="asyncbatch-loader", daemon=True
         )
@@ -331,9 +457,9 @@ class AsyncLoader(_LoaderBase):
     Use as ``async with AsyncLoader(...) as loader: async for batch in loader: ...``.
     """
 
-    def __init__(self, dataset: Dataset | str, **kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
-        if isinstance(dataset, Dataset):
+        if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
         self._stopping: set[asyncio.Task[None]] = set()
@@ -357,7 +483,8 @@ class AsyncLoader(_LoaderBase):
             assert self._engine is not None
             self._queue = BatchQueue(self.prefetch, asyncio.get_running_loop())
             self._task = asyncio.create_task(
-                self._engine.run(self._queue, self._epoch, self._position), name="asyncbatch-engine"
+                self._engine.run(self._queue, self._epoch, self._position, infinite=self.infinite),
+                name="asyncbatch-engine",
             )
         batch = self._take(await self._queue.aget())
         if batch is None:

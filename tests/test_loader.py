@@ -50,9 +50,12 @@ def test_sync_and_async_deliver_the_same_batches(dataset: ab.Dataset) -> None:
 
 
 def run_resume_case(
-    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool, world_size: int
+    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool | str, world_size: int
 ) -> None:
-    """Stop after ``stop`` batches, resume from the state in a new loader, compare."""
+    """Stop after ``stop`` batches, resume from the state in a new loader, compare.
+
+    (tests/test_ranks.py runs the elastic variant: resuming on another world size.)
+    """
     for rank in range(world_size):
         kwargs: dict[str, Any] = dict(
             batch_size=5,
@@ -63,6 +66,8 @@ def run_resume_case(
             rank=rank,
             world_size=world_size,
         )
+        if shuffle == "block":
+            kwargs.update(block_size=6, window=3)
         with ab.Loader(dataset, **kwargs) as loader:
             full = ids_of(loader)
         with ab.Loader(dataset, **kwargs) as loader:
@@ -75,11 +80,11 @@ def run_resume_case(
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True, "block"])
 @pytest.mark.parametrize("prefetch", [1, 4, 16])
 @pytest.mark.parametrize("stop", [0, 1, 7, 49])
 def test_resume_delivers_exactly_the_remaining_batches(
-    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool, world_size: int
+    dataset: ab.Dataset, stop: int, prefetch: int, shuffle: bool | str, world_size: int
 ) -> None:
     run_resume_case(dataset, stop, prefetch, shuffle, world_size)
 
@@ -203,6 +208,7 @@ def test_engine_error_reaches_the_consumer_after_good_batches(tmp_path: Path) ->
         ({"prefetch": 0}, "prefetch"),
         ({"shuffle": "sideways"}, "shuffle"),
         ({"rank": 2, "world_size": 2}, "rank"),
+        ({"tail": "loop"}, "tail"),
         ({"dtype": "not-a-dtype"}, "dtype"),
         ({"max_inflight": 1.5}, "max_inflight"),
     ],

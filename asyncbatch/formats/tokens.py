@@ -4,10 +4,15 @@ Sample ``i`` of a loader with ``seq_len = L`` is the window of elements ``[i*L, 
 (``+ 1`` element with ``next_token=True``, for next-token targets). A window may cross shard
 ends. Only the global tail that does not fill a window is left out. Plain dtypes give one
 field, ``tokens``; a structured dtype gives one field per dtype field.
+
+Several datasets of one dtype (a mixture) read as one: their shards are numbered one after
+another, and sample ids run through the first dataset's samples, then the second's, and so
+on; a window never crosses from one dataset into the next.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +22,7 @@ import torch
 from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError
-from ..layout import ReadPlan
+from ..layout import ReadPlan, ShardMap
 
 TOKENS_FIELD = "tokens"
 
@@ -27,20 +32,41 @@ class TokenWindows:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset | Sequence[Dataset],
         seq_len: int,
         *,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
     ) -> None:
-        if dataset.manifest.format != "tokens":
-            raise ConfigError(f"{dataset.url} holds {dataset.manifest.format!r} data, not tokens")
-        self.dataset = dataset
+        datasets = [dataset] if isinstance(dataset, Dataset) else list(dataset)
+        for one in datasets:
+            if one.manifest.format != "tokens":
+                raise ConfigError(f"{one.url} holds {one.manifest.format!r} data, not tokens")
+        self.datasets = datasets
+        self.dataset = datasets[0]
         self.seq_len = seq_len
         self.window = seq_len + int(next_token)
-        total = dataset.shard_map.total
-        self.num_samples = max(0, (total - int(next_token)) // seq_len)
-        stored = dataset.manifest.dtype
+        totals = np.array([d.shard_map.total for d in datasets], dtype=np.int64)
+        #: Samples of each dataset; ids of dataset d start at the sum of those before it.
+        self.sizes = np.maximum(0, (totals - int(next_token)) // seq_len)
+        self.num_samples = int(self.sizes.sum())
+        self._id_ends = np.cumsum(self.sizes)
+        self._element_base = np.cumsum(totals) - totals
+        if len(datasets) == 1:
+            self.shard_map = self.dataset.shard_map
+            self.shard_urls = self.dataset.shard_urls
+        else:
+            counts = np.concatenate([d.shard_map.counts for d in datasets])
+            self.shard_map = ShardMap(counts, datasets[0].manifest.dtype.itemsize)
+            self.shard_urls = [url for d in datasets for url in d.shard_urls]
+        #: The dataset (so the store) each shard belongs to.
+        self.shard_dataset = np.repeat(
+            np.arange(len(datasets)), [len(d.manifest.shards) for d in datasets]
+        )
+        stored = self.dataset.manifest.dtype
+        for one in datasets[1:]:
+            if one.manifest.dtype != stored:
+                raise ConfigError(f"{one.url} holds {one.manifest.dtype}, not {stored} as the rest")
         self.stored_dtype = stored
         names = stored.names or (TOKENS_FIELD,)
         self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
@@ -57,7 +83,12 @@ class TokenWindows:
         }
 
     def plan(self, sample_ids: npt.NDArray[np.int64], gap_bytes: int) -> ReadPlan:
-        return self.dataset.shard_map.plan(sample_ids * self.seq_len, self.window, gap_bytes)
+        if len(self.datasets) == 1:
+            return self.shard_map.plan(sample_ids * self.seq_len, self.window, gap_bytes)
+        which = np.searchsorted(self._id_ends, sample_ids, side="right")
+        local = sample_ids - (self._id_ends - self.sizes)[which]
+        starts = self._element_base[which] + local * self.seq_len
+        return self.shard_map.plan(starts, self.window, gap_bytes)
 
     def decode(self, buffer: npt.NDArray[np.uint8], count: int) -> dict[str, Any]:
         """Fields of ``count`` windows from the raw batch buffer (views, no copy if possible)."""

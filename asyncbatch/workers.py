@@ -1,0 +1,109 @@
+"""The loader inside ``torch.utils.data.DataLoader`` worker processes.
+
+:class:`LoaderDataset` is an ``IterableDataset`` of whole batches. In a DataLoader with
+``K`` workers, worker ``k`` reads batches ``k, k + K, k + 2K, …`` of its rank, and the
+DataLoader takes one batch from each worker in turn, so it yields exactly the batches a
+plain :class:`~asyncbatch.Loader` yields, in the same order, whatever ``K`` is. Workers
+never talk to each other; the rank and world size are fixed in the parent (from the
+arguments or ``torch.distributed``) and travel to the workers with the dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from .batch import Batch
+from .dataset import Dataset, open_dataset
+from .errors import ConfigError
+from .loader import Loader, check_state, resolve_rank
+from .mixture import Mixture
+
+
+def keep_batch(batch: Batch) -> Batch:
+    """A DataLoader ``collate_fn`` that hands a :class:`Batch` over as it is."""
+    return batch
+
+
+class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
+    """The batches of ``Loader(dataset, **loader_args)`` for a DataLoader with workers.
+
+    Use :meth:`dataloader` (it sets ``batch_size=None`` and a collate function that keeps
+    each :class:`Batch` whole). Call :meth:`set_epoch` before each epoch unless the
+    DataLoader has ``persistent_workers=True`` (then workers go on to the next epoch
+    themselves); save the position with :meth:`state_dict` and the last batch taken.
+    """
+
+    def __init__(self, dataset: Dataset | Mixture | str, **loader_args: Any) -> None:
+        if "_worker" in loader_args:
+            raise ConfigError("_worker is set per DataLoader worker by LoaderDataset")
+        rank, world_size = resolve_rank(
+            loader_args.pop("rank", None), loader_args.pop("world_size", None)
+        )
+        self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
+        if isinstance(dataset, str):
+            dataset = open_dataset(dataset, loader_args.get("storage_options"))
+        self.dataset = dataset
+        # A loader that never starts: checks the arguments now, in the parent process.
+        probe = Loader(dataset, **self.loader_args)
+        self._settings = probe.state_dict()
+        self._length = len(probe)
+        self.infinite = probe.infinite
+        probe.close()
+        self._epoch = 0
+        self._position = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``; nothing changes when already in it (as Loader)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch != self._epoch:
+            self._epoch, self._position = epoch, 0
+
+    def state_dict(self, last: Batch | None = None) -> dict[str, Any]:
+        """The loader state after ``last`` (a batch this dataset yielded), or at the start."""
+        state = dict(self._settings)
+        if last is None:
+            state["epoch"], state["batches_done"] = self._epoch, self._position
+        else:
+            state["epoch"], state["batches_done"] = last.extra["epoch"], last.extra["batch"] + 1
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Start the next iteration after the batch ``state`` was saved at (any rank's state,
+        on any world size with the same global batch size)."""
+        self._epoch, self._position = check_state(state, self._settings)
+
+    def __len__(self) -> int:
+        """Batches per epoch of this rank (all workers together)."""
+        if self.infinite:
+            raise TypeError("an infinite LoaderDataset has no length")
+        return self._length
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = torch.utils.data.get_worker_info()
+        worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        with Loader(self.dataset, **self.loader_args, _worker=worker) as loader:
+            loader.load_state_dict(self.state_dict())
+            yield from loader
+            # An epoch ended: the next iteration (the parent's with num_workers=0, or a
+            # persistent worker's) starts the next epoch.
+            self._epoch, self._position = loader.epoch, 0
+
+    def dataloader(self, **kwargs: Any) -> torch.utils.data.DataLoader[Batch]:
+        """A ``DataLoader`` over this dataset; ``kwargs`` go to it (e.g. ``num_workers``)."""
+        for key in ("batch_size", "collate_fn", "sampler", "batch_sampler", "shuffle"):
+            if key in kwargs:
+                raise ConfigError(f"{key}= is set by LoaderDataset.dataloader, not by the caller")
+        collate: Any = keep_batch  # typeshed expects a list-taking collate_fn
+        return torch.utils.data.DataLoader(self, batch_size=None, collate_fn=collate, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LoaderDataset({self.dataset!r}, epoch={self._epoch}, position={self._position})"
