@@ -220,7 +220,7 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
     from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
     # litData fetches chunks with obstore, which refuses plain-HTTP endpoints unless told.
-    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
     options = {
         "endpoint_url": spec["endpoint"],
         "aws_access_key_id": KEY,
