@@ -33,8 +33,9 @@ def ids_of(loader: Any, limit: int | None = None) -> list[list[int]]:
     return out
 
 
-def test_sync_and_async_deliver_the_same_batches(dataset: ab.Dataset) -> None:
-    kwargs: dict[str, Any] = dict(batch_size=8, seq_len=32, shuffle=True, seed=3, prefetch=5)
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_sync_and_async_deliver_the_same_batches(dataset: ab.Dataset, shuffle: bool | str) -> None:
+    kwargs: dict[str, Any] = dict(batch_size=8, seq_len=32, shuffle=shuffle, seed=3, prefetch=5)
     with ab.Loader(dataset, **kwargs) as loader:
         sync = [(b.global_indexes.tolist(), b["tokens"].clone()) for b in loader]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,20 @@ def test_mixture_order_counts_and_inner_epochs(
         local = ids[which == d] - bases[d]
         start = epoch * order.counts[d]
         assert local.tolist() == [(start + k) % size for k in range(local.size)]
+
+
+def test_async_loader_reads_a_mixture_like_the_loader(mixture: ab.Mixture) -> None:
+    args: dict[str, Any] = dict(batch_size=8, seq_len=SEQ_LEN, shuffle=True, infinite=True)
+    with ab.Loader(mixture, **args) as loader:
+        expected = [next(loader).global_indexes.tolist() for _ in range(120)]
+
+    async def collect() -> list[list[int]]:
+        out = []
+        async with ab.AsyncLoader(mixture, **args) as loader:
+            async for batch in loader:
+                out.append(batch.global_indexes.tolist())
+                if len(out) == 120:  # past the end of the first epoch (93 batches)
+                    break
+        return out
+
+    assert asyncio.run(collect()) == expected

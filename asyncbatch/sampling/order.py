@@ -104,10 +104,12 @@ class BlockShuffle:
     Each epoch starts the blocks at a random offset (so block edges move between epochs)
     and orders the ``N // block_size`` whole blocks by a Feistel permutation; the last,
     partial block comes last. Consecutive runs of ``window`` blocks form a window whose
-    ``window * block_size`` positions are shuffled among themselves (another Feistel
-    permutation per window). A reader that takes a window at a time needs one request per
-    block rather than one per sample; the price is that samples meet only others of their
-    window in a batch (see docs/sampling.md for the measured quality).
+    ``window * block_size`` positions are shuffled among themselves: by one Feistel
+    permutation of the epoch after a rotation keyed by the window (so all windows cost one
+    vectorised call), and by a permutation of its own for the last, shorter window. A reader
+    that takes a window at a time needs one request per block rather than one per sample;
+    the price is that samples meet only others of their window in a batch (see
+    docs/sampling.md for the measured quality).
     """
 
     def __init__(self, num_samples: int, seed: int, block_size: int, window: int) -> None:
@@ -117,8 +119,9 @@ class BlockShuffle:
         self.window = window
         self.window_samples = block_size * window
         self.full_blocks = num_samples // block_size
+        self.full_windows = num_samples // self.window_samples
         self._blocks = lru_cache(maxsize=2)(self._make_blocks)
-        self._in_window = lru_cache(maxsize=64)(self._make_in_window)
+        self._in_window = lru_cache(maxsize=2)(self._make_in_window)
 
     def _make_blocks(self, epoch: int) -> tuple[FeistelPermutation | None, int]:
         key = epoch_key(self.seed, epoch)
@@ -127,32 +130,56 @@ class BlockShuffle:
             return None, offset
         return FeistelPermutation(self.full_blocks, derive_key(key, 1)), offset
 
-    def _make_in_window(self, epoch: int, window: int) -> FeistelPermutation:
-        size = min(self.window_samples, self.num_samples - window * self.window_samples)
-        return FeistelPermutation(size, derive_key(epoch_key(self.seed, epoch), 2 + window))
+    def _make_in_window(
+        self, epoch: int
+    ) -> tuple[FeistelPermutation | None, FeistelPermutation | None, np.uint64]:
+        """The shuffle of full windows, that of the last short one, and the rotation key."""
+        key = epoch_key(self.seed, epoch)
+        full = last = None
+        if self.full_windows:
+            full = FeistelPermutation(self.window_samples, derive_key(key, 2))
+        rest = self.num_samples - self.full_windows * self.window_samples
+        if rest:
+            last = FeistelPermutation(rest, derive_key(key, 3))
+        return full, last, np.uint64(derive_key(key, 4))
 
     def __call__(self, epoch: int, positions: Int64Array) -> Int64Array:
         if not positions.size:
             return positions
         windows = positions // self.window_samples
         inside = positions - windows * self.window_samples
-        # Shuffle inside each window the positions touch (few per call: runs of positions).
-        order = np.argsort(windows, kind="stable")
-        sorted_windows = windows[order]
-        heads = np.flatnonzero(np.diff(sorted_windows, prepend=-1))
-        bounds = [*heads.tolist(), int(order.size)]
-        for i, head in enumerate(heads.tolist()):
-            picked = order[head : bounds[i + 1]]
-            inside[picked] = self._in_window(epoch, int(sorted_windows[head]))(inside[picked])
+        full, last, rotation_key = self._in_window(epoch)
+        in_full = windows < self.full_windows
+        if full is not None:
+            picked = np.flatnonzero(in_full)
+            rotation = _mix64(windows[picked].astype(np.uint64) ^ rotation_key)
+            rotation %= np.uint64(self.window_samples)
+            shifted = inside[picked] + rotation.astype(np.int64)
+            shifted %= self.window_samples
+            inside[picked] = full(shifted)
+        if last is not None:
+            picked = np.flatnonzero(~in_full)
+            if picked.size:
+                inside[picked] = last(inside[picked])
         block_of = windows * self.window + inside // self.block_size
         within = inside % self.block_size
         permutation, offset = self._blocks(epoch)
         if permutation is not None:
-            full = block_of < self.full_blocks
-            block_of[full] = permutation(block_of[full])
+            full_block = block_of < self.full_blocks
+            block_of[full_block] = permutation(block_of[full_block])
         samples: Int64Array = block_of * self.block_size + within + offset
         samples %= self.num_samples
         return samples
+
+
+def _mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser on an array (multiplication wraps modulo 2**64 by design)."""
+    z = z ^ (z >> np.uint64(30))
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def make_sample_order(
