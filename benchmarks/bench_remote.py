@@ -381,7 +381,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str) -> N
     )
     ab_written = time.perf_counter() - start
     dataset = ab.open_dataset(ab_url, storage_options=direct)
-    lit_note = "litdata not installed (pip install -e '.[bench]'): its lines are skipped"
+    lit_note = "litdata not installed (scripts/bench-setup installs it): its lines are skipped"
     if lit is not None:
         start = time.perf_counter()
         written = run_child(
