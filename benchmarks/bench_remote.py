@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 import s3fs
 import torch
-from common import git_revision, positive
+from common import git_revision, paired_ratio, positive
 from delayproxy import Counts, Proxy, read_counts, running_proxy
 from s3rver import (
     BUCKET,
@@ -483,7 +483,11 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
     for name in names:
         runs = samples[name]
         rates = [run.tokens_per_s / 1e6 for run in runs]
-        ratio = f"{paired_speedup(runs, samples[best_lit]):15.2f}" if best_lit is not None else ""
+        ratio = (
+            f"{paired_ratio(token_rates(runs), token_rates(samples[best_lit])):15.2f}"
+            if best_lit is not None
+            else ""
+        )
         print(
             f"{name:17} {statistics.median(rates):8.1f}"
             f" {f'{min(rates):.1f}-{max(rates):.1f}':>12}"
@@ -498,9 +502,9 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
         print(f"best litData line: {best_lit}")
         for name in names:
             if name.startswith("asyncbatch"):
+                speedup = paired_ratio(token_rates(samples[name]), token_rates(samples[best_lit]))
                 print(
-                    f"  {name} / {best_lit}: {paired_speedup(samples[name], samples[best_lit]):.2f}"
-                    " (tokens/s, median of per-round ratios)"
+                    f"  {name} / {best_lit}: {speedup:.2f} (tokens/s, median of per-round ratios)"
                 )
     if "asyncbatch block" in samples and "asyncbatch exact" in samples:
         block = statistics.median(run.requests_per_sample for run in samples["asyncbatch block"])
@@ -515,11 +519,8 @@ def report(samples: dict[str, list[Sample]], names: list[str]) -> None:
     )
 
 
-def paired_speedup(numerator: list[Sample], denominator: list[Sample]) -> float:
-    """Median over rounds of rate(numerator) / rate(denominator), runs of the same round."""
-    return statistics.median(
-        a.tokens_per_s / b.tokens_per_s for a, b in zip(numerator, denominator, strict=True)
-    )
+def token_rates(runs: list[Sample]) -> list[float]:
+    return [run.tokens_per_s for run in runs]
 
 
 def same_tokens(shard: str, chunk: str, header: int, options: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 import s3fs
 import torch
-from common import git_revision, positive
+from common import git_revision, paired_ratio, positive
 from s3rver import (
     BUCKET,
     KEY,
@@ -331,15 +331,16 @@ def run(endpoint: str, args: argparse.Namespace, log: RequestLog) -> None:
             f" {statistics.median(payload / run.seconds for run in runs) / 1e6:8.1f}"
             f" {statistics.median(run.fetched / run.seconds for run in runs) / 1e6:13.1f}"
             f" {f'{min(rate):.0f}-{max(rate):.0f}':>18}"
-            f" {paired_speedup(samples['loader'], runs):12.2f}"
+            f" {paired_ratio(speeds(samples['loader']), speeds(runs)):12.2f}"
         )
+    ratio = paired_ratio(speeds(samples["loader"]), speeds(samples["s3fs per window"]))
     print(
         f"Loader / raw s3fs (same windows, one request per window for s3fs, same concurrency"
-        f" {inflight}): {paired_speedup(samples['loader'], samples['s3fs per window']):.2f}"
+        f" {inflight}): {ratio:.2f}"
     )
     print(
         "  loader gap 0 / s3fs per window (both about one request per window):"
-        f" {paired_speedup(samples['loader gap 0'], samples['s3fs per window']):.2f}"
+        f" {paired_ratio(speeds(samples['loader gap 0']), speeds(samples['s3fs per window'])):.2f}"
     )
     print(
         f"Loader time to first batch: median {statistics.median(first_batch) * 1e3:.0f} ms"
@@ -352,11 +353,9 @@ def run(endpoint: str, args: argparse.Namespace, log: RequestLog) -> None:
     )
 
 
-def paired_speedup(numerator: list[Sample], denominator: list[Sample]) -> float:
-    """Median over rounds of rate(numerator) / rate(denominator), runs of the same round."""
-    return statistics.median(
-        b.seconds / a.seconds for a, b in zip(numerator, denominator, strict=True)
-    )
+def speeds(runs: list[Sample]) -> list[float]:
+    """1 / seconds of each run (every run of a line does the same work)."""
+    return [1 / run.seconds for run in runs]
 
 
 if __name__ == "__main__":

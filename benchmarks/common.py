@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,3 +40,18 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """Median over rounds of the ratio of two measurements taken in the same round."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def stop_process(process: subprocess.Popen[Any]) -> None:
+    """Terminate ``process`` and wait for it; kill it if it has not ended after 10 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

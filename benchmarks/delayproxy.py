@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import stop_process
+
 READ_SIZE = 2**20
 #: Pause reading from the server while this much is waiting to be sent to the client.
 HIGH_WATER = 8 * 2**20
@@ -353,12 +355,7 @@ def running_proxy(upstream: str, delay: float = 0.010) -> Iterator[Proxy]:
             url = f"http://127.0.0.1:{int(line.split()[1])}"
             yield Proxy(url, delay, counters, Path(file.name))
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
             if process.stdout is not None:
                 process.stdout.close()
             counters.release()

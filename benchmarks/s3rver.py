@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+from common import stop_process
 
 BUCKET = "bench"
 # s3rver's built-in credentials.
@@ -125,12 +126,7 @@ def running_s3rver(script: Path, bucket: str = BUCKET) -> Iterator[str]:
                 raise
             yield endpoint
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
 
 
 def token_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
