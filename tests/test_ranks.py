@@ -229,7 +229,8 @@ def test_loader_dataset_resumes_from_the_last_batch_taken(dataset: ab.Dataset) -
 
 
 def test_rank_and_world_size_come_from_torch_distributed(dataset: ab.Dataset) -> None:
-    """A process group of one (gloo, in-process store): rank 0 of 1 unless arguments say."""
+    """A process group of one (gloo, in-process store): its rank and size are taken, and
+    explicit arguments win over them. (Two ranks from the group: tests/test_torchrun.py.)"""
     import torch.distributed as dist
 
     assert not dist.is_initialized()

@@ -3,6 +3,8 @@ global order does not depend on the world size; the tail policy gives every rank
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -202,6 +204,11 @@ def test_block_shuffle_keeps_blocks_inside_windows() -> None:
     assert not np.array_equal(order(1, np.arange(samples, dtype=np.int64)), ids)
 
 
+def rank_orders(samples: int, batch: int, world: int, **kwargs: Any) -> list[EpochOrder]:
+    """The order of every rank of ``world``."""
+    return [EpochOrder(samples, batch, rank=r, world_size=world, **kwargs) for r in range(world)]
+
+
 def rank_ids(orders: list[EpochOrder], epoch: int = 0) -> list[npt.NDArray[np.int64]]:
     return [o.sample_ids(epoch, 0, o.batches_per_epoch) for o in orders]
 
@@ -218,20 +225,16 @@ def rank_ids(orders: list[EpochOrder], epoch: int = 0) -> list[npt.NDArray[np.in
 def test_rank_orders_partition_the_epoch(
     samples: int, world: int, batch: int, shuffle: str, drop_last: bool, seed: int
 ) -> None:
-    orders = [
-        EpochOrder(
-            samples,
-            batch,
-            shuffle=shuffle,
-            seed=seed,
-            rank=r,
-            world_size=world,
-            drop_last=drop_last,
-            block_size=37,
-            window=3,
-        )
-        for r in range(world)
-    ]
+    orders = rank_orders(
+        samples,
+        batch,
+        world,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        block_size=37,
+        window=3,
+    )
     per_rank = rank_ids(orders)
     assert len({ids.size for ids in per_rank}) == 1
     assert len({o.batches_per_epoch for o in orders}) == 1
@@ -260,8 +263,9 @@ def test_rank_orders_partition_the_epoch(
 def test_wrap_tail_sees_every_sample_and_repeats_only_the_first(
     samples: int, world: int, batch: int, shuffle: str, drop_last: bool
 ) -> None:
-    kwargs = dict(shuffle=shuffle, seed=3, world_size=world, drop_last=drop_last, tail="wrap")
-    orders = [EpochOrder(samples, batch, rank=r, **kwargs) for r in range(world)]  # type: ignore[arg-type]
+    orders = rank_orders(
+        samples, batch, world, shuffle=shuffle, seed=3, drop_last=drop_last, tail="wrap"
+    )
     per_rank = rank_ids(orders)
     assert len({ids.size for ids in per_rank}) == 1
     # Interleave the ranks back into global positions: the epoch's order, then its start again.
@@ -287,19 +291,15 @@ def test_global_batches_do_not_depend_on_the_world_size(
     """Global batch g holds the same samples on any world size with the same global batch."""
     contents = []
     for world in worlds[:2]:
-        orders = [
-            EpochOrder(
-                samples,
-                global_batch // world,
-                shuffle=shuffle,
-                seed=seed,
-                rank=r,
-                world_size=world,
-                block_size=10,
-                window=4,
-            )
-            for r in range(world)
-        ]
+        orders = rank_orders(
+            samples,
+            global_batch // world,
+            world,
+            shuffle=shuffle,
+            seed=seed,
+            block_size=10,
+            window=4,
+        )
         per_rank = [ids.reshape(-1, global_batch // world) for ids in rank_ids(orders)]
         contents.append(
             [np.sort(np.concatenate(parts)).tolist() for parts in zip(*per_rank, strict=True)]
