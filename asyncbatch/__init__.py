@@ -23,14 +23,21 @@ from .dataset import Dataset as Dataset
 from .dataset import open_dataset as open_dataset
 from .dataset import open_dataset_async as open_dataset_async
 from .errors import AsyncBatchError as AsyncBatchError
+from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import FormatError as FormatError
 from .errors import LoaderClosedError as LoaderClosedError
 from .errors import ManifestError as ManifestError
 from .errors import NotFoundError as NotFoundError
+from .errors import PermissionDeniedError as PermissionDeniedError
+from .errors import RangeNotSupportedError as RangeNotSupportedError
 from .errors import ResumeStateError as ResumeStateError
+from .errors import RetriesExhaustedError as RetriesExhaustedError
+from .errors import ShardChangedError as ShardChangedError
 from .errors import ShortReadError as ShortReadError
 from .errors import StoreError as StoreError
+from .errors import StoreTimeoutError as StoreTimeoutError
+from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
@@ -47,6 +54,7 @@ __all__ = [
     "AsyncBatchError",
     "AsyncLoader",
     "Batch",
+    "ChecksumError",
     "ConfigError",
     "Dataset",
     "FieldSchema",
@@ -57,9 +65,15 @@ __all__ = [
     "ManifestError",
     "Mixture",
     "NotFoundError",
+    "PermissionDeniedError",
+    "RangeNotSupportedError",
     "ResumeStateError",
+    "RetriesExhaustedError",
+    "ShardChangedError",
     "ShortReadError",
     "StoreError",
+    "StoreTimeoutError",
+    "ThrottledError",
     "UnknownSchemeError",
     "mix",
     "open_dataset",

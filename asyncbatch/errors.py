@@ -7,12 +7,23 @@ because only the message survives a process boundary such as a DataLoader worker
     ├── ConfigError(ValueError)            a bad argument, caught before any thread starts
     │   └── ResumeStateError               a state_dict this loader cannot honour
     ├── StoreError(OSError)                a read or write against a store failed
-    │   ├── NotFoundError(FileNotFoundError)
+    │   ├── NotFoundError(FileNotFoundError)          404, no such key or file
+    │   ├── PermissionDeniedError(PermissionError)    403, EACCES
+    │   ├── ThrottledError                 429, 503 SlowDown (retried; carries Retry-After)
+    │   ├── StoreTimeoutError(TimeoutError)           no connection, first byte or progress in time
+    │   ├── RetriesExhaustedError          every attempt failed; lists them, chains the last
     │   ├── ShortReadError(EOFError)       fewer bytes than the range asked for
+    │   ├── RangeNotSupportedError         the server ignored or refused a byte range
+    │   ├── ShardChangedError              the object changed since it was pinned at open
+    │   ├── ChecksumError                  bytes that do not match their recorded checksum
     │   └── UnknownSchemeError             no store registered for a URL scheme
     ├── FormatError(ValueError)            bytes that do not decode as the format says
     │   └── ManifestError                  a manifest missing, malformed or disagreeing with data
     └── LoaderClosedError(RuntimeError)    the loader was used after close()
+
+Retried by the stores' retry policy: ThrottledError, StoreTimeoutError, ShortReadError from a
+broken body, and 5xx or connection errors; never NotFoundError, PermissionDeniedError,
+RangeNotSupportedError, ShardChangedError, ChecksumError or a FormatError.
 """
 
 from __future__ import annotations
@@ -50,6 +61,37 @@ class StoreError(AsyncBatchError, OSError):
 
 class NotFoundError(StoreError, FileNotFoundError):
     """The object or file does not exist."""
+
+
+class PermissionDeniedError(StoreError, PermissionError):
+    """The store refused access (HTTP 403, EACCES)."""
+
+
+class ThrottledError(StoreError):
+    """The store asked us to slow down (HTTP 429, 503 SlowDown); ``retry_after`` in seconds."""
+
+    retry_after: float | None = None
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """No connection, no first byte, or no progress within its timeout."""
+
+
+class RetriesExhaustedError(StoreError):
+    """Every attempt of a retried operation failed; the message lists them, the last is the
+    cause."""
+
+
+class RangeNotSupportedError(StoreError):
+    """The server ignored a ``Range`` header (whole object sent) or answered another range."""
+
+
+class ShardChangedError(StoreError):
+    """An object changed (ETag, version, inode, size or mtime) after it was pinned."""
+
+
+class ChecksumError(StoreError):
+    """Bytes read do not match the checksum the manifest records for them."""
 
 
 class ShortReadError(StoreError, EOFError):
