@@ -65,33 +65,42 @@ async def read_object(store: Store, url: str) -> bytes:
 
 
 async def open_dataset_async(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, format: str | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    format: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url`` in the running loop; see :func:`open_dataset`."""
     from .formats import OPENERS  # formats import this module
 
-    options = dict(storage_options or {})
     openers = {opener.name: opener for opener in OPENERS}
     if format is not None and format not in openers and format != "manifest":
         known = ", ".join(["manifest", *openers])
         raise ConfigError(f"format={format!r} is not one asyncbatch opens (known: {known})")
-    store = open_store(url, options)
+    extra = dict(options or {})
+    store_options = dict(storage_options or {})
+    store = open_store(url, store_options)
     try:
         if format is not None and format != "manifest":
-            return await openers[format].open(url, store, options)
+            return await openers[format].open(url, store, store_options, extra)
         if format is None:
             for opener in OPENERS:
                 if opener.claims(url):
-                    return await opener.open(url, store, options)
+                    return await opener.open(url, store, store_options, extra)
         try:
-            return await _open_manifest(url, store, options)
+            dataset = await _open_manifest(url, store, store_options)
         except NotFoundError as exc:
             if format is not None:
                 raise
             missing = exc
+        else:
+            if extra:
+                raise ConfigError(f"options={extra!r}: a dataset with a manifest takes none")
+            return dataset
         for opener in OPENERS:
             if opener.probe is not None and await opener.probe(url, store):
-                return await opener.open(url, store, options)
+                return await opener.open(url, store, store_options, extra)
         tried = ", ".join(o.name for o in OPENERS)
         if not tried:
             raise missing
@@ -113,17 +122,26 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
     except NotFoundError as exc:
         msg = f"no dataset at {url}: {manifest_url} not found"
         raise NotFoundError(msg, manifest_url) from exc
-    return Dataset(root, Manifest.from_json(text, manifest_url), options)
+    from .formats import INDEX_LOADERS
+
+    dataset = Dataset(root, Manifest.from_json(text, manifest_url), options)
+    load = INDEX_LOADERS.get(dataset.manifest.format)
+    return dataset if load is None else await load(dataset, store)
 
 
 def open_dataset(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, format: str | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    format: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
     whatever the dataset's size.
 
     The layout is recognised by itself: an asyncbatch manifest at ``url`` or in the folder,
     or data in another layout an opener of :mod:`asyncbatch.formats` recognises;
-    ``format=`` names it instead (``"manifest"`` or an opener's name).
+    ``format=`` names it instead (``"manifest"`` or an opener's name); ``options=`` go to
+    the opener (e.g. the dtype of raw token files).
     """
-    return run_sync(open_dataset_async(url, storage_options, format=format))
+    return run_sync(open_dataset_async(url, storage_options, format=format, options=options))

@@ -9,6 +9,7 @@ already have) register an :class:`~asyncbatch.formats.base.Opener` in
 from __future__ import annotations
 
 from .base import FORMATS as FORMATS
+from .base import INDEX_LOADERS as INDEX_LOADERS
 from .base import OPENERS as OPENERS
 from .base import Opener as Opener
 from .base import PlannedSource as PlannedSource
@@ -19,4 +20,13 @@ from .tokens import token_windows
 
 FORMATS["tokens"] = token_windows
 
-__all__ = ["FORMATS", "OPENERS", "Opener", "PlannedSource", "Source", "TokenWindows", "make_source"]
+__all__ = [
+    "FORMATS",
+    "INDEX_LOADERS",
+    "OPENERS",
+    "Opener",
+    "PlannedSource",
+    "Source",
+    "TokenWindows",
+    "make_source",
+]

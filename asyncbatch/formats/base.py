@@ -131,10 +131,16 @@ class Opener:
     """
 
     name: str
-    open: Callable[[str, Store, Mapping[str, Any]], Awaitable[Dataset]]
+    #: ``open(url, store, storage_options, options)``: ``options`` are ``open_dataset``'s
+    #: ``options=`` (e.g. the dtype of raw token files); unknown keys are a ConfigError.
+    open: Callable[[str, Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
     claims: Callable[[str], bool] = lambda url: False
     probe: Callable[[str, Store], Awaitable[bool]] | None = None
 
 
 #: Openers of data users already have, tried in order; formats/__init__.py fills it.
 OPENERS: list[Opener] = []
+
+#: After its manifest is read, a dataset of one of these formats reads its index arrays
+#: (document offsets, ...) into ``Dataset.arrays``: ``load(dataset, store) -> dataset``.
+INDEX_LOADERS: dict[str, Callable[[Dataset, Store], Awaitable[Dataset]]] = {}
