@@ -15,10 +15,13 @@ from .base import Opener as Opener
 from .base import PlannedSource as PlannedSource
 from .base import Source as Source
 from .base import make_source as make_source
+from .documents import documents, load_document_index
 from .tokens import TokenWindows as TokenWindows
 from .tokens import token_windows
 
 FORMATS["tokens"] = token_windows
+FORMATS["documents"] = documents
+INDEX_LOADERS["documents"] = load_document_index
 
 __all__ = [
     "FORMATS",

@@ -1,0 +1,530 @@
+"""Documents: variable-length samples over a token stream, and packing them into windows.
+
+A *documents* dataset (``manifest.format == "documents"``) is a token stream stored as the
+tokens format stores it, plus ``dataset.arrays["document_offsets"]``: int64, ``D + 1``
+entries, document ``d`` being elements ``[offsets[d], offsets[d + 1])`` of the concatenated
+stream. ``offsets[0] == 0``, offsets never decrease (empty documents are allowed) and the last
+equals the stream's length; documents cross shard ends freely. The sources below need nothing
+else, so an opener of another layout (Megatron ``.bin``/``.idx``) builds such a dataset in
+memory. asyncbatch's own layout keeps the offsets in an index file beside the shards (raw
+little-endian int64, named by the manifest's ``metadata["document_index"]``), read whole at
+open by :func:`load_document_index`.
+
+Two ways to read one:
+
+* ``seq_len=None`` (:class:`DocumentSamples`): sample ``i`` is document ``i``, whole (or cut
+  to ``max_len``); one jagged column per field, never padded unless asked.
+* ``seq_len=L`` (:class:`PackedDocuments`): sample ``i`` is the token window
+  ``[i·L, i·L + L)`` (``+ 1`` with ``next_token``), exactly as the tokens format reads it,
+  plus where documents start inside it (``cu_seqlens``, ``document_ids``, ``position_ids``),
+  found by index math over the offsets.
+
+A mixture of document datasets numbers their documents one dataset after another, as it
+numbers their samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..batch import FieldSchema, Jagged
+from ..dataset import Dataset, join_url, read_object
+from ..errors import ConfigError, ManifestError, NotFoundError
+from ..layout import ReadPlan, ShardMap
+from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
+from ..portal import run_sync
+from ..stores import open_store
+from ..writer import DEFAULT_SHARD_SIZE, _checked_cast
+from .base import PlannedSource, Source
+from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
+
+if TYPE_CHECKING:
+    from ..stores.base import Store
+
+Int64Array = npt.NDArray[np.int64]
+
+FORMAT = "documents"
+#: The key of the offsets in ``Dataset.arrays``.
+OFFSETS = "document_offsets"
+#: The index file asyncbatch writes beside the shards.
+INDEX_NAME = "documents.idx"
+INDEX_DTYPE = np.dtype("<i8")
+OUTPUTS = ("jagged", "nested", "padded")
+OPTIONS = ("output", "pad_id", "max_len")
+
+
+# ---------------------------------------------------------------------------------------------
+# The offsets: checked once per dataset, whoever built them
+
+
+def check_offsets(offsets: npt.NDArray[Any], total: int, where: str) -> Int64Array:
+    """``offsets`` as int64 if they describe documents of a stream of ``total`` elements;
+    a :class:`ManifestError` naming ``where`` otherwise."""
+    if offsets.ndim != 1 or offsets.size == 0 or offsets.dtype.kind not in "iu":
+        raise ManifestError(
+            f"{where}: document offsets must be a non-empty 1-D integer array,"
+            f" got {offsets.dtype} of shape {offsets.shape}"
+        )
+    offsets = offsets.astype(np.int64, copy=False)
+    if offsets[0] != 0:
+        raise ManifestError(f"{where}: the first document offset is {offsets[0]}, not 0")
+    falling = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if falling.size:
+        d = int(falling[0])
+        raise ManifestError(
+            f"{where}: document offsets decrease: document {d + 1} starts at"
+            f" {offsets[d + 1]}, before document {d} ({offsets[d]})"
+        )
+    if offsets[-1] != total:
+        raise ManifestError(
+            f"{where}: the document offsets end at element {offsets[-1]},"
+            f" but the shards hold {total} elements"
+        )
+    return offsets
+
+
+def document_offsets(dataset: Dataset) -> Int64Array:
+    """The checked document offsets of ``dataset`` (a ManifestError names its URL)."""
+    offsets = dataset.arrays.get(OFFSETS)
+    if offsets is None:
+        raise ManifestError(
+            f"{dataset.url}: a documents dataset needs arrays[{OFFSETS!r}], and none was loaded"
+        )
+    return check_offsets(np.asarray(offsets), dataset.shard_map.total, dataset.url)
+
+
+async def load_document_index(dataset: Dataset, store: Store) -> Dataset:
+    """``INDEX_LOADERS["documents"]``: read the index file named by the manifest (one whole
+    object, never the data) into ``dataset.arrays["document_offsets"]``."""
+    manifest_url = join_url(dataset.url, MANIFEST_NAME)
+    name = dataset.manifest.metadata.get("document_index")
+    if not isinstance(name, str) or not name:
+        raise ManifestError(f"{manifest_url}: a documents manifest must name its document_index")
+    url = join_url(dataset.url, name)
+    try:
+        raw = await read_object(store, url)
+    except NotFoundError as exc:
+        raise ManifestError(f"{url}: the document index named by {manifest_url} is missing") from exc
+    if len(raw) % INDEX_DTYPE.itemsize:
+        raise ManifestError(f"{url}: {len(raw)} bytes is not a whole number of int64 offsets")
+    offsets = np.frombuffer(raw, dtype=INDEX_DTYPE).astype(np.int64)
+    count = dataset.manifest.metadata.get("documents")
+    if count is not None and offsets.size != int(count) + 1:
+        raise ManifestError(
+            f"{url}: {offsets.size} offsets, but the manifest says {count} documents"
+            f" ({int(count) + 1} offsets)"
+        )
+    offsets = check_offsets(offsets, dataset.manifest.total_elements, url)
+    return dataclasses.replace(dataset, arrays={**dataset.arrays, OFFSETS: offsets})
+
+
+def _joined(
+    datasets: Sequence[Dataset],
+) -> tuple[ShardMap, list[str], Int64Array, Int64Array, np.dtype[Any]]:
+    """Shards of several datasets numbered one after another, and their documents likewise:
+    ``(shard_map, shard_urls, shard_dataset, offsets, stored dtype)``."""
+    stored = datasets[0].manifest.dtype
+    for one in datasets[1:]:
+        if one.manifest.dtype != stored:
+            raise ConfigError(f"{one.url} holds {one.manifest.dtype}, not {stored} as the rest")
+    parts = [document_offsets(d) for d in datasets]
+    if len(datasets) == 1:
+        shard_map = datasets[0].shard_map
+        offsets = parts[0]
+    else:
+        counts = np.concatenate([d.shard_map.counts for d in datasets])
+        headers = np.concatenate([d.shard_map.offsets for d in datasets])
+        shard_map = ShardMap(counts, stored.itemsize, headers)
+        totals = np.array([d.shard_map.total for d in datasets], dtype=np.int64)
+        bases = np.cumsum(totals) - totals
+        offsets = np.concatenate(
+            [p[:-1] + b for p, b in zip(parts, bases.tolist(), strict=True)]
+            + [np.array([shard_map.total], dtype=np.int64)]
+        )
+    urls = [url for d in datasets for url in d.shard_urls]
+    shard_dataset = np.repeat(np.arange(len(datasets)), [len(d.manifest.shards) for d in datasets])
+    return shard_map, urls, shard_dataset, offsets, stored
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents as samples
+
+
+class _PerBatch:
+    """A group's jagged column that becomes another form (nested, padded, mask) when the
+    engine slices one batch off it, since that form cannot be sliced or padded per group."""
+
+    __slots__ = ("column", "convert")
+
+    def __init__(self, column: Jagged, convert: Callable[[Jagged], Any]) -> None:
+        self.column = column
+        self.convert = convert
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __getitem__(self, index: slice) -> Any:
+        return self.convert(self.column[index])
+
+
+def _pad(column: Jagged, pad: Any, width: int | None) -> torch.Tensor:
+    """``[samples, width]`` padded with ``pad`` (numpy does it: torch cannot index-put
+    uint16); ``width`` None means the longest sample's length."""
+    lengths = column.lengths.numpy()
+    if width is None:
+        width = int(lengths.max()) if lengths.size else 0
+    values = column.values.numpy()
+    out = np.full((lengths.size, width, *values.shape[1:]), pad, dtype=values.dtype)
+    # Samples never exceed ``width``, so the real positions in row-major order are exactly
+    # the concatenated values.
+    out[np.arange(width)[None, :] < lengths[:, None]] = values
+    return torch.from_numpy(out)
+
+
+class DocumentSamples(PlannedSource):
+    """Sample ``i`` = document ``i`` (cut to ``max_len``), as a jagged column per field.
+
+    ``output="nested"`` gives ``torch.nested`` jagged tensors instead; ``output="padded"``
+    gives dense ``[batch, width]`` tensors padded with ``pad_id`` (width ``max_len`` when
+    given, so every batch has one shape; else the batch's longest document) plus
+    ``lengths`` and ``attention_mask``.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        *,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+        output: str = "jagged",
+        pad_id: int = 0,
+        max_len: int | None = None,
+    ) -> None:
+        self.datasets: Sequence[Dataset] = list(datasets)
+        if output not in OUTPUTS:
+            raise ConfigError(f"format_options output={output!r}: expected one of {OUTPUTS}")
+        if max_len is not None and (
+            isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
+        ):
+            raise ConfigError(f"format_options max_len must be a positive integer, got {max_len!r}")
+        self.output, self.max_len = output, max_len
+        self.shard_map, self.shard_urls, self.shard_dataset, self.offsets, stored = _joined(
+            self.datasets
+        )
+        self.stored_dtype = stored
+        self.sizes = np.array([d.arrays[OFFSETS].size - 1 for d in self.datasets], dtype=np.int64)
+        self.num_samples = int(self.sizes.sum())
+        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        if self.out_dtype is not None and stored.names:
+            raise ConfigError(f"dtype={dtype!r} cannot convert the structured dtype {stored}")
+        self.converts = self.out_dtype is not None and self.out_dtype != stored
+        final = self.out_dtype if self.converts and self.out_dtype is not None else stored
+        self.pad_id = pad_id
+        if output == "padded":
+            for name in stored.names or (None,):
+                kind = final[name] if name is not None else final
+                if np.array(pad_id).astype(kind) != pad_id:
+                    raise ConfigError(f"format_options pad_id={pad_id!r} does not fit {kind}")
+        mean = self.shard_map.total / max(1, self.num_samples)
+        if max_len is not None:
+            mean = min(mean, max_len)
+        per_element = stored.itemsize + (final.itemsize if self.converts else 0)
+        self.sample_bytes = max(1, int(mean * per_element))
+        self.names = stored.names or (TOKENS_FIELD,)
+        width = max_len if output == "padded" and max_len is not None else -1
+        self.schema = {
+            name: FieldSchema(
+                dtype=str(final[name] if stored.names else final),
+                shape=(width,),
+                nested=output != "padded",
+            )
+            for name in self.names
+        }
+        if output == "padded":
+            self.schema["lengths"] = FieldSchema(dtype="int64", shape=())
+            self.schema["attention_mask"] = FieldSchema(dtype="bool", shape=(width,))
+
+    def _spans(self, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
+        starts = self.offsets[ids]
+        lengths = self.offsets[ids + 1] - starts
+        if self.max_len is not None:
+            np.minimum(lengths, self.max_len, out=lengths)
+        return starts, lengths
+
+    def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
+        starts, lengths = self._spans(ids)
+        if not lengths.all():  # empty documents read nothing (one may sit past the last shard)
+            keep = lengths > 0
+            starts, lengths = starts[keep], lengths[keep]
+        return self.shard_map.plan(starts, lengths, gap)
+
+    def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
+        _, lengths = self._spans(ids)
+        offsets = np.zeros(ids.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = buffer.view(self.stored_dtype)
+        if self.converts and self.out_dtype is not None:
+            values = values.astype(self.out_dtype)
+        torch_offsets = torch.from_numpy(offsets)
+        columns = {
+            name: Jagged(
+                torch.from_numpy(
+                    np.ascontiguousarray(values[name]) if self.stored_dtype.names else values
+                ),
+                torch_offsets,
+            )
+            for name in self.names
+        }
+        if self.output == "jagged":
+            return dict(columns)
+        if self.output == "nested":
+            return {name: _PerBatch(c, Jagged.to_nested) for name, c in columns.items()}
+        width, pad = self.max_len, self.pad_id
+        fields: dict[str, Any] = {
+            name: _PerBatch(c, lambda c: _pad(c, pad, width)) for name, c in columns.items()
+        }
+        first = columns[self.names[0]]
+        fields["lengths"] = torch.from_numpy(lengths)
+        fields["attention_mask"] = _PerBatch(first, lambda c: c.mask(width))
+        return fields
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: token windows plus the document boundaries inside each
+
+
+class PackedDocuments(TokenWindows):
+    """Token windows of a documents dataset, with the documents' boundaries inside each.
+
+    Fields besides the tokens (a window of ``W = L (+ 1)`` elements):
+
+    * ``cu_seqlens``: a :class:`Jagged` of int32, per window ``0``, the start of every
+      document that begins strictly inside the first ``L`` positions, then ``L``
+      (flash-attention's ``cu_seqlens`` for that window's inputs);
+    * ``document_ids``: int64 ``[batch, W]``, the document of every token (numbered through
+      the mixture's documents);
+    * ``position_ids``: int64 ``[batch, W]``, each token's position counted from the start
+      of its document *inside the window* (0 at the window's start and at every boundary),
+      consistent with ``cu_seqlens``.
+
+    Boundaries come from ``np.searchsorted`` over the offsets for the whole batch: no scan
+    of the data, no Python per window.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        seq_len: int,
+        *,
+        next_token: bool = False,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+    ) -> None:
+        super().__init__(datasets, seq_len, next_token=next_token, dtype=dtype)
+        *_, self.offsets, _ = _joined(self.datasets)
+        self.sample_bytes += self.window * 16 + 8
+        self.schema["cu_seqlens"] = FieldSchema(dtype="int32", shape=(-1,), nested=True)
+        self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+        self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+
+    def window_starts(self, ids: Int64Array) -> Int64Array:
+        """Element (of the joined stream) where each window starts."""
+        if len(self.datasets) == 1:
+            return ids * self.seq_len
+        which = np.searchsorted(self._id_ends, ids, side="right")
+        local = ids - (self._id_ends - self.sizes)[which]
+        starts: Int64Array = self._element_base[which] + local * self.seq_len
+        return starts
+
+    def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
+        fields = super().decode(buffer, ids)
+        fields.update(boundaries(self.offsets, self.window_starts(ids), self.seq_len, self.window))
+        return fields
+
+
+def boundaries(offsets: Int64Array, starts: Int64Array, seq_len: int, window: int) -> dict[str, Any]:
+    """``cu_seqlens``, ``document_ids`` and ``position_ids`` of the windows of ``window``
+    elements at ``starts`` (see :class:`PackedDocuments`), vectorised over the windows."""
+    n = starts.size
+    first_doc = np.searchsorted(offsets, starts, side="right") - 1
+    # Offsets strictly inside each window: indexes lo[b] .. hi[b] - 1 of ``offsets``.
+    lo = first_doc + 1
+    hi = np.searchsorted(offsets, starts + window, side="left")
+    counts = hi - lo
+    which = np.repeat(np.arange(n), counts)
+    index = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts) + lo[which]
+    at = offsets[index] - starts[which]  # window-relative; equal for empty documents
+    # Each document start adds one to the document id from its position on (two starts at
+    # one position: an empty document, skipped).
+    marks = np.bincount(which * window + at, minlength=n * window).reshape(n, window)
+    document_ids = first_doc[:, None] + np.cumsum(marks, axis=1)
+    position = np.arange(window)
+    segment = np.maximum.accumulate(np.where(marks > 0, position, 0), axis=1)
+    position_ids = position - segment
+    # cu_seqlens: distinct starts inside (0, seq_len), framed by 0 and seq_len.
+    keep = at < seq_len
+    keep[1:] &= (at[1:] != at[:-1]) | (which[1:] != which[:-1])
+    inner_of = which[keep]
+    inner = np.bincount(inner_of, minlength=n)
+    sizes = inner + 2
+    cu_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(sizes, out=cu_offsets[1:])
+    values = np.empty(int(cu_offsets[-1]), dtype=np.int32)
+    values[cu_offsets[:-1]] = 0
+    values[cu_offsets[1:] - 1] = seq_len
+    rank = np.arange(inner_of.size) - np.repeat(np.cumsum(inner) - inner, inner)
+    values[cu_offsets[:-1][inner_of] + 1 + rank] = at[keep]
+    return {
+        "cu_seqlens": Jagged(torch.from_numpy(values), torch.from_numpy(cu_offsets)),
+        "document_ids": torch.from_numpy(document_ids),
+        "position_ids": torch.from_numpy(position_ids),
+    }
+
+
+def documents(
+    datasets: Sequence[Dataset],
+    *,
+    seq_len: int | None,
+    next_token: bool,
+    dtype: Any,
+    **options: Any,
+) -> Source:
+    """Source factory of the ``documents`` format: documents as samples without ``seq_len``
+    (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown format_options {unknown} for documents (known: {', '.join(OPTIONS)})"
+        )
+    if seq_len is not None:
+        if options:
+            raise ConfigError(
+                f"format_options {sorted(options)} apply to documents as samples"
+                f" (seq_len=None); with seq_len={seq_len} documents are packed into windows"
+            )
+        return PackedDocuments(datasets, seq_len, next_token=next_token, dtype=dtype)
+    if next_token:
+        raise ConfigError("next_token=True needs seq_len= (packing); a document sample is whole")
+    if "pad_id" in options and options.get("output") != "padded":
+        raise ConfigError("format_options pad_id applies to output='padded'")
+    return DocumentSamples(datasets, dtype=dtype, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+async def write_documents_async(
+    url: str,
+    documents: Iterable[npt.ArrayLike],
+    *,
+    dtype: npt.DTypeLike | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    storage_options: Mapping[str, Any] | None = None,
+    max_concurrency: int = 4,
+) -> Dataset:
+    """Async form of :func:`write_documents`, in the running loop."""
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+    if max_concurrency < 1:
+        raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
+    if isinstance(documents, np.ndarray) and documents.ndim < 2:
+        raise ConfigError(
+            f"documents must be an iterable of 1-D arrays, got one array of shape"
+            f" {documents.shape}"
+        )
+    root = url.rstrip("/")
+    options = dict(storage_options or {})
+    target = np.dtype(dtype) if dtype is not None else None
+    store = open_store(root, options, max_inflight=max_concurrency)
+    shards: list[ShardInfo] = []
+    lengths: list[int] = []
+    writes: set[asyncio.Task[None]] = set()
+    slots = asyncio.Semaphore(max_concurrency)
+
+    async def write_shard(name: str, data: npt.NDArray[Any]) -> None:
+        try:
+            await store.write(join_url(root, name), memoryview(data.view(np.uint8)))  # type: ignore[arg-type]
+        finally:
+            slots.release()
+
+    async def flush(data: npt.NDArray[Any]) -> None:
+        name = f"shard-{len(shards):05d}.bin"
+        shards.append(ShardInfo(name, data.nbytes, int(data.size)))
+        await slots.acquire()  # bounds the shard buffers held in memory
+        task = asyncio.create_task(write_shard(name, data))
+        writes.add(task)
+
+    try:
+        buffer: npt.NDArray[Any] | None = None
+        fill = 0
+        for number, document in enumerate(documents):
+            array = np.asarray(document)
+            if array.ndim != 1:
+                raise ConfigError(f"document {number} has shape {array.shape}; documents are 1-D")
+            if target is None:
+                target = array.dtype
+            array = _checked_cast(array, target)
+            lengths.append(array.size)
+            per_shard = max(1, shard_size // target.itemsize)
+            while array.size:
+                if buffer is None:
+                    buffer, fill = np.empty(per_shard, dtype=target), 0
+                take = min(per_shard - fill, array.size)
+                buffer[fill : fill + take] = array[:take]
+                fill += take
+                array = array[take:]
+                if fill == per_shard:
+                    await flush(buffer)
+                    buffer = None
+            for done in [t for t in writes if t.done()]:
+                writes.discard(done)
+                done.result()
+        if buffer is not None and fill:
+            await flush(buffer[:fill])
+        await asyncio.gather(*writes)
+        if target is None:
+            raise ConfigError("no documents given and no dtype: pass dtype= for an empty dataset")
+        offsets = np.zeros(len(lengths) + 1, dtype=INDEX_DTYPE)
+        np.cumsum(lengths, out=offsets[1:])
+        await store.write(join_url(root, INDEX_NAME), offsets.tobytes())
+        metadata = {"document_index": INDEX_NAME, "documents": len(lengths)}
+        manifest = Manifest(FORMAT, target, tuple(shards), metadata)
+        await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
+    finally:
+        for task in writes:
+            task.cancel()
+        await asyncio.gather(*writes, return_exceptions=True)
+        await store.close()
+    return Dataset(root, manifest, options, {OFFSETS: offsets.astype(np.int64)})
+
+
+def write_documents(
+    url: str,
+    documents: Iterable[npt.ArrayLike],
+    *,
+    dtype: npt.DTypeLike | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    storage_options: Mapping[str, Any] | None = None,
+    max_concurrency: int = 4,
+) -> Dataset:
+    """Write ``documents`` (an iterable of 1-D arrays or lists of tokens) as a documents
+    dataset at ``url``: shards of the concatenated tokens, the index, the manifest last.
+
+    ``dtype`` defaults to the first document's; tokens that do not fit it are an error.
+    """
+    return run_sync(
+        write_documents_async(
+            url,
+            documents,
+            dtype=dtype,
+            shard_size=shard_size,
+            storage_options=storage_options,
+            max_concurrency=max_concurrency,
+        )
+    )
