@@ -111,7 +111,9 @@ async def load_document_index(dataset: Dataset, store: Store) -> Dataset:
     try:
         raw = await read_object(store, url)
     except NotFoundError as exc:
-        raise ManifestError(f"{url}: the document index named by {manifest_url} is missing") from exc
+        raise ManifestError(
+            f"{url}: the document index named by {manifest_url} is missing"
+        ) from exc
     if len(raw) % INDEX_DTYPE.itemsize:
         raise ManifestError(f"{url}: {len(raw)} bytes is not a whole number of int64 offsets")
     offsets = np.frombuffer(raw, dtype=INDEX_DTYPE).astype(np.int64)
@@ -214,9 +216,8 @@ class DocumentSamples(PlannedSource):
         ):
             raise ConfigError(f"format_options max_len must be a positive integer, got {max_len!r}")
         self.output, self.max_len = output, max_len
-        self.shard_map, self.shard_urls, self.shard_dataset, self.offsets, stored = _joined(
-            self.datasets
-        )
+        self.shard_map, urls, self.shard_dataset, self.offsets, stored = _joined(self.datasets)
+        self.shard_urls: Sequence[str] = urls
         self.stored_dtype = stored
         self.sizes = np.array([d.arrays[OFFSETS].size - 1 for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
@@ -347,7 +348,9 @@ class PackedDocuments(TokenWindows):
         return fields
 
 
-def boundaries(offsets: Int64Array, starts: Int64Array, seq_len: int, window: int) -> dict[str, Any]:
+def boundaries(
+    offsets: Int64Array, starts: Int64Array, seq_len: int, window: int
+) -> dict[str, Any]:
     """``cu_seqlens``, ``document_ids`` and ``position_ids`` of the windows of ``window``
     elements at ``starts`` (see :class:`PackedDocuments`), vectorised over the windows."""
     n = starts.size
@@ -435,8 +438,7 @@ async def write_documents_async(
         raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
     if isinstance(documents, np.ndarray) and documents.ndim < 2:
         raise ConfigError(
-            f"documents must be an iterable of 1-D arrays, got one array of shape"
-            f" {documents.shape}"
+            f"documents must be an iterable of 1-D arrays, got one array of shape {documents.shape}"
         )
     root = url.rstrip("/")
     options = dict(storage_options or {})

@@ -1,0 +1,535 @@
+"""Documents: jagged samples and packed windows, byte-exact through every store and loader.
+
+Every expectation is computed from the numpy documents the test wrote, never from the
+library's own index math: document ``d`` is ``documents[d]``, and a packed window's document
+ids come from repeating each document's number over its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from conftest import BUCKET, s3_options
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_loader import run_resume_case
+from test_ranks import run_elastic_case
+
+import asyncbatch as ab
+from asyncbatch.errors import ConfigError, ManifestError
+from asyncbatch.manifest import Manifest, ShardInfo
+
+_names = itertools.count()
+Documents = list[npt.NDArray[np.uint16]]
+
+
+def make_documents(seed: int, count: int) -> Documents:
+    """Mostly short documents, some empty, a few longer than the test windows and shards."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.geometric(1 / 30, count) - 1
+    lengths[rng.choice(count, count // 20, replace=False)] = 0
+    lengths[rng.choice(count, count // 50, replace=False)] = 700
+    return [rng.integers(0, 60_000, n, dtype=np.uint16) for n in lengths.tolist()]
+
+
+def stream_of(documents: Documents) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.int64]]:
+    """The concatenated tokens, and the number of the document each token belongs to."""
+    tokens = np.concatenate(documents)
+    owner = np.repeat(np.arange(len(documents)), [d.size for d in documents])
+    return tokens, owner
+
+
+@pytest.fixture(scope="module")
+def documents() -> Documents:
+    return make_documents(0, 400)
+
+
+@pytest.fixture
+def write_docs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """``write_docs(documents, **kwargs)`` writes to the current store; ``(url, options)``."""
+
+    def write(docs: Any, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+        name = f"docs-{next(_names)}"
+        if store == "local":
+            url = str(tmp_path / name)
+            ab.write_documents(url, docs, **kwargs)
+            return url, {}
+        if store == "s3":
+            options = s3_options(request.getfixturevalue("s3_endpoint"))
+            url = f"s3://{BUCKET}/{name}"
+            ab.write_documents(url, docs, storage_options=options, **kwargs)
+            return url, options
+        root, server = request.getfixturevalue("http_root")
+        ab.write_documents(str(root / name), docs, **kwargs)
+        return f"{server.url}/{name}", {}
+
+    return write
+
+
+@pytest.fixture(scope="module")
+def local_docs(tmp_path_factory: pytest.TempPathFactory, documents: Documents) -> ab.Dataset:
+    return ab.write_documents(
+        str(tmp_path_factory.mktemp("docs") / "ds"), documents, shard_size=999
+    )
+
+
+def check_jagged(batch: ab.Batch, documents: Documents, max_len: int | None = None) -> None:
+    column = batch["tokens"]
+    assert isinstance(column, ab.Jagged)
+    wanted = [documents[i][:max_len] for i in batch.global_indexes.tolist()]
+    assert column.lengths.tolist() == [d.size for d in wanted]
+    assert column.offsets[0] == 0 and column.values.numel() == column.offsets[-1]
+    np.testing.assert_array_equal(column.values.numpy(), np.concatenate(wanted))
+
+
+def reference_window(
+    tokens: npt.NDArray[Any], owner: npt.NDArray[np.int64], start: int, seq_len: int, width: int
+) -> dict[str, Any]:
+    """What a packed window must hold, one token at a time."""
+    ids = owner[start : start + width]
+    cu, positions, position = [0], [], 0
+    for t in range(width):
+        if t and ids[t] != ids[t - 1]:
+            position = 0
+            if t < seq_len:
+                cu.append(t)
+        positions.append(position)
+        position += 1
+    return {
+        "tokens": tokens[start : start + width],
+        "document_ids": ids,
+        "position_ids": np.array(positions),
+        "cu_seqlens": np.array([*cu, seq_len]),
+    }
+
+
+def check_packed(
+    batch: ab.Batch,
+    tokens: npt.NDArray[Any],
+    owner: npt.NDArray[np.int64],
+    seq_len: int,
+    next_token: bool = False,
+    starts: npt.NDArray[np.int64] | None = None,
+) -> None:
+    width = seq_len + int(next_token)
+    if starts is None:
+        starts = batch.global_indexes * seq_len
+    assert batch["tokens"].shape == batch["document_ids"].shape == (batch.batch_size, width)
+    assert batch["cu_seqlens"].values.dtype == torch.int32
+    for row, start in enumerate(starts.tolist()):
+        want = reference_window(tokens, owner, start, seq_len, width)
+        np.testing.assert_array_equal(batch["tokens"][row].numpy(), want["tokens"])
+        np.testing.assert_array_equal(batch["document_ids"][row].numpy(), want["document_ids"])
+        np.testing.assert_array_equal(batch["position_ids"][row].numpy(), want["position_ids"])
+        np.testing.assert_array_equal(batch["cu_seqlens"][row].numpy(), want["cu_seqlens"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Through every store
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "block"])
+def test_documents_read_back_exactly(write_docs: Any, documents: Documents, shuffle: Any) -> None:
+    # Shards of 500 tokens: documents of 700 cross one or two shard ends.
+    url, options = write_docs(documents, shard_size=1000)
+    seen = []
+    extra = {"block_size": 8, "window": 3} if shuffle == "block" else {}
+    with ab.Loader(
+        url, batch_size=16, shuffle=shuffle, drop_last=False, storage_options=options, **extra
+    ) as loader:
+        assert loader.dataset is not None
+        assert loader.dataset.manifest.format == "documents"
+        for batch in loader:
+            check_jagged(batch, documents)
+            seen += batch.global_indexes.tolist()
+    assert sorted(seen) == list(range(len(documents)))
+    if not shuffle:
+        assert seen == list(range(len(documents)))
+
+
+@pytest.mark.parametrize("next_token", [False, True])
+def test_packing_is_token_windows_plus_boundaries(
+    write_docs: Any, documents: Documents, next_token: bool
+) -> None:
+    url, options = write_docs(documents, shard_size=1000)
+    tokens, owner = stream_of(documents)
+    seq_len = 64
+    seen = []
+    with ab.Loader(
+        url, batch_size=8, seq_len=seq_len, next_token=next_token, storage_options=options
+    ) as loader:
+        for batch in loader:
+            check_packed(batch, tokens, owner, seq_len, next_token)
+            seen += batch.global_indexes.tolist()
+    # The tail rule of the tokens format: only what does not fill a last window is left out.
+    windows = (tokens.size - int(next_token)) // seq_len
+    assert len(seen) == len(set(seen)) == windows // 8 * 8
+
+
+def test_open_reads_the_manifest_and_the_index_only(
+    documents: Documents, request: pytest.FixtureRequest
+) -> None:
+    root, server = request.getfixturevalue("http_root")
+    ab.write_documents(str(root / "open-count"), documents, shard_size=1000)
+    before = server.requests
+    dataset = ab.open_dataset(f"{server.url}/open-count")
+    assert server.requests - before == 2  # one GET each: manifest.json, documents.idx
+    offsets = dataset.arrays["document_offsets"]
+    assert offsets.dtype == np.int64 and offsets.size == len(documents) + 1
+    assert offsets[-1] == dataset.manifest.total_elements == sum(d.size for d in documents)
+
+
+def test_block_shuffle_reads_blocks_of_documents_in_few_requests(
+    documents: Documents, request: pytest.FixtureRequest
+) -> None:
+    """Counted at the HTTP server: neighbouring documents merge into one read."""
+    root, server = request.getfixturevalue("http_root")
+    ab.write_documents(str(root / "blocks"), documents, shard_size=2**20)
+    counts = {}
+    for name, args in {
+        "global": {"shuffle": True, "prefetch": 2},
+        "block": {"shuffle": "block", "block_size": 32, "window": 2},
+    }.items():
+        with server.lock:
+            server.requests = 0
+        with ab.Loader(f"{server.url}/blocks", batch_size=16, coalesce_gap=0, **args) as loader:
+            batches = sum(1 for _ in loader)
+        counts[name] = (server.requests - 2) / batches  # less the manifest and the index
+    # Global: about one request per non-empty document; block: a few per window of 64.
+    assert counts["global"] > 12, counts
+    assert counts["block"] < 2, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Output forms
+
+
+def test_nested_output(local_docs: ab.Dataset, documents: Documents) -> None:
+    with ab.Loader(local_docs, batch_size=8, format_options={"output": "nested"}) as loader:
+        batch = next(iter(loader))
+    nested = batch["tokens"]
+    assert nested.is_nested and nested.layout == torch.jagged
+    for got, i in zip(nested.unbind(), batch.global_indexes.tolist(), strict=True):
+        np.testing.assert_array_equal(got.numpy(), documents[i])
+
+
+def test_padded_output_with_lengths_and_mask(local_docs: ab.Dataset, documents: Documents) -> None:
+    options = {"output": "padded", "pad_id": 7}
+    with ab.Loader(local_docs, batch_size=8, dtype=torch.int64, format_options=options) as loader:
+        for batch in itertools.islice(loader, 5):
+            docs = [documents[i] for i in batch.global_indexes.tolist()]
+            width = max(d.size for d in docs)  # the batch's longest document
+            padded, mask = batch["tokens"], batch["attention_mask"]
+            assert padded.dtype == torch.int64 and padded.shape == (8, width)
+            assert batch["lengths"].tolist() == [d.size for d in docs]
+            for row, doc in enumerate(docs):
+                np.testing.assert_array_equal(padded[row, : doc.size].numpy(), doc)
+                assert (padded[row, doc.size :] == 7).all()
+                assert mask[row].tolist() == [True] * doc.size + [False] * (width - doc.size)
+
+
+def test_max_len_cuts_documents_and_fixes_the_padded_width(
+    local_docs: ab.Dataset, documents: Documents
+) -> None:
+    with ab.Loader(local_docs, batch_size=10, format_options={"max_len": 50}) as loader:
+        for batch in loader:
+            check_jagged(batch, documents, max_len=50)
+    options = {"output": "padded", "max_len": 50}
+    with ab.Loader(local_docs, batch_size=10, format_options=options) as loader:
+        for batch in loader:
+            assert batch["tokens"].shape == batch["attention_mask"].shape == (10, 50)
+            assert batch["tokens"].dtype == torch.uint16
+            for row, i in enumerate(batch.global_indexes.tolist()):
+                n = min(50, documents[i].size)
+                np.testing.assert_array_equal(batch["tokens"][row, :n].numpy(), documents[i][:n])
+            assert batch.schema["tokens"].shape == (50,)
+
+
+def test_dtype_conversion_and_structured_documents(tmp_path: Path) -> None:
+    kind = np.dtype([("token", "<u4"), ("loss", "<u1")])
+    rng = np.random.default_rng(3)
+    docs = []
+    for n in rng.integers(0, 20, 50).tolist():
+        doc = np.zeros(n, dtype=kind)
+        doc["token"] = rng.integers(0, 2**32 - 1, n)
+        doc["loss"] = rng.integers(0, 2, n)
+        docs.append(doc)
+    dataset = ab.write_documents(str(tmp_path / "structured"), docs, shard_size=64)
+    with ab.Loader(dataset, batch_size=5, shuffle=False) as loader:
+        for batch in loader:
+            for name in ("token", "loss"):
+                want = np.concatenate([docs[i][name] for i in batch.global_indexes.tolist()])
+                np.testing.assert_array_equal(batch[name].values.numpy(), want)
+    plain = ab.write_documents(str(tmp_path / "plain"), [[1, 2, 3], [40_000]], dtype=np.uint16)
+    with ab.Loader(plain, batch_size=2, dtype=torch.int32, shuffle=False) as loader:
+        column = next(iter(loader))["tokens"]
+    assert column.values.dtype == torch.int32 and column.values.tolist() == [1, 2, 3, 40_000]
+
+
+# ---------------------------------------------------------------------------------------------
+# The packing property
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 25), min_size=1, max_size=30),
+    seq_len=st.integers(1, 20),
+    next_token=st.booleans(),
+    shard_tokens=st.integers(1, 50),
+)
+def test_packing_never_crosses_a_document_without_a_boundary(
+    lengths: list[int], seq_len: int, next_token: bool, shard_tokens: int
+) -> None:
+    documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
+    tokens, owner = stream_of(documents)
+    if tokens.size - int(next_token) < seq_len:
+        return  # no window at all
+    with tempfile.TemporaryDirectory() as root:
+        dataset = ab.write_documents(
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+        )
+        args = dict(seq_len=seq_len, next_token=next_token, shuffle=False, drop_last=False)
+        with ab.Loader(dataset, batch_size=3, **args) as loader:
+            count = 0
+            for batch in loader:
+                check_packed(batch, tokens, owner, seq_len, next_token)
+                count += batch.batch_size
+    assert count == (tokens.size - int(next_token)) // seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaders, shuffles, ranks, resume, workers, mixtures
+
+
+def take_ids(loader: Any, limit: int | None = None) -> list[int]:
+    return [i for b in itertools.islice(loader, limit) for i in b.global_indexes.tolist()]
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_async_loader_delivers_the_same_documents(local_docs: ab.Dataset, shuffle: Any) -> None:
+    kwargs: dict[str, Any] = dict(batch_size=8, shuffle=shuffle, seed=4, prefetch=3)
+    with ab.Loader(local_docs, **kwargs) as loader:
+        sync = [(b.global_indexes.tolist(), b["tokens"].values.clone()) for b in loader]
+
+    async def collect() -> list[tuple[list[int], torch.Tensor]]:
+        async with ab.AsyncLoader(local_docs.url, **kwargs) as loader:
+            return [(b.global_indexes.tolist(), b["tokens"].values.clone()) async for b in loader]
+
+    got = asyncio.run(collect())
+    assert len(sync) == len(got) == 400 // 8
+    for (ids_a, values_a), (ids_b, values_b) in zip(sync, got, strict=True):
+        assert ids_a == ids_b and torch.equal(values_a, values_b)
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "block"])
+@pytest.mark.parametrize(("stop", "prefetch", "world_size"), [(0, 2, 1), (3, 1, 2), (9, 8, 2)])
+def test_documents_resume_exactly(
+    local_docs: ab.Dataset,
+    documents: Documents,
+    shuffle: Any,
+    stop: int,
+    prefetch: int,
+    world_size: int,
+) -> None:
+    extra = {"block_size": 6, "window": 3} if shuffle == "block" else {}
+    every = []
+    for rank in range(world_size):
+        kwargs: dict[str, Any] = dict(
+            batch_size=5, shuffle=shuffle, seed=8, prefetch=prefetch, rank=rank,
+            world_size=world_size, **extra,
+        )  # fmt: skip
+        with ab.Loader(local_docs, **kwargs) as loader:
+            full = take_ids(loader)
+        with ab.Loader(local_docs, **kwargs) as loader:
+            first = take_ids(loader, stop)
+            state = loader.state_dict()
+        with ab.Loader(local_docs, **kwargs) as loader:
+            loader.load_state_dict(state)
+            rest = []
+            for batch in loader:
+                check_jagged(batch, documents)
+                rest += batch.global_indexes.tolist()
+        assert first + rest == full
+        every += full
+    assert len(every) == len(set(every)) == 400 // (5 * world_size) * 5 * world_size
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "block"])
+def test_packed_windows_resume_exactly(local_docs: ab.Dataset, shuffle: Any) -> None:
+    # The tokens format's own resume cases (seq_len 40), run on packed documents.
+    run_resume_case(local_docs, 7, 4, shuffle, 2)
+    run_elastic_case(local_docs, 5, shuffle, 2, 3, 4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dataloader_workers_deliver_the_loaders_batches(
+    local_docs: ab.Dataset, documents: Documents, packed: bool
+) -> None:
+    args: dict[str, Any] = dict(batch_size=6, shuffle="block", block_size=10, seed=1)
+    if packed:
+        args["seq_len"] = 48
+    with ab.Loader(local_docs, **args) as loader:
+        expected = [b.global_indexes.tolist() for b in loader]
+    source = ab.LoaderDataset(local_docs, **args)
+    tokens, owner = stream_of(documents)
+    got = []
+    for batch in source.dataloader(num_workers=2):  # batches pickled across processes
+        if packed:
+            check_packed(batch, tokens, owner, 48)
+        else:
+            check_jagged(batch, documents)
+        got.append(batch.global_indexes.tolist())
+    assert got == expected
+
+
+def test_mixture_of_document_datasets_local_and_s3(
+    tmp_path: Path, s3_endpoint: str, documents: Documents
+) -> None:
+    small = make_documents(9, 60)
+    options = s3_options(s3_endpoint)
+    local = ab.write_documents(str(tmp_path / "big"), documents, shard_size=999)
+    remote = f"s3://{BUCKET}/mixture-docs"
+    ab.write_documents(remote, small, shard_size=2000, storage_options=options)
+    mixture = ab.mix([local, remote], weights=[1, 1], seed=2, storage_options=options)
+    parts = [documents, small]
+    sizes = np.array([len(documents), len(small)])
+    ends = np.cumsum(sizes)
+    counts = [0, 0]
+    with ab.Loader(mixture, batch_size=8, shuffle=True, format_options={"max_len": 300}) as loader:
+        for batch in loader:
+            which = np.searchsorted(ends, batch.global_indexes, side="right")
+            local_ids = batch.global_indexes - (ends - sizes)[which]
+            wanted = [
+                parts[w][i][:300] for w, i in zip(which.tolist(), local_ids.tolist(), strict=True)
+            ]
+            assert batch["tokens"].lengths.tolist() == [d.size for d in wanted]
+            np.testing.assert_array_equal(batch["tokens"].values.numpy(), np.concatenate(wanted))
+            for w in which.tolist():
+                counts[w] += 1
+    assert abs(counts[0] - counts[1]) <= 8  # equal weights
+    # Packing over the mixture: windows never cross datasets; document ids run through both.
+    tokens = [stream_of(p)[0] for p in parts]
+    with ab.Loader(mixture, batch_size=4, seq_len=32, shuffle=True) as loader:
+        for batch in itertools.islice(loader, 20):
+            windows = np.array([(t.size // 32) for t in tokens])
+            window_ends = np.cumsum(windows)
+            which = np.searchsorted(window_ends, batch.global_indexes, side="right")
+            local_ids = batch.global_indexes - (window_ends - windows)[which]
+            for row, (w, i) in enumerate(zip(which.tolist(), local_ids.tolist(), strict=True)):
+                stream, owner = stream_of(parts[w])
+                want = reference_window(stream, owner + w * len(documents), i * 32, 32, 32)
+                np.testing.assert_array_equal(batch["tokens"][row].numpy(), want["tokens"])
+                np.testing.assert_array_equal(
+                    batch["document_ids"][row].numpy(), want["document_ids"]
+                )
+                np.testing.assert_array_equal(batch["cu_seqlens"][row].numpy(), want["cu_seqlens"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A dataset built in memory from the contract alone (as the Megatron opener builds one)
+
+
+def test_in_memory_dataset_with_headers_reads_by_the_contract(
+    tmp_path: Path, documents: Documents
+) -> None:
+    tokens, owner = stream_of(documents)
+    half = tokens.size // 2
+    shards = []
+    for k, part in enumerate([tokens[:half], tokens[half:]]):
+        header = bytes(range(16 + k))  # a header before the tokens, of another size per shard
+        (tmp_path / f"part{k}.bin").write_bytes(header + part.tobytes())
+        shards.append(ShardInfo(f"part{k}.bin", part.nbytes, part.size, len(header)))
+    offsets = np.cumsum([0] + [d.size for d in documents])
+    dataset = ab.Dataset(
+        str(tmp_path),
+        Manifest("documents", np.dtype(np.uint16), tuple(shards)),
+        arrays={"document_offsets": offsets},
+    )
+    with ab.Loader(dataset, batch_size=9, drop_last=False) as loader:
+        assert sorted(take_ids(loader)) == list(range(len(documents)))
+    with ab.Loader(dataset, batch_size=9) as loader:
+        for batch in loader:
+            check_jagged(batch, documents)
+    with ab.Loader(dataset, batch_size=9, seq_len=50) as loader:
+        for batch in loader:
+            check_packed(batch, tokens, owner, 50)
+    bare = ab.Dataset(str(tmp_path), dataset.manifest)
+    with pytest.raises(ManifestError, match=f"{tmp_path}.*document_offsets"):
+        ab.Loader(bare, batch_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_index_that_disagrees_with_the_shards_is_refused(tmp_path: Path) -> None:
+    dataset = ab.write_documents(str(tmp_path / "ds"), [[1, 2, 3], [4, 5], [6]], dtype=np.uint16)
+    index = tmp_path / "ds" / "documents.idx"
+    url = str(index)
+    cases = {
+        "decrease": np.array([0, 3, 2, 6]),
+        "end at element 5": np.array([0, 3, 5, 5]),
+        "first document offset is 1": np.array([1, 3, 5, 6]),
+        "3 documents": np.array([0, 6]),
+    }
+    for message, offsets in cases.items():
+        index.write_bytes(offsets.astype("<i8").tobytes())
+        with pytest.raises(ManifestError, match=message) as caught:
+            ab.open_dataset(dataset.url)
+        assert url in str(caught.value)
+    index.write_bytes(b"\0" * 13)
+    with pytest.raises(ManifestError, match="13 bytes"):
+        ab.open_dataset(dataset.url)
+    index.unlink()
+    with pytest.raises(ManifestError, match=f"{url}.*missing"):
+        ab.open_dataset(dataset.url)
+
+
+def test_bad_format_options_and_arguments(local_docs: ab.Dataset) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"format_options": {"outptu": "padded"}}, "unknown format_options"),
+        ({"format_options": {"output": "dense"}}, "output='dense'"),
+        ({"format_options": {"max_len": 0}}, "max_len"),
+        ({"format_options": {"pad_id": 1}}, "pad_id applies"),
+        ({"format_options": {"output": "padded", "pad_id": -1}}, "pad_id=-1"),
+        ({"format_options": {"max_len": 9}, "seq_len": 8}, "packed"),
+        ({"next_token": True}, "next_token"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            ab.Loader(local_docs, batch_size=2, **kwargs)
+    tokens = ab.write_tokens(f"{local_docs.url}-tokens", np.arange(9, dtype=np.uint16))
+    with pytest.raises(ConfigError, match="seq_len"):
+        ab.Loader(tokens, batch_size=2)  # a token stream without seq_len
+
+
+def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="document 1 has shape"):
+        ab.write_documents(str(tmp_path / "a"), [np.arange(3), np.zeros((2, 2))])
+    with pytest.raises(ConfigError, match="do not fit"):
+        ab.write_documents(str(tmp_path / "b"), [[1, 70_000]], dtype=np.uint16)
+    with pytest.raises(ConfigError, match="1-D arrays"):
+        ab.write_documents(str(tmp_path / "c"), np.arange(10))
+    with pytest.raises(ConfigError, match="dtype="):
+        ab.write_documents(str(tmp_path / "d"), [])
+    empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16)
+    assert ab.open_dataset(empty.url).arrays["document_offsets"].tolist() == [0]
+    assert not (tmp_path / "a" / "manifest.json").exists()  # a failed write leaves no manifest
+
+
+def test_empty_documents_anywhere(tmp_path: Path) -> None:
+    """Empty documents, also after the last token (past the last shard) or only empty ones."""
+    for name, docs in {"trailing": [[], [1, 2], [3], [], []], "only": [[], []]}.items():
+        dataset = ab.write_documents(str(tmp_path / name), docs, dtype=np.uint16, shard_size=2)
+        with ab.Loader(dataset, batch_size=len(docs), shuffle=False) as loader:
+            column = next(iter(loader))["tokens"]
+        assert column.lengths.tolist() == [len(d) for d in docs]
+        assert column.values.tolist() == [t for d in docs for t in d]
