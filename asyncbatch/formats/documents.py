@@ -359,16 +359,27 @@ def boundaries(
     lo = first_doc + 1
     hi = np.searchsorted(offsets, starts + window, side="left")
     counts = hi - lo
+    # Flattened over the windows: boundary j is in window which[j], the rank[j]-th there.
+    heads = np.cumsum(counts + 1) - (counts + 1)  # where each window's segments begin
     which = np.repeat(np.arange(n), counts)
-    index = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts) + lo[which]
+    flat = np.arange(which.size)
+    rank = flat - (heads[which] - which)
+    index = lo[which] + rank  # the document starting there
     at = offsets[index] - starts[which]  # window-relative; equal for empty documents
-    # Each document start adds one to the document id from its position on (two starts at
-    # one position: an empty document, skipped).
-    marks = np.bincount(which * window + at, minlength=n * window).reshape(n, window)
-    document_ids = first_doc[:, None] + np.cumsum(marks, axis=1)
-    position = np.arange(window)
-    segment = np.maximum.accumulate(np.where(marks > 0, position, 0), axis=1)
-    position_ids = position - segment
+    # Segments: each window's head, then one per document starting inside it (an empty
+    # document's is zero tokens long); per token, two repeats and no cumulative sum.
+    segment = np.empty(n + which.size, dtype=np.int64)
+    segment_doc = np.empty_like(segment)
+    inner_at = flat + which + 1
+    segment[heads] = np.arange(n) * window
+    segment[inner_at] = which * window + at
+    segment_doc[heads] = first_doc
+    segment_doc[inner_at] = index
+    length = np.diff(segment, append=n * window)
+    document_ids = np.repeat(segment_doc, length).reshape(n, window)
+    positions = np.arange(n * window, dtype=np.int64)
+    positions -= np.repeat(segment, length)
+    position_ids = positions.reshape(n, window)
     # cu_seqlens: distinct starts inside (0, seq_len), framed by 0 and seq_len.
     keep = at < seq_len
     keep[1:] &= (at[1:] != at[:-1]) | (which[1:] != which[:-1])
@@ -380,8 +391,8 @@ def boundaries(
     values = np.empty(int(cu_offsets[-1]), dtype=np.int32)
     values[cu_offsets[:-1]] = 0
     values[cu_offsets[1:] - 1] = seq_len
-    rank = np.arange(inner_of.size) - np.repeat(np.cumsum(inner) - inner, inner)
-    values[cu_offsets[:-1][inner_of] + 1 + rank] = at[keep]
+    inner_rank = np.arange(inner_of.size) - np.repeat(np.cumsum(inner) - inner, inner)
+    values[cu_offsets[:-1][inner_of] + 1 + inner_rank] = at[keep]
     return {
         "cu_seqlens": Jagged(torch.from_numpy(values), torch.from_numpy(cu_offsets)),
         "document_ids": torch.from_numpy(document_ids),
