@@ -164,6 +164,16 @@ def documents_cases(
             lambda: ab.Loader(dataset, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=SEED),
         ),
         Case(
+            "documents packed, cu_seqlens only",
+            lambda: ab.Loader(
+                dataset,
+                batch_size=BATCH_SIZE,
+                seq_len=SEQ_LEN,
+                seed=SEED,
+                format_options={"token_ids": False},
+            ),
+        ),
+        Case(
             f"documents jagged x{per_batch}",
             lambda: ab.Loader(dataset, batch_size=per_batch, shuffle=True, seed=SEED),
         ),

@@ -274,6 +274,22 @@ def test_dtype_conversion_and_structured_documents(tmp_path: Path) -> None:
     assert column.values.dtype == torch.int32 and column.values.tolist() == [1, 2, 3, 40_000]
 
 
+def test_packing_without_token_ids_keeps_cu_seqlens(
+    local_docs: ab.Dataset, documents: Documents
+) -> None:
+    tokens, owner = stream_of(documents)
+    args: dict[str, Any] = dict(batch_size=8, seq_len=96, seed=5)
+    with ab.Loader(local_docs, format_options={"token_ids": False}, **args) as loader:
+        lean = list(itertools.islice(loader, 6))
+    with ab.Loader(local_docs, **args) as loader:
+        full = list(itertools.islice(loader, 6))
+    for small, big in zip(lean, full, strict=True):
+        assert set(small) == {"tokens", "cu_seqlens"}
+        assert small.global_indexes.tolist() == big.global_indexes.tolist()
+        assert torch.equal(small["cu_seqlens"].values, big["cu_seqlens"].values)
+        check_packed(big, tokens, owner, 96)
+
+
 # ---------------------------------------------------------------------------------------------
 # The packing property
 
@@ -502,6 +518,8 @@ def test_bad_format_options_and_arguments(local_docs: ab.Dataset) -> None:
         ({"format_options": {"output": "padded", "pad_id": -1}}, "pad_id=-1"),
         ({"format_options": {"max_len": 9}, "seq_len": 8}, "packed"),
         ({"next_token": True}, "next_token"),
+        ({"format_options": {"token_ids": False}}, "token_ids applies to packing"),
+        ({"format_options": {"token_ids": "no"}, "seq_len": 8}, "token_ids must be"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):

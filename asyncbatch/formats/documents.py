@@ -57,7 +57,9 @@ OFFSETS = "document_offsets"
 INDEX_NAME = "documents.idx"
 INDEX_DTYPE = np.dtype("<i8")
 OUTPUTS = ("jagged", "nested", "padded")
+#: format_options of documents as samples, and of packing.
 OPTIONS = ("output", "pad_id", "max_len")
+PACKING_OPTIONS = ("token_ids",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,13 +327,18 @@ class PackedDocuments(TokenWindows):
         *,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
+        token_ids: bool = True,
     ) -> None:
         super().__init__(datasets, seq_len, next_token=next_token, dtype=dtype)
+        if not isinstance(token_ids, bool):
+            raise ConfigError(f"format_options token_ids must be True or False, got {token_ids!r}")
         *_, self.offsets, _ = _joined(self.datasets)
-        self.sample_bytes += self.window * 16 + 8
+        self.token_ids = token_ids
+        self.sample_bytes += 8 + (self.window * 16 if token_ids else 0)
         self.schema["cu_seqlens"] = FieldSchema(dtype="int32", shape=(-1,), nested=True)
-        self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
-        self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+        if token_ids:
+            self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+            self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
 
     def window_starts(self, ids: Int64Array) -> Int64Array:
         """Element (of the joined stream) where each window starts."""
@@ -344,15 +351,17 @@ class PackedDocuments(TokenWindows):
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
         fields = super().decode(buffer, ids)
-        fields.update(boundaries(self.offsets, self.window_starts(ids), self.seq_len, self.window))
+        starts = self.window_starts(ids)
+        fields.update(boundaries(self.offsets, starts, self.seq_len, self.window, self.token_ids))
         return fields
 
 
 def boundaries(
-    offsets: Int64Array, starts: Int64Array, seq_len: int, window: int
+    offsets: Int64Array, starts: Int64Array, seq_len: int, window: int, token_ids: bool = True
 ) -> dict[str, Any]:
-    """``cu_seqlens``, ``document_ids`` and ``position_ids`` of the windows of ``window``
-    elements at ``starts`` (see :class:`PackedDocuments`), vectorised over the windows."""
+    """``cu_seqlens``, and with ``token_ids`` ``document_ids`` and ``position_ids``, of the
+    windows of ``window`` elements at ``starts`` (see :class:`PackedDocuments`), vectorised
+    over the windows."""
     n = starts.size
     first_doc = np.searchsorted(offsets, starts, side="right") - 1
     # Offsets strictly inside each window: indexes lo[b] .. hi[b] - 1 of ``offsets``.
@@ -366,6 +375,9 @@ def boundaries(
     rank = flat - (heads[which] - which)
     index = lo[which] + rank  # the document starting there
     at = offsets[index] - starts[which]  # window-relative; equal for empty documents
+    fields: dict[str, Any] = {"cu_seqlens": _cu_seqlens(at, which, n, seq_len)}
+    if not token_ids:
+        return fields
     # Segments: each window's head, then one per document starting inside it (an empty
     # document's is zero tokens long); per token, two repeats and no cumulative sum.
     segment = np.empty(n + which.size, dtype=np.int64)
@@ -380,7 +392,14 @@ def boundaries(
     positions = np.arange(n * window, dtype=np.int64)
     positions -= np.repeat(segment, length)
     position_ids = positions.reshape(n, window)
-    # cu_seqlens: distinct starts inside (0, seq_len), framed by 0 and seq_len.
+    fields["document_ids"] = torch.from_numpy(document_ids)
+    fields["position_ids"] = torch.from_numpy(position_ids)
+    return fields
+
+
+def _cu_seqlens(at: Int64Array, which: Int64Array, n: int, seq_len: int) -> Jagged:
+    """Per window: 0, the distinct boundaries ``at`` (window-relative, grouped by window
+    ``which``, ascending) inside ``(0, seq_len)``, then ``seq_len``; int32."""
     keep = at < seq_len
     keep[1:] &= (at[1:] != at[:-1]) | (which[1:] != which[:-1])
     inner_of = which[keep]
@@ -393,11 +412,7 @@ def boundaries(
     values[cu_offsets[1:] - 1] = seq_len
     inner_rank = np.arange(inner_of.size) - np.repeat(np.cumsum(inner) - inner, inner)
     values[cu_offsets[:-1][inner_of] + 1 + inner_rank] = at[keep]
-    return {
-        "cu_seqlens": Jagged(torch.from_numpy(values), torch.from_numpy(cu_offsets)),
-        "document_ids": torch.from_numpy(document_ids),
-        "position_ids": torch.from_numpy(position_ids),
-    }
+    return Jagged(torch.from_numpy(values), torch.from_numpy(cu_offsets))
 
 
 def documents(
@@ -409,19 +424,24 @@ def documents(
     **options: Any,
 ) -> Source:
     """Source factory of the ``documents`` format: documents as samples without ``seq_len``
-    (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it."""
-    unknown = sorted(set(options) - set(OPTIONS))
+    (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
+    (``token_ids``)."""
+    known = OPTIONS + PACKING_OPTIONS
+    unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigError(
-            f"unknown format_options {unknown} for documents (known: {', '.join(OPTIONS)})"
+            f"unknown format_options {unknown} for documents (known: {', '.join(known)})"
         )
     if seq_len is not None:
-        if options:
+        wrong = sorted(set(options) - set(PACKING_OPTIONS))
+        if wrong:
             raise ConfigError(
-                f"format_options {sorted(options)} apply to documents as samples"
-                f" (seq_len=None); with seq_len={seq_len} documents are packed into windows"
+                f"format_options {wrong} apply to documents as samples (seq_len=None);"
+                f" with seq_len={seq_len} documents are packed into windows"
             )
-        return PackedDocuments(datasets, seq_len, next_token=next_token, dtype=dtype)
+        return PackedDocuments(datasets, seq_len, next_token=next_token, dtype=dtype, **options)
+    if "token_ids" in options:
+        raise ConfigError("format_options token_ids applies to packing (seq_len=L)")
     if next_token:
         raise ConfigError("next_token=True needs seq_len= (packing); a document sample is whole")
     if "pad_id" in options and options.get("output") != "padded":
