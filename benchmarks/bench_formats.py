@@ -9,8 +9,9 @@ shared and noisy) from constructing its ``ab.Loader`` to holding its ``--batches
 (default: the whole epoch locally, 64 batches on S3). Reported: median tokens/s (tokens
 actually delivered: a document batch counts its documents' lengths), read requests per batch
 (ranges the engine asked the store for, counted by wrapping ``Reader.read_plan``: one GET
-each on S3 or HTTP, one ``pread`` locally), and the median over rounds of the ratio to the
-tokens baseline of the same round.
+each on S3 or HTTP, one ``pread`` locally), bytes fetched per useful byte (merged reads fetch
+the gaps between neighbours too), and the median over rounds of the ratio to the tokens
+baseline of the same round.
 
 Data: ``--size-mb`` of uint16 tokens (random below 50257) cut into documents of geometric
 lengths (mean ``--mean-doc`` tokens), written with ``ab.write_tokens`` and
@@ -42,7 +43,7 @@ from common import git_revision, paired_ratio, positive
 
 import asyncbatch as ab
 from asyncbatch.batch import Jagged
-from asyncbatch.engine import Reader
+from asyncbatch.engine import Engine, Reader
 from asyncbatch.layout import ReadPlan
 
 SEQ_LEN = 2048
@@ -73,17 +74,29 @@ class Case:
 
 
 class ReadCounter:
-    """Counts the ranges every engine of this process reads, by wrapping ``Reader.read_plan``."""
+    """Counts what every engine of this process reads: ranges and bytes (wrapping
+    ``Reader.read_plan``) and the batches they were for (wrapping ``Engine._read_group``),
+    prefetched ones included, so that ratios of the two hold whatever the run's length."""
 
     def __init__(self) -> None:
-        self.reads = 0
-        original = Reader.read_plan
+        self.reads = self.fetched = self.useful = self.batches = 0
+        read_plan, read_group = Reader.read_plan, Engine._read_group
 
-        async def counted(reader: Reader, plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        async def counted_plan(reader: Reader, plan: ReadPlan) -> npt.NDArray[np.uint8]:
             self.reads += plan.num_reads
-            return await original(reader, plan)
+            self.fetched += int((plan.read_end - plan.read_start).sum())
+            self.useful += plan.nbytes
+            return await read_plan(reader, plan)
 
-        Reader.read_plan = counted  # type: ignore[method-assign]
+        async def counted_group(engine: Engine, *args: Any) -> list[ab.Batch]:
+            self.batches += len(args[-1])
+            return await read_group(engine, *args)
+
+        Reader.read_plan = counted_plan  # type: ignore[method-assign]
+        Engine._read_group = counted_group  # type: ignore[method-assign]
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        return self.reads, self.fetched, self.useful, self.batches
 
 
 def stream(tokens: int, seed: int = SEED) -> npt.NDArray[np.uint16]:
@@ -199,12 +212,14 @@ class Sample:
     seconds: float
     tokens: int
     batches: int
-    reads: int
+    #: Per batch read (prefetched ones included): ranges, and bytes fetched per byte used.
+    reads_per_batch: float
+    excess: float
 
 
 def time_case(case: Case, batches: int | None, counter: ReadCounter) -> Sample:
     """From constructing the loader to holding its ``batches``-th batch (or the epoch's last)."""
-    reads = counter.reads
+    before = counter.snapshot()
     delivered = done = 0
     start = time.perf_counter()
     with case.make() as loader:
@@ -214,8 +229,10 @@ def time_case(case: Case, batches: int | None, counter: ReadCounter) -> Sample:
             if done == batches:
                 break
         seconds = time.perf_counter() - start
-    # Reads of batches prefetched beyond the last one taken count too (a small excess).
-    return Sample(seconds, delivered, done, counter.reads - reads)
+    reads, fetched, useful, batches_read = (
+        now - then for now, then in zip(counter.snapshot(), before, strict=True)
+    )
+    return Sample(seconds, delivered, done, reads / batches_read, fetched / max(1, useful))
 
 
 @contextlib.contextmanager
@@ -284,18 +301,19 @@ def report(cases: list[Case], runs: dict[str, list[Sample]]) -> None:
     print()
     print(
         f"  {'case':<34} {'M tok/s':>8} {'min-max':>13} {'reads/batch':>11} {'tok/batch':>9}"
-        f" {'/ tokens':>8}"
+        f" {'fetched/useful':>14} {'/ tokens':>8}"
     )
     for case in cases:
         samples = runs[case.name]
         rates = [s.tokens / s.seconds / 1e6 for s in samples]
-        reads = statistics.median(s.reads / s.batches for s in samples)
+        reads = statistics.median(s.reads_per_batch for s in samples)
         per_batch = statistics.median(s.tokens / s.batches for s in samples)
+        excess = statistics.median(s.excess for s in samples)
         ratio = paired_ratio([r * 1e6 for r in rates], baseline)
         print(
             f"  {case.name:<34} {statistics.median(rates):>8.1f}"
             f" {min(rates):>6.1f}-{max(rates):<6.1f} {reads:>11.2f} {per_batch:>9.0f}"
-            f" {ratio:>8.3f}"
+            f" {excess:>14.2f} {ratio:>8.3f}"
         )
 
 
