@@ -389,12 +389,25 @@ def boundaries(
     segment_doc[inner_at] = index
     length = np.diff(segment, append=n * window)
     document_ids = np.repeat(segment_doc, length).reshape(n, window)
-    positions = np.arange(n * window, dtype=np.int64)
-    positions -= np.repeat(segment, length)
+    positions = np.repeat(segment, length)
+    np.subtract(_ramp(n * window), positions, out=positions)
     position_ids = positions.reshape(n, window)
     fields["document_ids"] = torch.from_numpy(document_ids)
     fields["position_ids"] = torch.from_numpy(position_ids)
     return fields
+
+
+_RAMPS: list[Int64Array] = [np.arange(0, dtype=np.int64)]
+
+
+def _ramp(size: int) -> Int64Array:
+    """``arange(size)``, a read-only view of one shared array (grown when too short)."""
+    ramp = _RAMPS[-1]
+    if ramp.size < size:
+        ramp = np.arange(max(size, 2 * ramp.size), dtype=np.int64)
+        ramp.flags.writeable = False
+        _RAMPS[-1] = ramp  # threads may race here: each gets a correct ramp
+    return ramp[:size]
 
 
 def _cu_seqlens(at: Int64Array, which: Int64Array, n: int, seq_len: int) -> Jagged:
