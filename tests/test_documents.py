@@ -321,6 +321,39 @@ def test_packing_never_crosses_a_document_without_a_boundary(
     assert count == (tokens.size - int(next_token)) // seq_len
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=40),
+    shard_tokens=st.integers(1, 60),
+    batch_size=st.integers(1, 7),
+    shuffle=st.sampled_from([False, True, "block"]),
+    max_len=st.none() | st.integers(1, 30),
+)
+def test_document_samples_are_the_documents(
+    lengths: list[int], shard_tokens: int, batch_size: int, shuffle: Any, max_len: int | None
+) -> None:
+    documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
+    extra = {"block_size": 3, "window": 2} if shuffle == "block" else {}
+    options = {} if max_len is None else {"max_len": max_len}
+    with tempfile.TemporaryDirectory() as root:
+        dataset = ab.write_documents(
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+        )
+        seen = []
+        with ab.Loader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=False,
+            format_options=options,
+            **extra,
+        ) as loader:
+            for batch in loader:
+                check_jagged(batch, documents, max_len)
+                seen += batch.global_indexes.tolist()
+    assert sorted(seen) == list(range(len(documents)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Loaders, shuffles, ranks, resume, workers, mixtures
 
