@@ -418,21 +418,28 @@ def test_packed_windows_resume_exactly(local_docs: ab.Dataset, shuffle: Any) -> 
     run_elastic_case(local_docs, 5, shuffle, 2, 3, 4)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kind", ["jagged", "padded", "packed"])
 def test_dataloader_workers_deliver_the_loaders_batches(
-    local_docs: ab.Dataset, documents: Documents, packed: bool
+    local_docs: ab.Dataset, documents: Documents, kind: str
 ) -> None:
     args: dict[str, Any] = dict(batch_size=6, shuffle="block", block_size=10, seed=1)
-    if packed:
+    if kind == "packed":
         args["seq_len"] = 48
+    if kind == "padded":
+        args["format_options"] = {"output": "padded", "max_len": 64}
     with ab.Loader(local_docs, **args) as loader:
         expected = [b.global_indexes.tolist() for b in loader]
     source = ab.LoaderDataset(local_docs, **args)
     tokens, owner = stream_of(documents)
     got = []
     for batch in source.dataloader(num_workers=2):  # batches pickled across processes
-        if packed:
+        if kind == "packed":
             check_packed(batch, tokens, owner, 48)
+        elif kind == "padded":
+            rows = [documents[i][:64] for i in batch.global_indexes.tolist()]
+            mask = batch["attention_mask"]
+            assert batch["tokens"].shape == mask.shape == (6, 64)
+            np.testing.assert_array_equal(batch["tokens"][mask].numpy(), np.concatenate(rows))
         else:
             check_jagged(batch, documents)
         got.append(batch.global_indexes.tolist())
@@ -573,7 +580,16 @@ def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
         ab.write_documents(str(tmp_path / "d"), [])
     empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16)
     assert ab.open_dataset(empty.url).arrays["document_offsets"].tolist() == [0]
-    assert not (tmp_path / "a" / "manifest.json").exists()  # a failed write leaves no manifest
+
+    def failing() -> Any:
+        yield from ([7] * 50 for _ in range(10))
+        raise RuntimeError("the source broke")
+
+    with pytest.raises(RuntimeError, match="source broke"):
+        ab.write_documents(str(tmp_path / "f"), failing(), dtype=np.uint16, shard_size=64)
+    written = {p.name for p in (tmp_path / "f").iterdir()}
+    assert any(n.startswith("shard-") for n in written)  # shards went out, not the rest
+    assert not written & {"manifest.json", "documents.idx"}
 
 
 def test_empty_documents_anywhere(tmp_path: Path) -> None:
