@@ -556,6 +556,7 @@ def test_bad_format_options_and_arguments(local_docs: ab.Dataset) -> None:
         ({"format_options": {"max_len": 0}}, "max_len"),
         ({"format_options": {"pad_id": 1}}, "pad_id applies"),
         ({"format_options": {"output": "padded", "pad_id": -1}}, "pad_id=-1"),
+        ({"format_options": {"output": "padded", "pad_id": "0"}}, "pad_id must be a number"),
         ({"format_options": {"max_len": 9}, "seq_len": 8}, "packed"),
         ({"next_token": True}, "next_token"),
         ({"format_options": {"token_ids": False}}, "token_ids applies to packing"),

@@ -230,6 +230,8 @@ class DocumentSamples(PlannedSource):
         final = self.out_dtype if self.converts and self.out_dtype is not None else stored
         self.pad_id = pad_id
         if output == "padded":
+            if isinstance(pad_id, bool) or not isinstance(pad_id, int | float):
+                raise ConfigError(f"format_options pad_id must be a number, got {pad_id!r}")
             for name in stored.names or (None,):
                 kind = final[name] if name is not None else final
                 if np.array(pad_id).astype(kind) != pad_id:
