@@ -30,6 +30,7 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final, QueueStatistics
+from .integrity import DEFAULT_VERIFY, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
@@ -143,6 +144,7 @@ class _LoaderBase:
         world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        verify: str = DEFAULT_VERIFY,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
@@ -180,6 +182,8 @@ class _LoaderBase:
         self.drop_last = bool(drop_last)
         self.coalesce_gap = coalesce_gap
         self.storage_options = dict(storage_options or {})
+        #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
+        self.verify = check_level(verify)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -236,6 +240,7 @@ class _LoaderBase:
             worker=worker,
             stride=stride,
             unit=max(1, want),
+            verify=self.verify,
         )
         return self._engine
 
