@@ -13,6 +13,7 @@ Requests in flight are bounded by the store. Any error ends the run with a
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from .batch import Batch
 from .formats.tokens import TokenWindows
 from .handoff import BatchQueue, Final
 from .integrity import (
+    BLOCK_SCRATCH_BYTES,
     DEFAULT_VERIFY,
     SCAN_CONCURRENCY,
     ShardChecks,
@@ -322,20 +324,38 @@ class Reader:
             np.concatenate([plan.read_dest[direct], plan.piece_dest]),
             np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
         )
-        scratch = np.empty(blocks.nbytes, dtype=np.uint8)
-        await self._read_all(
-            blocks.run_shard, blocks.run_start, blocks.run_end, scratch, blocks.run_at
-        )
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, check_blocks, self.checks, blocks, scratch)
         buffer = np.empty(plan.nbytes, dtype=np.uint8)
-        for src, dest, length in zip(
-            blocks.seg_src.tolist(),
-            blocks.seg_dest.tolist(),
-            blocks.seg_length.tolist(),
-            strict=True,
-        ):
-            buffer[dest : dest + length] = scratch[src : src + length]
+        run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
+        # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
+        chunk = run_at // BLOCK_SCRATCH_BYTES
+        edges = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), int(run_at.size)]
+        order = np.argsort(blocks.seg_src, kind="stable")
+        seg_src = blocks.seg_src[order]
+        loop = asyncio.get_running_loop()
+        for r0, r1 in itertools.pairwise(edges):
+            base = int(run_at[r0])
+            top = int(run_at[r1 - 1] + run_length[r1 - 1])
+            scratch = np.empty(top - base, dtype=np.uint8)
+            await self._read_all(
+                blocks.run_shard[r0:r1],
+                blocks.run_start[r0:r1],
+                blocks.run_end[r0:r1],
+                scratch,
+                run_at[r0:r1] - base,
+            )
+            b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
+            await loop.run_in_executor(
+                None, check_blocks, self.checks, blocks, scratch, b0, b1, base
+            )
+            s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
+            picked = order[s0:s1]
+            for src, dest, length in zip(
+                (blocks.seg_src[picked] - base).tolist(),
+                blocks.seg_dest[picked].tolist(),
+                blocks.seg_length[picked].tolist(),
+                strict=True,
+            ):
+                buffer[dest : dest + length] = scratch[src : src + length]
         return buffer
 
     async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:

@@ -22,7 +22,7 @@ import asyncio
 import base64
 import binascii
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ import numpy.typing as npt
 import xxhash
 
 from .errors import ChecksumError, ConfigError, ManifestError, StoreError
+from .portal import run_sync
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -47,6 +48,9 @@ DEFAULT_VERIFY = "size"
 SCAN_CHUNK = 8 * 2**20
 #: Shards read whole at once by one loader (``full``): bounds its memory to a few chunks.
 SCAN_CONCURRENCY = 4
+#: With ``block``: the most scratch bytes one group's widened reads fill before their bytes
+#: are checked and copied out (a group of 64 shuffled batches may touch a GiB of blocks).
+BLOCK_SCRATCH_BYTES = 64 * 2**20
 
 _HEX16 = re.compile("[0-9a-f]{16}")
 
@@ -151,6 +155,8 @@ class ShardReport:
 
     url: str
     problems: list[Exception] = field(default_factory=list)
+    #: Numbers of the blocks whose checksum did not match.
+    bad_blocks: list[int] = field(default_factory=list)
 
 
 async def scan_shard(
@@ -198,6 +204,7 @@ async def scan_shard(
             expected = checks.digests[at : at + actual.size]
             for index in np.flatnonzero(actual != expected).tolist():
                 number = start // block + index
+                report.bad_blocks.append(number)
                 a, b = number * block, min(size, (number + 1) * block)
                 report.problems.append(
                     block_error(url, number, a, b, int(expected[index]), int(actual[index]))
@@ -319,34 +326,144 @@ def plan_blocks(
     )
 
 
-def check_blocks(checks: ShardChecks, blocks: BlockPlan, scratch: npt.NDArray[np.uint8]) -> None:
-    """Raise a ChecksumError for the first block of ``scratch`` that does not match the
-    manifest (naming the count of bad ones); runs in a worker thread."""
+def check_blocks(
+    checks: ShardChecks,
+    blocks: BlockPlan,
+    scratch: npt.NDArray[np.uint8],
+    first: int,
+    last: int,
+    base: int,
+) -> None:
+    """Raise a ChecksumError for the first of blocks ``[first, last)`` of ``blocks`` that does
+    not match the manifest (naming the count of bad ones); ``scratch`` holds the plan's
+    scratch bytes from offset ``base`` on. Runs in a worker thread (xxhash drops the GIL)."""
     view = memoryview(scratch)  # type: ignore[arg-type]
     hash_of = xxhash.xxh3_64_intdigest
+    starts = (blocks.block_at[first:last] - base).tolist()
+    lengths = blocks.block_length[first:last].tolist()
     actual = np.fromiter(
-        (
-            hash_of(view[at : at + length])
-            for at, length in zip(
-                blocks.block_at.tolist(), blocks.block_length.tolist(), strict=True
-            )
-        ),
+        (hash_of(view[at : at + n]) for at, n in zip(starts, lengths, strict=True)),
         dtype=np.uint64,
-        count=blocks.block_at.size,
+        count=len(starts),
     )
-    expected = checks.digests[checks.first_block[blocks.block_shard] + blocks.block_number]
+    shards, numbers = blocks.block_shard[first:last], blocks.block_number[first:last]
+    expected = checks.digests[checks.first_block[shards] + numbers]
     bad = np.flatnonzero(actual != expected)
     if bad.size:
         k = int(bad[0])
-        shard, number = int(blocks.block_shard[k]), int(blocks.block_number[k])
+        shard, number = int(shards[k]), int(numbers[k])
         start = number * int(checks.block_size[shard])
         more = f" (and {bad.size - 1} more bad blocks in this read)" if bad.size > 1 else ""
         raise block_error(
             checks.urls[shard],
             number,
             start,
-            start + int(blocks.block_length[k]),
+            start + lengths[k],
             int(expected[k]),
             int(actual[k]),
             more,
         )
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_dataset` found: the level it could check at, and the bad shards."""
+
+    url: str
+    level: str  # "block", "full", or "size" when the manifest records no checksums
+    shards: int
+    nbytes: int
+    bad: list[ShardReport]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad
+
+
+async def verify_dataset_async(
+    dataset: Dataset | str,
+    *,
+    level: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    concurrency: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check every shard of ``dataset`` (or of the one at that URL) against its manifest,
+    ``concurrency`` shards at once; reports every problem (it does not stop at the first).
+
+    ``level``: ``"block"`` (every block's checksum and the whole shard's; the default when
+    blocks are recorded) or ``"full"`` (whole shards only). Sizes are always checked; a
+    manifest without checksums can only be checked for sizes (``report.level == "size"``).
+    ``progress`` is called with the bytes (or, at ``size``, shard bytes) done.
+    """
+    # Imported here: dataset imports manifest, which imports this module.
+    from .dataset import open_dataset_async
+    from .stores import open_store
+
+    if level not in (None, "block", "full"):
+        raise ConfigError(f"level={level!r}: expected 'block' or 'full'")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if isinstance(dataset, str):
+        dataset = await open_dataset_async(dataset, storage_options)
+    manifest = dataset.manifest
+    notes = []
+    if manifest.checksum is None:
+        used = "size"
+        notes.append("the manifest records no checksums (written without them): sizes only")
+    elif level == "full" or manifest.checksum_block is None:
+        used = "full"
+        if level == "block":
+            notes.append("the manifest records no block checksums: whole shards only")
+    else:
+        used = "block"
+    checks = ShardChecks([dataset], "size")
+    store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def check(shard: int) -> ShardReport:
+        async with slots:
+            if used != "size":
+                return await scan_shard(
+                    store, checks, shard, blocks=used == "block", progress=progress
+                )
+            report = ShardReport(checks.urls[shard])
+            expected = int(checks.sizes[shard])
+            try:
+                size = await store.size(report.url)
+            except StoreError as exc:
+                report.problems.append(exc)
+                return report
+            if size != expected:
+                report.problems.append(size_error(report.url, expected, size))
+            if progress is not None:
+                progress(expected)
+            return report
+
+    try:
+        reports = await asyncio.gather(*(check(k) for k in range(len(checks.urls))))
+    finally:
+        await store.close()
+    bad = [report for report in reports if report.problems]
+    return VerifyReport(dataset.url, used, len(reports), manifest.total_bytes, bad, notes)
+
+
+def verify_dataset(
+    dataset: Dataset | str,
+    *,
+    level: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    concurrency: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """:func:`verify_dataset_async`, from synchronous code."""
+    return run_sync(
+        verify_dataset_async(
+            dataset,
+            level=level,
+            storage_options=storage_options,
+            concurrency=concurrency,
+            progress=progress,
+        )
+    )
