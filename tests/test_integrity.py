@@ -454,6 +454,12 @@ def test_cli_verify_names_every_bad_shard_and_block(
     assert f"size mismatch: {dataset.shard_urls[5]} has 0 bytes" in out
     assert "3 bad shards of 6" in out
     Path(dataset.shard_urls[5]).write_bytes(tail)
+    head = Path(dataset.shard_urls[0]).read_bytes()
+    Path(dataset.shard_urls[0]).unlink()
+    assert cli_main(["verify", dataset.url]) == 1
+    out, _ = capsys.readouterr()
+    assert f"not found: {dataset.shard_urls[0]}" in out and "3 bad shards of 6" in out
+    Path(dataset.shard_urls[0]).write_bytes(head)
 
     edit_manifest(dataset.url, strip_checksums)
     assert cli_main(["verify", dataset.url]) == 3
