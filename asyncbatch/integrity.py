@@ -136,7 +136,9 @@ class ShardChecks:
                 )
         shards = [(d, s) for d in datasets for s in d.manifest.shards]
         self.urls = [url for d in datasets for url in d.shard_urls]
-        self.sizes = np.array([s.nbytes for _, s in shards], dtype=np.int64)
+        #: Object sizes: a header before the elements (``offset``) is part of the object, and
+        #: the checksums cover the whole object.
+        self.sizes = np.array([s.offset + s.nbytes for _, s in shards], dtype=np.int64)
         self.checksums = [s.checksum for _, s in shards]
         self.block_size = np.array([d.manifest.checksum_block or 0 for d, _ in shards], np.int64)
         blocks = [np.frombuffer(s.block_checksums or b"", dtype="<u8") for _, s in shards]

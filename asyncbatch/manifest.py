@@ -30,12 +30,14 @@ MANIFEST_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
-    """One shard: its path relative to the dataset root, size in bytes, element count, and
-    optionally its checksum and its blocks' (packed little-endian uint64 digests)."""
+    """One shard: its path relative to the dataset root, the bytes of its elements, their
+    count, the byte offset where they start in the object (0 but for headers), and optionally
+    the object's checksum and its blocks' (packed little-endian uint64 digests)."""
 
     path: str
     nbytes: int
     elements: int
+    offset: int = 0
     checksum: int | None = None
     block_checksums: bytes | None = None
 
@@ -97,7 +99,11 @@ class Manifest:
         except (ValueError, KeyError, TypeError) as exc:
             raise ManifestError(f"{url}: not a valid asyncbatch manifest: {exc!r}") from exc
         for shard in shards:
-            if shard.nbytes != shard.elements * dtype.itemsize or shard.elements < 0:
+            if (
+                shard.nbytes != shard.elements * dtype.itemsize
+                or shard.elements < 0
+                or shard.offset < 0
+            ):
                 raise ManifestError(
                     f"{url}: shard {shard.path!r} has {shard.nbytes} bytes, which is not"
                     f" {shard.elements} elements of {dtype} ({dtype.itemsize} bytes each)"
@@ -107,6 +113,8 @@ class Manifest:
 
 def _shard_json(shard: ShardInfo) -> dict[str, Any]:
     out: dict[str, Any] = {"path": shard.path, "bytes": shard.nbytes, "elements": shard.elements}
+    if shard.offset:
+        out["offset"] = shard.offset
     if shard.checksum is not None:
         out["checksum"] = format_digest(shard.checksum)
     if shard.block_checksums is not None:
@@ -134,7 +142,7 @@ def _checksum_fields(raw: dict[str, Any], url: str) -> tuple[str | None, int | N
 
 def _shard(raw: dict[str, Any], url: str, algorithm: str | None, block: int | None) -> ShardInfo:
     """One shard entry; its checksum fields must be there exactly when the manifest's are."""
-    path, nbytes = str(raw["path"]), int(raw["bytes"])
+    path, nbytes, offset = str(raw["path"]), int(raw["bytes"]), int(raw.get("offset", 0))
     checksum: int | None = None
     block_checksums: bytes | None = None
     for name, top, wanted in (
@@ -156,10 +164,11 @@ def _shard(raw: dict[str, Any], url: str, algorithm: str | None, block: int | No
             raise ManifestError(f"{url}: shard {path!r} field 'checksum': {exc}") from exc
     if block is not None:
         try:
-            block_checksums = decode_blocks(raw["block_checksums"], num_blocks(nbytes, block))
+            count = num_blocks(offset + nbytes, block)  # blocks cover the whole object
+            block_checksums = decode_blocks(raw["block_checksums"], count)
         except ValueError as exc:
             raise ManifestError(f"{url}: shard {path!r} field 'block_checksums': {exc}") from exc
-    return ShardInfo(path, nbytes, int(raw["elements"]), checksum, block_checksums)
+    return ShardInfo(path, nbytes, int(raw["elements"]), offset, checksum, block_checksums)
 
 
 def _tuples(descr: Any) -> Any:

@@ -131,7 +131,14 @@ async def write_tokens_async(
             "tokens",
             target,
             tuple(
-                ShardInfo(s.path, s.nbytes, s.elements, *checksums[i]) for i, s in enumerate(shards)
+                ShardInfo(
+                    s.path,
+                    s.nbytes,
+                    s.elements,
+                    checksum=checksums[i][0],
+                    block_checksums=checksums[i][1],
+                )
+                for i, s in enumerate(shards)
             ),
             checksum=ALGORITHM,
             checksum_block=checksum_block,

@@ -22,7 +22,7 @@ import asyncbatch as ab
 from asyncbatch import engine
 from asyncbatch.cli import main as cli_main
 from asyncbatch.errors import ChecksumError, ConfigError, ManifestError
-from asyncbatch.integrity import verify_dataset
+from asyncbatch.integrity import block_digests, encode_blocks, verify_dataset
 from asyncbatch.stores import registry
 from asyncbatch.stores.local import LocalStore
 
@@ -520,3 +520,46 @@ def test_remote_verify_and_block_level(
     # In order, the first window reaching block 3 of shard 2 (tokens 9536 on) is in batch 47.
     assert len(batches) == (2 * SHARD + 3 * BLOCK) // 2 // (BATCH * SEQ_LEN) == 47
     assert_exact(tokens, batches, False)
+
+
+def test_checksums_cover_a_shard_header(tmp_path: Path, tokens: npt.NDArray[np.uint16]) -> None:
+    """A shard whose elements start after a header (``offset``): size and checksums cover the
+    whole object, and block reads check the header's block too."""
+    root = tmp_path / "headed"
+    root.mkdir()
+    header = b"H" * 100
+    data = header + tokens.tobytes()
+    (root / "part.bin").write_bytes(data)
+    manifest = {
+        "asyncbatch_manifest": 1,
+        "format": "tokens",
+        "dtype": "<u2",
+        "checksum": "xxh3_64",
+        "checksum_block": BLOCK,
+        "shards": [
+            {
+                "path": "part.bin",
+                "bytes": tokens.nbytes,
+                "elements": tokens.size,
+                "offset": len(header),
+                "checksum": f"{xxhash.xxh3_64_intdigest(data):016x}",
+                "block_checksums": encode_blocks(block_digests(data, BLOCK)),
+            }
+        ],
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    settings: dict[str, Any] = dict(batch_size=BATCH, seq_len=SEQ_LEN, shuffle=False, prefetch=2)
+    for verify in ("size", "block", "full"):
+        with ab.Loader(str(root), **settings, verify=verify) as loader:
+            batches, error = take(loader)
+        assert error is None and len(batches) == len(loader)
+        assert_exact(tokens, batches, False)
+    assert verify_dataset(str(root)).clean
+    flip(root / "part.bin", 3)  # in the header, which no window reads
+    with ab.Loader(str(root), **settings, verify="off") as loader:
+        assert take(loader)[1] is None
+    with ab.Loader(str(root), **settings, verify="block") as loader:
+        batches, error = take(loader)
+    assert isinstance(error, ChecksumError) and "part.bin block 0 bytes [0, 1024)" in str(error)
+    assert batches == []
+    assert verify_dataset(str(root)).bad[0].bad_blocks == [0]
