@@ -325,6 +325,7 @@ class Reader:
             np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
         )
         buffer = np.empty(plan.nbytes, dtype=np.uint8)
+        view = memoryview(buffer)  # type: ignore[arg-type]
         run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
         # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
         chunk = run_at // BLOCK_SCRATCH_BYTES
@@ -349,13 +350,14 @@ class Reader:
             )
             s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
             picked = order[s0:s1]
+            source = memoryview(scratch)  # type: ignore[arg-type]
             for src, dest, length in zip(
                 (blocks.seg_src[picked] - base).tolist(),
                 blocks.seg_dest[picked].tolist(),
                 blocks.seg_length[picked].tolist(),
                 strict=True,
             ):
-                buffer[dest : dest + length] = scratch[src : src + length]
+                view[dest : dest + length] = source[src : src + length]
         return buffer
 
     async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:
