@@ -117,10 +117,14 @@ class ShardChecks:
     """What the manifests of a loader's datasets record about each shard (numbered as the
     engine numbers them: dataset after dataset), and which shards passed already.
 
-    Refuses (ConfigError) a level that needs checksums a dataset does not record.
+    Refuses (ConfigError) a level that needs checksums a dataset does not record. Block
+    digests are gathered only for ``block`` and ``full`` (or ``blocks=True``): a big
+    manifest holds millions of them.
     """
 
-    def __init__(self, datasets: Sequence[Dataset], level: str) -> None:
+    def __init__(
+        self, datasets: Sequence[Dataset], level: str, *, blocks: bool | None = None
+    ) -> None:
         self.level = check_level(level)
         for dataset in datasets:
             manifest = dataset.manifest
@@ -141,12 +145,19 @@ class ShardChecks:
         self.sizes = np.array([s.offset + s.nbytes for _, s in shards], dtype=np.int64)
         self.checksums = [s.checksum for _, s in shards]
         self.block_size = np.array([d.manifest.checksum_block or 0 for d, _ in shards], np.int64)
-        blocks = [np.frombuffer(s.block_checksums or b"", dtype="<u8") for _, s in shards]
+        if blocks is None:
+            blocks = level in ("block", "full")
+        #: Whether ``digests`` holds the block digests the manifests record.
+        self.has_block_digests = blocks
+        packed = [
+            np.frombuffer((s.block_checksums if blocks else None) or b"", dtype="<u8")
+            for _, s in shards
+        ]
         #: All block digests in one array; shard k's start at ``first_block[k]``.
         self.digests: DigestArray = (
-            np.concatenate(blocks).astype(np.uint64) if blocks else np.zeros(0, np.uint64)
+            np.concatenate(packed).astype(np.uint64) if packed else np.zeros(0, np.uint64)
         )
-        counts = np.array([b.size for b in blocks], dtype=np.int64)
+        counts = np.array([b.size for b in packed], dtype=np.int64)
         self.first_block = np.cumsum(counts) - counts
         self.passed = np.zeros(len(shards), dtype=bool)
 
@@ -184,7 +195,7 @@ async def scan_shard(
         report.problems.append(size_error(url, expected_size, size))
         return report
     whole = checks.checksums[shard]
-    block = int(checks.block_size[shard]) if blocks else 0
+    block = int(checks.block_size[shard]) if blocks and checks.has_block_digests else 0
     if whole is None and not block:
         return report
     chunk = max(block, SCAN_CHUNK // block * block) if block else SCAN_CHUNK
@@ -420,7 +431,7 @@ async def verify_dataset_async(
             notes.append("the manifest records no block checksums: whole shards only")
     else:
         used = "block"
-    checks = ShardChecks([dataset], "size")
+    checks = ShardChecks([dataset], "size", blocks=True)
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
     slots = asyncio.Semaphore(concurrency)
 
