@@ -2,7 +2,8 @@
 
 The layers, from the bytes up::
 
-    stores/     read byte ranges of objects: local files (preadv), fsspec (S3, HTTP, ...)
+    stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
+                filesystem; one RetryPolicy for them all
     manifest    the one file read to open a dataset; dataset: opening it
     layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
     sampling/   the order of samples: Feistel permutation, global and block shuffles,
@@ -44,6 +45,7 @@ from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
 from .mixture import mix as mix
 from .stores import register_store as register_store
+from .stores.retry import RetryPolicy as RetryPolicy
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
 from .writer import write_tokens_async as write_tokens_async
@@ -69,6 +71,7 @@ __all__ = [
     "RangeNotSupportedError",
     "ResumeStateError",
     "RetriesExhaustedError",
+    "RetryPolicy",
     "ShardChangedError",
     "ShortReadError",
     "StoreError",

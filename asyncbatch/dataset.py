@@ -15,6 +15,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
 from .stores import open_store
 from .stores.base import Store
+from .stores.retry import RetryPolicy
 
 
 def join_url(root: str, path: str) -> str:
@@ -59,14 +60,17 @@ async def read_object(store: Store, url: str) -> bytes:
     return bytes(buffer)
 
 
-async def open_dataset_async(url: str, storage_options: Mapping[str, Any] | None = None) -> Dataset:
-    """Open the dataset at ``url`` (its root, or its ``manifest.json``) in the running loop."""
+async def open_dataset_async(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, retry: RetryPolicy | None = None
+) -> Dataset:
+    """Open the dataset at ``url`` (its root, or its ``manifest.json``) in the running loop;
+    ``retry``: how the manifest read is retried (default: :class:`RetryPolicy()`)."""
     root = (
         url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
     )
     manifest_url = join_url(root, MANIFEST_NAME)
     options = dict(storage_options or {})
-    store = open_store(manifest_url, options)
+    store = open_store(manifest_url, options, retry=retry)
     try:
         text = await read_object(store, manifest_url)
     except NotFoundError as exc:
@@ -77,6 +81,8 @@ async def open_dataset_async(url: str, storage_options: Mapping[str, Any] | None
     return Dataset(root, Manifest.from_json(text, manifest_url), options)
 
 
-def open_dataset(url: str, storage_options: Mapping[str, Any] | None = None) -> Dataset:
+def open_dataset(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, retry: RetryPolicy | None = None
+) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest, whatever the dataset's size."""
-    return run_sync(open_dataset_async(url, storage_options))
+    return run_sync(open_dataset_async(url, storage_options, retry=retry))
