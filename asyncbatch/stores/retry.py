@@ -38,10 +38,11 @@ class RetryPolicy:
     ``max_attempts`` bounds the requests per operation (a persistent 503 costs exactly that
     many). Before attempt ``n + 1`` a store sleeps a random time in
     ``[0, min(max_delay, base_delay * 2**(n - 1))]`` (full jitter), or at least a server's
-    ``Retry-After``. No attempt starts after ``deadline`` seconds from the first; a running
-    one is bounded by the timeouts, not the deadline. ``connect_timeout`` bounds opening a
-    connection, ``first_byte_timeout`` waiting for the response headers, ``idle_timeout``
-    any pause while the body arrives: a slow transfer that keeps moving never times out.
+    ``Retry-After`` (even beyond ``max_delay``). No attempt starts after ``deadline`` seconds
+    from the first; a running one is bounded by the timeouts, not the deadline.
+    ``connect_timeout`` bounds opening a connection; the response headers must follow within
+    ``first_byte_timeout`` more; ``idle_timeout`` bounds any pause while the body arrives,
+    so a slow transfer that keeps moving never times out and a stalled one always does.
     """
 
     max_attempts: int = 10
@@ -82,8 +83,8 @@ class RetryPolicy:
         """Seconds to sleep after failed attempt number ``attempt`` (counted from 1)."""
         ceiling = min(self.max_delay, self.base_delay * 2.0 ** min(attempt - 1, 60))
         delay = random.uniform(0.0, ceiling)
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, self.max_delay))
+        if retry_after is not None:  # the server knows best; the deadline still bounds it
+            delay = max(delay, retry_after)
         return delay
 
 
