@@ -390,6 +390,35 @@ def test_requests_in_flight_never_exceed_the_pool(files_server: FaultServer) -> 
     assert files_server.count("GET") == len(starts)
 
 
+@pytest.mark.timeout(30)
+def test_a_failed_range_cancels_its_siblings(remote: Remote) -> None:
+    url = remote.put(DATA)
+    remote.server.inject(Fault(status=403), default=Fault(delay=10.0))
+    patient = ab.RetryPolicy(first_byte_timeout=20.0)
+
+    async def main() -> None:
+        store = remote.store(policy=patient)
+        buffers = [memoryview(bytearray(100)) for _ in range(3)]
+        try:
+            with pytest.raises(PermissionDeniedError):
+                await store.read_ranges(
+                    url, starts=[0, 1000, 2000], ends=[100, 1100, 2100], buffers=buffers
+                )
+            # Before the store closes: the other two requests were abandoned, not left
+            # running (asyncio.gather would leave them waiting their 10 s).
+            for _ in range(300):
+                if remote.server.inflight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert remote.server.inflight == 0
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - began < 5
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -27,6 +27,7 @@ from .ranged import (
     fail,
     fill,
     parse_retry_after,
+    run_all,
     status_error,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
@@ -149,12 +150,10 @@ class HttpStore:
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
-        await asyncio.gather(
-            *(
-                self._read_range(url, start, end, buffer)
-                for start, end, buffer in zip(starts, ends, buffers, strict=True)
-                if end > start
-            )
+        await run_all(
+            self._read_range(url, start, end, buffer)
+            for start, end, buffer in zip(starts, ends, buffers, strict=True)
+            if end > start
         )
 
     async def _read_range(self, url: str, start: int, end: int, buffer: Buffer) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import (
     NotFoundError,
@@ -195,6 +196,24 @@ def changed(url: str, pinned: str, now: str | None) -> ShardChangedError:
     )
     assert isinstance(error, ShardChangedError)
     return error
+
+
+async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
+    """Await every read; on the first failure cancel the others, wait for them, and raise it
+    (unlike ``asyncio.gather``, which leaves them running against a buffer nobody wants)."""
+    tasks = [asyncio.ensure_future(read) for read in reads]
+    if not tasks:
+        return
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        error = task.exception() if task in done and not task.cancelled() else None
+        if error is not None:
+            raise error
 
 
 @dataclass
