@@ -45,11 +45,13 @@ def write_megatron(
     pointers: list[int] = []
     document_indices = [0]
     itemsize = np.dtype(dtype).itemsize
+    position = 0
     with open(f"{prefix}.bin", "wb") as data:
         for document in documents:
             for sequence in document:
-                pointers.append(sum(lengths) * itemsize)
+                pointers.append(position)
                 lengths.append(len(sequence))
+                position += len(sequence) * itemsize
                 data.write(np.asarray(sequence, dtype=dtype).tobytes())
             document_indices.append(len(lengths))
     with open(f"{prefix}.idx", "wb") as index:
