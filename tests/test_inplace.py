@@ -341,8 +341,8 @@ def _set(at: int, fmt: str, value: int | bytes) -> Callable[[bytearray], bytearr
     return change
 
 
-_SEQUENCES = 34  # where the arrays start; the fixture's seed 9 gives this many sequences:
-_S = sum(len(doc) for doc in random_documents(9, 6))
+_SEQUENCES = 34  # the byte where the index arrays start (after the header)
+_S = sum(len(doc) for doc in random_documents(9, 6))  # sequences in the corrupted fixture
 
 
 @pytest.mark.parametrize(
