@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .batch import Batch as Batch
 from .batch import FieldSchema as FieldSchema
+from .batch import Jagged as Jagged
 from .dataset import Dataset as Dataset
 from .dataset import open_dataset as open_dataset
 from .dataset import open_dataset_async as open_dataset_async
@@ -61,6 +62,7 @@ __all__ = [
     "Dataset",
     "FieldSchema",
     "FormatError",
+    "Jagged",
     "Loader",
     "LoaderClosedError",
     "LoaderDataset",

@@ -13,7 +13,7 @@ Requests in flight are bounded by the store. Any error ends the run with a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .batch import Batch
-from .formats.tokens import TokenWindows
+from .formats.base import Source
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
@@ -47,7 +47,7 @@ class Engine:
 
     def __init__(
         self,
-        source: TokenWindows,
+        source: Source,
         order: EpochOrder,
         *,
         max_inflight: int,
@@ -82,7 +82,7 @@ class Engine:
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
-            if self.source.converts
+            if getattr(self.source, "converts", True)
             else None
         )
         try:
@@ -190,13 +190,13 @@ class Engine:
             size = order.batch_size
             starts = [(b - batches.start) * size for b in batches]
             ids = np.concatenate([ids[s : s + n] for s, n in zip(starts, lengths, strict=True)])
-        plan = self.source.plan(ids, gap)
-        buffer = await reader.read_plan(plan)
-        if decoder is not None:
-            loop = asyncio.get_running_loop()
-            fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
-        else:
-            fields = self.source.decode(buffer, int(ids.size))
+
+        async def offload(work: Callable[[], Any]) -> Any:
+            if decoder is None:
+                return work()
+            return await asyncio.get_running_loop().run_in_executor(decoder, work)
+
+        fields = await self.source.fetch(ids, reader.read_plan, gap, offload)
         schema = self.source.schema
         out = []
         start = 0

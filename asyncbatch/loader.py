@@ -28,7 +28,7 @@ from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
-from .formats.tokens import TokenWindows
+from .formats import Source, make_source
 from .handoff import BatchQueue, Final, QueueStatistics
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
@@ -128,7 +128,7 @@ class _LoaderBase:
         dataset: Dataset | Mixture | str,
         *,
         batch_size: int,
-        seq_len: int,
+        seq_len: int | None = None,
         shuffle: bool | str = True,
         seed: int = 0,
         prefetch: int | None = None,
@@ -145,10 +145,11 @@ class _LoaderBase:
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        format_options: Mapping[str, Any] | None = None,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
-        self.seq_len = _positive("seq_len", seq_len)
+        self.seq_len = None if seq_len is None else _positive("seq_len", seq_len)
         self._prefetch_arg = None if prefetch is None else _positive("prefetch", prefetch)
         #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
         self.prefetch = self._prefetch_arg or 0
@@ -185,6 +186,7 @@ class _LoaderBase:
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
         self.retry = retry
+        self.format_options = dict(format_options or {})
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -194,9 +196,15 @@ class _LoaderBase:
         self._closed = False
 
     def _build(self, data: Dataset | Mixture) -> Engine:
-        datasets = data.datasets if isinstance(data, Mixture) else data
-        source = TokenWindows(datasets, self.seq_len, next_token=self.next_token, dtype=self.dtype)
-        sample_bytes = source.window * source.stored_dtype.itemsize
+        datasets = data.datasets if isinstance(data, Mixture) else (data,)
+        source = make_source(
+            datasets,
+            seq_len=self.seq_len,
+            next_token=self.next_token,
+            dtype=self.dtype,
+            options=self.format_options,
+        )
+        sample_bytes = source.sample_bytes
         if self.shuffle == "block":
             self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
         samples: SampleOrder | None = None
@@ -218,10 +226,7 @@ class _LoaderBase:
             samples=samples,
         )
         self._data = data
-        itemsize = source.stored_dtype.itemsize
-        if source.out_dtype is not None and source.converts:
-            itemsize += source.out_dtype.itemsize
-        batch_bytes = self.batch_size * source.window * itemsize
+        batch_bytes = self.batch_size * sample_bytes
         worker, stride = self._worker
         # A block shuffle reads best a whole window at a time: this rank's (or worker's)
         # share of one is this many batches.
@@ -245,11 +250,13 @@ class _LoaderBase:
         )
         return self._engine
 
-    def _mixture_order(self, mixture: Mixture, source: TokenWindows) -> MixtureOrder:
+    def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
         sizes = source.sizes.tolist()
         for dataset, size in zip(mixture.datasets, sizes, strict=True):
             if size == 0:
-                raise ConfigError(f"{dataset.url} is too short for one window of {source.window}")
+                raise ConfigError(
+                    f"{dataset.url} is too short: it holds no sample (seq_len={self.seq_len})"
+                )
         inner = [
             make_sample_order(
                 size, self.shuffle, derive_key(self.seed, d), self.block_size or 1, self.window or 1

@@ -20,11 +20,13 @@ MANIFEST_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
-    """One shard: its path relative to the dataset root, size in bytes, element count."""
+    """One shard: its path relative to the dataset root, the bytes of its elements, their
+    count, and the byte offset where they start in the object (0 but for headers)."""
 
     path: str
     nbytes: int
     elements: int
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +50,7 @@ class Manifest:
                 "asyncbatch_manifest": MANIFEST_VERSION,
                 "format": self.format,
                 "dtype": np.lib.format.dtype_to_descr(self.dtype),
-                "shards": [
-                    {"path": s.path, "bytes": s.nbytes, "elements": s.elements} for s in self.shards
-                ],
+                "shards": [_shard_json(s) for s in self.shards],
                 "metadata": self.metadata,
             },
             indent=1,
@@ -66,7 +66,9 @@ class Manifest:
                 raise ManifestError(f"{url}: unsupported manifest version {version!r}")
             dtype = np.lib.format.descr_to_dtype(_tuples(raw["dtype"]))
             shards = tuple(
-                ShardInfo(str(s["path"]), int(s["bytes"]), int(s["elements"]))
+                ShardInfo(
+                    str(s["path"]), int(s["bytes"]), int(s["elements"]), int(s.get("offset", 0))
+                )
                 for s in raw["shards"]
             )
             manifest = cls(str(raw["format"]), dtype, shards, dict(raw.get("metadata", {})))
@@ -75,12 +77,23 @@ class Manifest:
         except (ValueError, KeyError, TypeError) as exc:
             raise ManifestError(f"{url}: not a valid asyncbatch manifest: {exc!r}") from exc
         for shard in shards:
-            if shard.nbytes != shard.elements * dtype.itemsize or shard.elements < 0:
+            if (
+                shard.nbytes != shard.elements * dtype.itemsize
+                or shard.elements < 0
+                or shard.offset < 0
+            ):
                 raise ManifestError(
                     f"{url}: shard {shard.path!r} has {shard.nbytes} bytes, which is not"
                     f" {shard.elements} elements of {dtype} ({dtype.itemsize} bytes each)"
                 )
         return manifest
+
+
+def _shard_json(shard: ShardInfo) -> dict[str, Any]:
+    entry: dict[str, Any] = {"path": shard.path, "bytes": shard.nbytes, "elements": shard.elements}
+    if shard.offset:
+        entry["offset"] = shard.offset
+    return entry
 
 
 def _tuples(descr: Any) -> Any:

@@ -178,6 +178,8 @@ class FaultServer:
         if if_match is not None and if_match not in ("*", etag):
             return 412, {}, b""
         headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+        if path.suffix == ".html":  # index pages, for listings
+            headers["Content-Type"] = "text/html"
         data = path.read_bytes()
         if request.method == "HEAD":
             headers["Content-Length"] = str(len(data))

@@ -419,6 +419,26 @@ def test_a_failed_range_cancels_its_siblings(remote: Remote) -> None:
     assert time.monotonic() - began < 5
 
 
+@pytest.mark.timeout(30)
+def test_http_listing_reads_index_pages(files_server: FaultServer) -> None:
+    files_server.reset()
+    root = files_server.root
+    assert root is not None
+    (root / "index.html").write_text('<html><a href="a.npy">a</a> <a href="b.npy">b</a></html>')
+
+    async def main() -> list[str]:
+        store = HttpStore()
+        try:
+            with pytest.raises(NotFoundError):
+                await store.list(f"{files_server.url}/no-such-dir/")
+            return await store.list(f"{files_server.url}/index.html")
+        finally:
+            await store.close()
+
+    listed = asyncio.run(main())
+    assert [u.rsplit("/", 1)[1] for u in listed] == ["a.npy", "b.npy"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

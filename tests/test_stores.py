@@ -108,6 +108,13 @@ def _truncate(
 def test_missing_dataset_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         ab.open_dataset(str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ab.open_dataset(str(tmp_path / "nothing"), format="manifest")
+
+
+def test_unknown_format_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ab.ConfigError, match="format='parquet'"):
+        ab.open_dataset(str(tmp_path), format="parquet")
 
 
 def test_read_ranges_into_buffers(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import aiohttp
 
 from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
 from .base import Buffer
+from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
     Pins,
@@ -39,8 +40,8 @@ CHUNK = 1 << 20
 class HttpStore:
     """Read-only store for ``http://`` and ``https://`` URLs.
 
-    ``storage_options``: ``headers`` (sent with every request). Listing and writing are not
-    supported: open datasets through their ``manifest.json``.
+    ``storage_options``: ``headers`` (sent with every request). Listing (of a server's HTML
+    index pages) goes through fsspec's HTTP filesystem; writing is not supported.
     """
 
     coalesce_gap = REMOTE_COALESCE_GAP
@@ -63,6 +64,7 @@ class HttpStore:
         self.pins = Pins()
         self._session: aiohttp.ClientSession | None = None
         self._limit: asyncio.Semaphore | None = None
+        self._lister: FsspecStore | None = None
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         if self._session is None or self._limit is None:
@@ -142,10 +144,11 @@ class HttpStore:
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
 
     async def list(self, url: str) -> list[str]:
-        raise StoreError(
-            f"cannot list {url}: HTTP has no listing; open the dataset through its manifest.json",
-            url,
-        )
+        """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""
+        if self._lister is None:
+            options = {"headers": self._headers} if self._headers else {}
+            self._lister = FsspecStore("http", options, max_inflight=self.max_inflight)
+        return await self._lister.list(url)
 
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
@@ -215,8 +218,11 @@ class HttpStore:
 
     async def close(self) -> None:
         session, self._session = self._session, None
+        lister, self._lister = self._lister, None
         if session is not None:
             await session.close()
+        if lister is not None:
+            await lister.close()
 
 
 def http_store(
