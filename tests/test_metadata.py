@@ -188,7 +188,7 @@ def test_spans_match_random_span_lengths(
 
 
 async def _fetch_plans(
-    dataset: ab.Dataset, ids: npt.NDArray[np.int64], **options: Any
+    dataset: ab.Dataset, ids: npt.NDArray[np.int64], gap: int, **options: Any
 ) -> tuple[list[ReadPlan], dict[str, Any]]:
     source = make_source([dataset], seq_len=50, options=options)
     store = open_store(dataset.url, {})
@@ -203,7 +203,7 @@ async def _fetch_plans(
         return work()
 
     try:
-        fields = await source.fetch(ids, read, 0, offload)
+        fields = await source.fetch(ids, read, gap, offload)
     finally:
         await store.close()
     return plans, fields
@@ -213,18 +213,23 @@ def test_metadata_reads_are_one_index_and_one_data_read_per_file(tmp_path: Path)
     spans = make_spans(1, 400, none_every=1000)
     dataset = ab.write_metadata_stream(str(tmp_path / "d"), spans, shard_size=3000 * RECORD)
     ids = np.array([3, 4, 5, 58, 59, 60, 125, 126], dtype=np.int64)  # in 3 shards
-    plans, fields = asyncio.run(_fetch_plans(dataset, ids))
+    plans, fields = asyncio.run(_fetch_plans(dataset, ids, 16384))
     tokens_plan, index_plan, data_plan = plans
     shards = {int(i) * 50 // 3000 for i in ids} | {(int(i) * 50 + 49) // 3000 for i in ids}
     assert index_plan.num_reads == data_plan.num_reads == len(shards) == 3
+    # Without merging gaps, windows far apart in one shard read apart: 3-5 and 58-59 (shard
+    # 0), 60 (shard 1), 125-126 (shard 2); neighbouring windows still share reads.
+    plans_near, fields_near = asyncio.run(_fetch_plans(dataset, ids, 0))
+    assert plans_near[1].num_reads == plans_near[2].num_reads == 4
     spans_read = sum(len(s) for s in fields["meta_start"])
     assert spans_read > 8 * 2  # many spans, still one index read and one data read per file
-    plans_apart, fields_apart = asyncio.run(_fetch_plans(dataset, ids, combine=False))
+    plans_apart, fields_apart = asyncio.run(_fetch_plans(dataset, ids, 16384, combine=False))
     assert [p.num_reads for p in plans_apart[1:]] == [spans_read, spans_read]
     for name in ("meta_start", "meta_end"):
         assert torch.equal(fields[name].values, fields_apart[name].values)
         assert torch.equal(fields[name].offsets, fields_apart[name].offsets)
     assert list(fields["meta"].values) == list(fields_apart["meta"].values)
+    assert list(fields["meta"].values) == list(fields_near["meta"].values)
     assert tokens_plan.num_reads == plans_apart[0].num_reads
 
 

@@ -10,10 +10,11 @@ Samples are the windows of the tokens format (field ``tokens``), plus, per sampl
 of equal metadata id in the window as three :class:`~asyncbatch.batch.Jagged` columns:
 ``meta_start`` and ``meta_end`` (token positions in the window, end exclusive) and ``meta``
 (the decoded values). A run ends at a shard end even when the next shard goes on with the
-same value. For a group of windows the source reads the tokens, then one range of each
-touched metadata index (its min to max id), then one range of each data file: two extra
-requests per shard touched, whatever the number of spans (``combine=False`` reads per span,
-for comparison).
+same value. For a group of windows the source reads the tokens, then, per window and shard,
+one range of the metadata index (the window's min to max id) and one of the data, and these
+ranges merge like token reads (overlapping, or closer than the store's gap): at most two
+extra requests per window, and two per file for a run of neighbouring windows, whatever the
+number of spans (``combine=False`` reads per span, for comparison).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from ..batch import FieldSchema, Jagged
 from ..dataset import Dataset, join_url
 from ..errors import ConfigError, FormatError, ManifestError
-from ..layout import ReadPlan
+from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
 from ..portal import run_sync
 from ..stores import open_store
@@ -46,6 +47,8 @@ FORMAT = "metadata_stream"
 INDEX_DTYPE = np.dtype("<i8")
 START_FIELD, END_FIELD, VALUE_FIELD = "meta_start", "meta_end", "meta"
 DEFAULT_SHARD_SIZE = 256 * 2**20
+#: A merge gap below any distance: every range is read on its own.
+NEVER_MERGE = -(2**62)
 Int64Array = npt.NDArray[np.int64]
 
 # --- codecs ---------------------------------------------------------------------------------
@@ -293,6 +296,20 @@ class Spans:
     meta_id: Int64Array
 
 
+@dataclass(frozen=True)
+class Groups:
+    """Groups of spans read together: per group its shard, first id ``lo`` and number of ids
+    ``count`` read, where its index entries start in the index buffer; the group of each
+    span, and the merge gap used."""
+
+    shard: Int64Array
+    lo: Int64Array
+    count: Int64Array
+    entry_at: Int64Array
+    group_of_span: Int64Array
+    gap: int
+
+
 class MetadataWindows(TokenWindows):
     """Windows of a metadata stream with their metadata spans (see the module docstring)."""
 
@@ -323,6 +340,9 @@ class MetadataWindows(TokenWindows):
         self.codec = make_codec(first.codec, first.codec_options)
         self.meta_counts = np.concatenate([layout.counts for layout in layouts])
         self.data_bytes = np.concatenate([layout.data_bytes for layout in layouts])
+        #: Index files as one stream of int64 entries, data files as one of bytes.
+        self.index_map = ShardMap(self.meta_counts + 1, INDEX_DTYPE.itemsize)
+        self.data_map = ShardMap(self.data_bytes, 1)
         self.no_meta = int(np.iinfo(self.stored_dtype[self.meta_field]).max)
         token_urls = list(self.shard_urls)
         self.num_shards = len(token_urls)
@@ -377,12 +397,12 @@ class MetadataWindows(TokenWindows):
         buffer = await read(self.plan(ids, gap))
         stream = buffer.view(self.stored_dtype).reshape(ids.size, self.window)
         spans: Spans = await offload(lambda: self.spans(stream, ids))
-        index_plan, entries_of = self.index_plan(spans)
+        index_plan, groups = self.index_plan(spans, gap)
         index = await read(index_plan) if index_plan.nbytes else buffer[:0]
-        data_plan, offsets, item_of_span = self.data_plan(
-            spans, index.view(INDEX_DTYPE), entries_of
-        )
+        data_plan, offsets = self.data_plan(index.view(INDEX_DTYPE), groups)
         data = await read(data_plan) if data_plan.num_reads else buffer[:0]
+        first_item = np.cumsum(groups.count) - groups.count - groups.lo
+        item_of_span = first_item[groups.group_of_span] + spans.meta_id
         fields: dict[str, Any] = await offload(
             lambda: self.fields(stream, spans, data, offsets, item_of_span)
         )
@@ -427,98 +447,70 @@ class MetadataWindows(TokenWindows):
             )
         return Spans(sample, start, start + (ends - heads), shard, meta_id)
 
-    def index_plan(self, spans: Spans) -> tuple[ReadPlan, Int64Array]:
-        """Index entries to read, and where each shard group's entries start in them.
+    def index_plan(self, spans: Spans, gap: int) -> tuple[ReadPlan, Groups]:
+        """Index entries ``lo .. hi + 1`` of each group, back to back in the buffer.
 
-        Combined: entries ``lo .. hi + 1`` of each touched shard (its min and max id); one
-        group per shard. Not combined: entries ``id, id + 1`` per span; one group per span.
+        Combined, a group is the spans of one window in one shard (``lo``, ``hi``: their min
+        and max id), and the groups' ranges of one index file merge as the token reads do
+        (overlapping, or closer than ``gap``): a group of neighbouring windows costs one index
+        read per file. Not combined, a group is one span, read on its own.
         """
         if self.combine:
-            order = np.argsort(spans.shard, kind="stable")
-            shard = spans.shard[order]
-            heads = np.flatnonzero(np.diff(shard, prepend=-1)) if shard.size else shard
-            ids = spans.meta_id[order]
+            key = spans.sample * self.num_shards + spans.shard  # nondecreasing
+            new = np.ones(key.size, dtype=bool)
+            new[1:] = key[1:] != key[:-1]
+            heads = np.flatnonzero(new)
+            group_of_span = np.cumsum(new) - 1
+            ids = spans.meta_id
             lo = np.minimum.reduceat(ids, heads) if heads.size else heads
             hi = np.maximum.reduceat(ids, heads) if heads.size else heads
-            group_shard = shard[heads]
+            shard = spans.shard[heads]
         else:
-            group_shard, lo, hi = spans.shard, spans.meta_id, spans.meta_id
-        size = INDEX_DTYPE.itemsize
-        lengths = (hi - lo + 2) * size
-        dest = np.cumsum(lengths) - lengths
-        empty = np.zeros(0, dtype=np.int64)
-        plan = ReadPlan(
-            read_shard=group_shard + self.num_shards,
-            read_start=lo * size,
-            read_end=(hi + 2) * size,
-            read_dest=dest,
-            piece_read=empty,
-            piece_src=empty,
-            piece_dest=empty,
-            piece_length=empty,
-            nbytes=int(lengths.sum()),
-        )
-        return plan, np.stack([group_shard, lo, hi, dest // size])
+            group_of_span = np.arange(spans.shard.size)
+            shard, lo, hi = spans.shard, spans.meta_id, spans.meta_id
+            gap = NEVER_MERGE
+        count = hi - lo + 1
+        entry_at = np.cumsum(count + 1) - (count + 1)
+        plan = self.index_map.plan(self.index_map.starts[shard] + lo, count + 1, gap)
+        plan = replace(plan, read_shard=plan.read_shard + self.num_shards)
+        return plan, Groups(shard, lo, count, entry_at, group_of_span, gap)
 
-    def data_plan(
-        self, spans: Spans, index: Int64Array, groups: Int64Array
-    ) -> tuple[ReadPlan, Int64Array, Int64Array]:
-        """Data reads of every index group back to back; the offsets of the items read (all
-        ids ``lo .. hi`` of each group, in order) and the item each span takes."""
-        group_shard, lo, hi, entry_at = groups
-        count = hi - lo + 1  # items per group
+    def data_plan(self, index: Int64Array, groups: Groups) -> tuple[ReadPlan, Int64Array]:
+        """Data reads of every group back to back, merged as the index reads; the offsets
+        of all items read (ids ``lo .. hi`` of each group, in order) in the data buffer."""
+        shard, lo, count, entry_at = groups.shard, groups.lo, groups.count, groups.entry_at
         index = index.astype(np.int64)
-        firsts = index[entry_at] if entry_at.size else entry_at
-        lasts = index[entry_at + count] if entry_at.size else entry_at
+        firsts = index[entry_at]
+        lasts = index[entry_at + count]
         group_of_entry = np.repeat(np.arange(count.size), count + 1)
         steps = np.diff(index)
-        steps[entry_at[1:] - 1] = 0  # across two groups' entries: no step
+        if entry_at.size > 1:
+            steps[entry_at[1:] - 1] = 0  # from one group's entries to the next: no step
         broken = np.flatnonzero(steps < 0)
-        over = np.flatnonzero((lasts > self.data_bytes[group_shard]) | (firsts < 0))
+        over = np.flatnonzero((lasts > self.data_bytes[shard]) | (firsts < 0))
         if broken.size or over.size:
             g = int(group_of_entry[broken[0]]) if broken.size else int(over[0])
-            s = int(group_shard[g])
+            s = int(shard[g])
             problem = (
                 "offsets that decrease"
                 if broken.size
                 else f"offsets outside the {int(self.data_bytes[s])} bytes of {self.data_urls[s]}"
             )
             raise FormatError(
-                f"{self.index_urls[s]}: metadata index entries {int(lo[g])}..{int(hi[g]) + 1}"
-                f" hold {problem}"
+                f"{self.index_urls[s]}: metadata index entries"
+                f" {int(lo[g])}..{int(lo[g] + count[g])} hold {problem}"
             )
         lengths = lasts - firsts
         dest = np.cumsum(lengths) - lengths
         # Item offsets in the data buffer: each group's entries shifted to its place, the
-        # last entry of a group dropped (it is the next group's first).
+        # last entry of a group dropped (it is where the next group's first item starts).
         offsets = index - np.repeat(firsts - dest, count + 1)
         keep = np.ones(offsets.size, dtype=bool)
         keep[(entry_at + count)[:-1]] = False
-        offsets = offsets[keep]
-        if self.combine:
-            order = np.argsort(spans.shard, kind="stable")
-            group_of_span = np.empty(spans.shard.size, dtype=np.int64)
-            group_of_span[order] = np.cumsum(np.diff(spans.shard[order], prepend=-1) != 0) - 1
-        else:
-            group_of_span = np.arange(spans.shard.size)
-        item_base = np.cumsum(count) - count
-        item_of_span = item_base[group_of_span] + spans.meta_id - lo[group_of_span]
-        nonzero = lengths > 0
-        empty = np.zeros(0, dtype=np.int64)
-        plan = ReadPlan(
-            read_shard=group_shard[nonzero] + 2 * self.num_shards,
-            read_start=firsts[nonzero],
-            read_end=lasts[nonzero],
-            read_dest=dest[nonzero],
-            piece_read=empty,
-            piece_src=empty,
-            piece_dest=empty,
-            piece_length=empty,
-            nbytes=int(lengths.sum()),
-        )
-        if not offsets.size:
-            offsets = np.zeros(1, dtype=np.int64)
-        return plan, offsets, item_of_span
+        offsets = offsets[keep] if offsets.size else np.zeros(1, dtype=np.int64)
+        plan = self.data_map.plan(self.data_map.starts[shard] + firsts, lengths, groups.gap)
+        plan = replace(plan, read_shard=plan.read_shard + 2 * self.num_shards)
+        return plan, offsets
 
     def fields(
         self,
