@@ -429,7 +429,7 @@ def test_writer_from_tokens_and_metadata_ids(tmp_path: Path) -> None:
         ab.write_metadata_stream(str(tmp_path / "e"), [(np.array([70000]), 1)], token_dtype="<u2")
 
 
-@pytest.mark.parametrize("corruption", ["decreasing", "past_end", "bad_id"])
+@pytest.mark.parametrize("corruption", ["decreasing", "past_end", "bad_id", "bad_value"])
 def test_corrupt_metadata_is_a_format_error(
     write_meta: WriteMeta, store: str, corruption: str, request: pytest.FixtureRequest
 ) -> None:
@@ -450,6 +450,11 @@ def test_corrupt_metadata_is_a_format_error(
         offsets[-1] += 10
         replace_object(store, index_url, offsets.tobytes(), options, request)
         match = f"{index_url}.*outside the .* bytes of {data_url}"
+    elif corruption == "bad_value":
+        data = bytearray(Path_or_read(data_url, options))
+        data[offsets[1]] = ord("}")  # the second value no longer parses as JSON
+        replace_object(store, data_url, bytes(data), options, request)
+        match = f"{data_url}: metadata does not decode"
     else:
         stream = np.frombuffer(
             Path_or_read(source.shard_urls[0], options), dtype=source.stored_dtype

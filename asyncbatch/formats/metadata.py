@@ -404,7 +404,7 @@ class MetadataWindows(TokenWindows):
         first_item = np.cumsum(groups.count) - groups.count - groups.lo
         item_of_span = first_item[groups.group_of_span] + spans.meta_id
         fields: dict[str, Any] = await offload(
-            lambda: self.fields(stream, spans, data, offsets, item_of_span)
+            lambda: self.fields(stream, spans, data, offsets, item_of_span, groups.shard)
         )
         return fields
 
@@ -519,11 +519,16 @@ class MetadataWindows(TokenWindows):
         data: npt.NDArray[np.uint8],
         offsets: Int64Array,
         item_of_span: Int64Array,
+        shards: Int64Array,
     ) -> dict[str, Any]:
         tokens = np.ascontiguousarray(stream[self.token_field])
         if self.out_dtype is not None and self.out_dtype != tokens.dtype:
             tokens = tokens.astype(self.out_dtype)
-        values = decode_values(self.codec, data, offsets)
+        try:
+            values = decode_values(self.codec, data, offsets)
+        except Exception as exc:  # a codec's own error, whatever its type: name the files
+            urls = ", ".join(self.data_urls[s] for s in np.unique(shards).tolist())
+            raise FormatError(f"{urls}: metadata does not decode: {exc}") from exc
         if isinstance(values, torch.Tensor):
             values = values[torch.from_numpy(item_of_span)]
         else:
