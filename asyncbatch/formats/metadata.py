@@ -529,8 +529,8 @@ class MetadataWindows(TokenWindows):
         except Exception as exc:  # a codec's own error, whatever its type: name the files
             urls = ", ".join(self.data_urls[s] for s in np.unique(shards).tolist())
             raise FormatError(f"{urls}: metadata does not decode: {exc}") from exc
-        if isinstance(values, torch.Tensor):
-            values = values[torch.from_numpy(item_of_span)]
+        if isinstance(values, torch.Tensor):  # numpy's gather: torch's is ~100x slower here
+            values = torch.from_numpy(values.numpy()[item_of_span])
         else:
             values = values[item_of_span]
         n = stream.shape[0]
