@@ -46,7 +46,8 @@ class Dataset:
     def fingerprint(self) -> str:
         """Identifies the data (not where it lives), for checking resume states."""
         m = self.manifest
-        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}"
+        arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
+        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}"
 
     def __repr__(self) -> str:
         m = self.manifest
