@@ -41,6 +41,9 @@ from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
+from .formats.metadata import register_codec as register_codec
+from .formats.metadata import write_metadata_stream as write_metadata_stream
+from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
@@ -83,7 +86,10 @@ __all__ = [
     "mix",
     "open_dataset",
     "open_dataset_async",
+    "register_codec",
     "register_store",
+    "write_metadata_stream",
+    "write_metadata_stream_async",
     "write_tokens",
     "write_tokens_async",
 ]
