@@ -39,6 +39,7 @@ from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.registry import scheme_of
+from .stores.retry import RetryPolicy
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -66,11 +67,13 @@ class Engine:
         worker: int = 0,
         stride: int = 1,
         unit: int = 1,
+        retry: RetryPolicy | None = None,
         verify: str = DEFAULT_VERIFY,
     ) -> None:
         self.source = source
+        self.retry = retry
         #: What to check of each shard, and which shards passed (kept across runs).
-        self.checks = ShardChecks(source.datasets, verify)
+        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -106,7 +109,10 @@ class Engine:
                     index[key] = len(stores)
                     stores.append(
                         open_store(
-                            dataset.url, dataset.storage_options, max_inflight=self.max_inflight
+                            dataset.url,
+                            dataset.storage_options,
+                            max_inflight=self.max_inflight,
+                            retry=self.retry,
                         )
                     )
                 of_dataset.append(index[key])
@@ -319,7 +325,7 @@ class Reader:
             plan.read_shard,
             plan.read_start,
             plan.read_end,
-            np.concatenate([plan.read_shard[direct], plan.read_shard[piece_read]]),
+            np.concatenate([direct, piece_read]),
             np.concatenate([plan.read_start[direct], plan.read_start[piece_read] + plan.piece_src]),
             np.concatenate([plan.read_dest[direct], plan.piece_dest]),
             np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),

@@ -117,13 +117,20 @@ class ShardChecks:
     """What the manifests of a loader's datasets record about each shard (numbered as the
     engine numbers them: dataset after dataset), and which shards passed already.
 
+    ``urls``: every file the source's plans name, if more than the manifests' shards (a
+    format's index or metadata files follow the shards); those extra files are not checked.
     Refuses (ConfigError) a level that needs checksums a dataset does not record. Block
     digests are gathered only for ``block`` and ``full`` (or ``blocks=True``): a big
     manifest holds millions of them.
     """
 
     def __init__(
-        self, datasets: Sequence[Dataset], level: str, *, blocks: bool | None = None
+        self,
+        datasets: Sequence[Dataset],
+        level: str,
+        *,
+        blocks: bool | None = None,
+        urls: Sequence[str] | None = None,
     ) -> None:
         self.level = check_level(level)
         for dataset in datasets:
@@ -160,6 +167,15 @@ class ShardChecks:
         counts = np.array([b.size for b in packed], dtype=np.int64)
         self.first_block = np.cumsum(counts) - counts
         self.passed = np.zeros(len(shards), dtype=bool)
+        extra = 0 if urls is None else len(urls) - len(shards)
+        if extra > 0:  # files no manifest describes: nothing to check them against
+            assert urls is not None
+            self.urls = list(urls)
+            self.sizes = np.append(self.sizes, np.full(extra, -1, dtype=np.int64))
+            self.checksums += [None] * extra
+            self.block_size = np.append(self.block_size, np.zeros(extra, dtype=np.int64))
+            self.first_block = np.append(self.first_block, np.zeros(extra, dtype=np.int64))
+            self.passed = np.append(self.passed, np.ones(extra, dtype=bool))
 
 
 @dataclass
@@ -294,20 +310,26 @@ def plan_blocks(
     read_shard: Int64Array,
     read_start: Int64Array,
     read_end: Int64Array,
-    seg_shard: Int64Array,
+    seg_read: Int64Array,
     seg_start: Int64Array,
     seg_dest: Int64Array,
     seg_length: Int64Array,
 ) -> BlockPlan:
-    """Widen reads to the whole blocks they touch (each block once), vectorised."""
+    """Widen the reads of shards with block checksums to the whole blocks they touch (each
+    block once); reads of files no manifest describes (a format's index or metadata files)
+    stay as they are, after the blocks, unchecked. Segment ``s`` lies in read
+    ``seg_read[s]``, from byte ``seg_start[s]`` of its shard. Vectorised."""
     size = checks.block_size[read_shard]
-    first = read_start // size
-    counts = -(-read_end // size) - first
-    owner = np.repeat(np.arange(read_shard.size), counts)
+    checked = size > 0
+    picked = np.flatnonzero(checked)
+    shard, size = read_shard[picked], size[picked]
+    first = read_start[picked] // size
+    counts = -(-read_end[picked] // size) - first
+    owner = np.repeat(np.arange(picked.size), counts)
     step = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
     # One key per (shard, block), ordered by shard then block.
     stride = int((checks.sizes // np.maximum(checks.block_size, 1)).max(initial=0)) + 2
-    keys = np.unique(read_shard[owner] * stride + first[owner] + step)
+    keys = np.unique(shard[owner] * stride + first[owner] + step)
     block_shard, block_number = keys // stride, keys % stride
     block_size = checks.block_size[block_shard]
     block_start = block_number * block_size
@@ -317,17 +339,29 @@ def plan_blocks(
     new_run[1:] = keys[1:] != keys[:-1] + 1  # the next block of the same shard continues a run
     heads = np.flatnonzero(new_run)
     block_at = np.cumsum(block_length) - block_length
-    tails = np.append(heads[1:], keys.size) - 1
-    # Each segment lies in one run: find its first block, then the offset inside it.
+    tails = np.append(heads[1:], keys.size)[: heads.size] - 1
+    # Unchecked reads: one run each, after the blocks.
+    plain = np.flatnonzero(~checked)
+    plain_length = read_end[plain] - read_start[plain]
+    plain_at = int(block_length.sum()) + np.cumsum(plain_length) - plain_length
+    # Each segment lies in one run: find its first block (or its read), then the offset.
+    seg_src = np.empty_like(seg_start)
+    in_blocks = checked[seg_read]
+    at = np.flatnonzero(in_blocks)
+    seg_shard = read_shard[seg_read[at]]
     seg_block = np.searchsorted(
-        keys, seg_shard * stride + seg_start // checks.block_size[seg_shard]
+        keys, seg_shard * stride + seg_start[at] // checks.block_size[seg_shard]
     )
-    seg_src = block_at[seg_block] + seg_start - block_start[seg_block]
+    seg_src[at] = block_at[seg_block] + seg_start[at] - block_start[seg_block]
+    at = np.flatnonzero(~in_blocks)
+    read = seg_read[at]
+    rank = np.cumsum(~checked) - 1  # of each unchecked read among them
+    seg_src[at] = plain_at[rank[read]] + seg_start[at] - read_start[read]
     return BlockPlan(
-        run_shard=block_shard[heads],
-        run_start=block_start[heads],
-        run_end=block_end[tails],
-        run_at=block_at[heads],
+        run_shard=np.concatenate([block_shard[heads], read_shard[plain]]),
+        run_start=np.concatenate([block_start[heads], read_start[plain]]),
+        run_end=np.concatenate([block_end[tails], read_end[plain]]),
+        run_at=np.concatenate([block_at[heads], plain_at]),
         block_shard=block_shard,
         block_number=block_number,
         block_at=block_at,
@@ -335,7 +369,7 @@ def plan_blocks(
         seg_src=seg_src,
         seg_dest=seg_dest,
         seg_length=seg_length,
-        nbytes=int(block_length.sum()),
+        nbytes=int(block_length.sum() + plain_length.sum()),
     )
 
 

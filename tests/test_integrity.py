@@ -563,3 +563,35 @@ def test_checksums_cover_a_shard_header(tmp_path: Path, tokens: npt.NDArray[np.u
     assert isinstance(error, ChecksumError) and "part.bin block 0 bytes [0, 1024)" in str(error)
     assert batches == []
     assert verify_dataset(str(root)).bad[0].bad_blocks == [0]
+
+
+def test_block_level_reads_a_formats_other_files_unchecked(tmp_path: Path) -> None:
+    """Metadata streams read index and metadata files the manifest does not describe: with
+    verify="block" the token shards' blocks are checked and those files read as they are."""
+    from test_metadata import RECORD, check_batch, make_spans
+
+    spans = make_spans(3, 300)
+    root = str(tmp_path / "meta")
+    shard_elements = 700
+    dataset = ab.write_metadata_stream(root, spans, shard_size=shard_elements * RECORD)
+
+    def add_checksums(raw: dict[str, Any]) -> None:
+        raw.update(checksum="xxh3_64", checksum_block=512)
+        for entry, url in zip(raw["shards"], dataset.shard_urls, strict=True):
+            data = Path(url).read_bytes()
+            entry["checksum"] = f"{xxhash.xxh3_64_intdigest(data):016x}"
+            entry["block_checksums"] = encode_blocks(block_digests(data, 512))
+
+    edit_manifest(root, add_checksums)
+    settings: dict[str, Any] = dict(batch_size=5, seq_len=40, next_token=True, verify="block")
+    with ab.Loader(root, **settings) as loader:
+        batches, error = take(loader)
+    assert error is None and len(batches) == len(loader) > 0
+    for batch in batches:
+        check_batch(batch, spans, shard_elements, 40)
+    flip(dataset.shard_urls[1], 600)
+    with ab.Loader(root, **settings) as loader:
+        batches, error = take(loader)
+    assert isinstance(error, ChecksumError) and "shard-00001.bin block 1 " in str(error)
+    for batch in batches:
+        check_batch(batch, spans, shard_elements, 40)
