@@ -30,6 +30,7 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats import Source, make_source
 from .handoff import BatchQueue, Final, QueueStatistics
+from .integrity import DEFAULT_VERIFY, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
@@ -40,6 +41,7 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
+from .stores.retry import RetryPolicy
 
 STATE_VERSION = 2
 #: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
@@ -143,7 +145,9 @@ class _LoaderBase:
         world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
         format_options: Mapping[str, Any] | None = None,
+        verify: str = DEFAULT_VERIFY,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
@@ -181,7 +185,12 @@ class _LoaderBase:
         self.drop_last = bool(drop_last)
         self.coalesce_gap = coalesce_gap
         self.storage_options = dict(storage_options or {})
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
+        self.retry = retry
         self.format_options = dict(format_options or {})
+        #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
+        self.verify = check_level(verify)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -241,6 +250,8 @@ class _LoaderBase:
             worker=worker,
             stride=stride,
             unit=max(1, want),
+            retry=self.retry,
+            verify=self.verify,
         )
         return self._engine
 
@@ -363,7 +374,7 @@ class Loader(_LoaderBase):
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, self.storage_options)
+            dataset = open_dataset(dataset, self.storage_options, retry=self.retry)
         self._build(dataset)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -476,7 +487,9 @@ class AsyncLoader(_LoaderBase):
         self._check_open()
         if self._engine is None:
             assert isinstance(self._dataset_arg, str)
-            self._build(await open_dataset_async(self._dataset_arg, self.storage_options))
+            self._build(
+                await open_dataset_async(self._dataset_arg, self.storage_options, retry=self.retry)
+            )
         return self
 
     def __aiter__(self) -> Self:

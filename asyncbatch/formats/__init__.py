@@ -16,12 +16,18 @@ from .base import PlannedSource as PlannedSource
 from .base import Source as Source
 from .base import make_source as make_source
 from .documents import documents, load_document_index
+from .megatron import MEGATRON_OPENER
+from .metadata import load_metadata_layout, metadata_windows
+from .npy import NPY_OPENER, RAW_OPENER
 from .tokens import TokenWindows as TokenWindows
 from .tokens import token_windows
 
 FORMATS["tokens"] = token_windows
 FORMATS["documents"] = documents
 INDEX_LOADERS["documents"] = load_document_index
+FORMATS["metadata_stream"] = metadata_windows
+INDEX_LOADERS["metadata_stream"] = load_metadata_layout
+OPENERS.extend([MEGATRON_OPENER, NPY_OPENER, RAW_OPENER])
 
 __all__ = [
     "FORMATS",

@@ -544,9 +544,13 @@ async def write_documents_async(
         metadata = {"document_index": INDEX_NAME, "documents": len(lengths)}
         manifest = Manifest(FORMAT, target, tuple(shards), metadata)
         await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
-    finally:
+    except asyncio.CancelledError:
         for task in writes:
             task.cancel()
+        raise
+    finally:
+        # After an error, shards in flight (at most max_concurrency) finish rather than being
+        # cancelled: a write cancelled midway can leave its temporary file open.
         await asyncio.gather(*writes, return_exceptions=True)
         await store.close()
     return Dataset(root, manifest, options, {OFFSETS: offsets.astype(np.int64)})
