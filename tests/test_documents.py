@@ -601,3 +601,27 @@ def test_empty_documents_anywhere(tmp_path: Path) -> None:
             column = next(iter(loader))["tokens"]
         assert column.lengths.tolist() == [len(d) for d in docs]
         assert column.values.tolist() == [t for d in docs for t in d]
+
+
+@pytest.mark.parametrize("verify", ["block", "full"])
+def test_checksums_cover_document_shards(tmp_path: Path, verify: str) -> None:
+    documents = make_documents(4, 80)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), documents, shard_size=1000, checksum_block=256
+    )
+    assert all(s.checksum is not None and s.block_checksums for s in dataset.manifest.shards)
+    opened = ab.open_dataset(dataset.url)
+    assert opened.manifest.shards == dataset.manifest.shards  # recorded in manifest.json
+    with ab.Loader(opened, batch_size=8, shuffle=False, verify=verify) as loader:
+        for batch in loader:
+            check_jagged(batch, documents)
+    shard = tmp_path / "ds" / "shard-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[300] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with (
+        ab.Loader(opened, batch_size=8, shuffle=False, verify=verify) as loader,
+        pytest.raises(ab.ChecksumError, match="shard-00001.bin"),
+    ):
+        for _ in loader:
+            pass

@@ -37,11 +37,12 @@ import torch
 from ..batch import FieldSchema, Jagged
 from ..dataset import Dataset, join_url, read_object
 from ..errors import ConfigError, ManifestError, NotFoundError
+from ..integrity import ALGORITHM, DEFAULT_CHECKSUM_BLOCK
 from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
 from ..portal import run_sync
 from ..stores import open_store
-from ..writer import DEFAULT_SHARD_SIZE, _checked_cast
+from ..writer import DEFAULT_SHARD_SIZE, _checked_cast, _checksums
 from .base import PlannedSource, Source
 from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
 
@@ -476,12 +477,21 @@ async def write_documents_async(
     shard_size: int = DEFAULT_SHARD_SIZE,
     storage_options: Mapping[str, Any] | None = None,
     max_concurrency: int = 4,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
 ) -> Dataset:
     """Async form of :func:`write_documents`, in the running loop."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     if max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
+    if checksum_block is not None and (
+        isinstance(checksum_block, bool)
+        or not isinstance(checksum_block, int)
+        or checksum_block < 1
+    ):
+        raise ConfigError(
+            f"checksum_block must be a positive number of bytes or None, got {checksum_block!r}"
+        )
     if isinstance(documents, np.ndarray) and documents.ndim < 2:
         raise ConfigError(
             f"documents must be an iterable of 1-D arrays, got one array of shape {documents.shape}"
@@ -495,17 +505,20 @@ async def write_documents_async(
     writes: set[asyncio.Task[None]] = set()
     slots = asyncio.Semaphore(max_concurrency)
 
-    async def write_shard(name: str, data: npt.NDArray[Any]) -> None:
+    async def write_shard(index: int, data: npt.NDArray[Any]) -> None:
         try:
-            await store.write(join_url(root, name), memoryview(data.view(np.uint8)))  # type: ignore[arg-type]
+            raw = memoryview(data.view(np.uint8))  # type: ignore[arg-type]
+            checksum, blocks = await asyncio.to_thread(_checksums, raw, checksum_block)
+            shard = shards[index]
+            await store.write(join_url(root, shard.path), raw)
+            shards[index] = dataclasses.replace(shard, checksum=checksum, block_checksums=blocks)
         finally:
             slots.release()
 
     async def flush(data: npt.NDArray[Any]) -> None:
-        name = f"shard-{len(shards):05d}.bin"
-        shards.append(ShardInfo(name, data.nbytes, int(data.size)))
+        shards.append(ShardInfo(f"shard-{len(shards):05d}.bin", data.nbytes, int(data.size)))
         await slots.acquire()  # bounds the shard buffers held in memory
-        task = asyncio.create_task(write_shard(name, data))
+        task = asyncio.create_task(write_shard(len(shards) - 1, data))
         writes.add(task)
 
     try:
@@ -542,7 +555,14 @@ async def write_documents_async(
         np.cumsum(lengths, out=offsets[1:])
         await store.write(join_url(root, INDEX_NAME), offsets.tobytes())
         metadata = {"document_index": INDEX_NAME, "documents": len(lengths)}
-        manifest = Manifest(FORMAT, target, tuple(shards), metadata)
+        manifest = Manifest(
+            FORMAT,
+            target,
+            tuple(shards),
+            metadata,
+            checksum=ALGORITHM,
+            checksum_block=checksum_block,
+        )
         await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
     except asyncio.CancelledError:
         for task in writes:
@@ -564,11 +584,14 @@ def write_documents(
     shard_size: int = DEFAULT_SHARD_SIZE,
     storage_options: Mapping[str, Any] | None = None,
     max_concurrency: int = 4,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
 ) -> Dataset:
     """Write ``documents`` (an iterable of 1-D arrays or lists of tokens) as a documents
     dataset at ``url``: shards of the concatenated tokens, the index, the manifest last.
 
-    ``dtype`` defaults to the first document's; tokens that do not fit it are an error.
+    ``dtype`` defaults to the first document's; tokens that do not fit it are an error. As
+    with ``write_tokens``, the manifest records each shard's xxh3-64 checksum and its
+    ``checksum_block``-byte blocks' (``None``: whole shards only), for ``verify=``.
     """
     return run_sync(
         write_documents_async(
@@ -578,5 +601,6 @@ def write_documents(
             shard_size=shard_size,
             storage_options=storage_options,
             max_concurrency=max_concurrency,
+            checksum_block=checksum_block,
         )
     )
