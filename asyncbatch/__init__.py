@@ -40,6 +40,8 @@ from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
+from .formats.llmbatch import write_llmbatch as write_llmbatch
+from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
@@ -81,6 +83,8 @@ __all__ = [
     "open_dataset",
     "open_dataset_async",
     "register_store",
+    "write_llmbatch",
+    "write_llmbatch_async",
     "write_tokens",
     "write_tokens_async",
 ]

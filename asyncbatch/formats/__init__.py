@@ -15,10 +15,14 @@ from .base import Opener as Opener
 from .base import PlannedSource as PlannedSource
 from .base import Source as Source
 from .base import make_source as make_source
+from .llmbatch import OPENER as LLMBATCH_OPENER
+from .llmbatch import llmbatch_records
 from .tokens import TokenWindows as TokenWindows
 from .tokens import token_windows
 
 FORMATS["tokens"] = token_windows
+FORMATS["llmbatch"] = llmbatch_records
+OPENERS.append(LLMBATCH_OPENER)
 
 __all__ = [
     "FORMATS",
