@@ -19,9 +19,14 @@ batches. Page cache warm. Per round, interleaved (the order rotated each round):
 * with ``--int64``, the Loader lines with ``dtype=torch.int64`` and the mmap lines with
   ``.astype(np.int64)``.
 
-Then the requests per batch at tests/servers.py's HTTP Range server on 127.0.0.1 (which
-reads the whole file per request, hence a small file, 16 MiB), for one epoch of ``llmbatch
-block`` and ``llmbatch global`` (default coalescing, and ``coalesce_gap=0``).
+* ``llmbatch mmap glob`` / ``llmbatch mmap block``: the Loader lines with
+  ``format_options={"mmap": True}``.
+
+Then, for ``shuffle="block"`` and ``shuffle=True``: the reads per batch the engine plans over
+one epoch of the big file with the remote stores' coalescing gap (128 KiB), counted at the
+source's planner (what it would send to S3 or HTTP), and the requests per batch counted at
+tests/servers.py's HTTP Range server on 127.0.0.1 over one epoch of a small file (16 MiB: the
+server reads the whole file per request), with the default gap and with ``coalesce_gap=0``.
 
 Usage: ``.venv/bin/python benchmarks/bench_llmbatch.py [--size-mb 256] [--rounds 5] [--int64]
 [--http-size-mb 16]``
@@ -47,6 +52,9 @@ import torch
 from common import REPO, git_revision, paired_ratio, positive
 
 import asyncbatch as ab
+from asyncbatch.formats.llmbatch import LLMBatchRecords
+from asyncbatch.layout import ReadPlan
+from asyncbatch.stores.fsspec_store import REMOTE_COALESCE_GAP
 
 sys.path.insert(0, str(REPO / "tests"))
 from servers import http_server  # noqa: E402
@@ -146,6 +154,28 @@ def count_requests(folder: Path, size_mb: int) -> dict[str, float]:
     return out
 
 
+def planned_reads(dataset: ab.Dataset, **kwargs: object) -> float:
+    """Reads per batch the engine plans over one epoch (counted at the source's planner),
+    with the remote stores' coalescing gap: the requests it would send to S3 or HTTP."""
+    counted = [0]
+    plan = LLMBatchRecords.plan
+
+    def counting(self: LLMBatchRecords, ids: np.ndarray, gap: int) -> ReadPlan:  # type: ignore[type-arg]
+        out = plan(self, ids, gap)
+        counted[0] += out.num_reads
+        return out
+
+    LLMBatchRecords.plan = counting  # type: ignore[method-assign]
+    try:
+        with ab.Loader(
+            dataset, batch_size=BATCH_SIZE, seed=0, coalesce_gap=REMOTE_COALESCE_GAP, **kwargs
+        ) as loader:
+            batches = sum(1 for _ in loader)
+    finally:
+        LLMBatchRecords.plan = plan  # type: ignore[method-assign]
+    return counted[0] / batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=positive, default=256)
@@ -187,6 +217,10 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 times[name].append(runs[name]())
+        planned = {
+            "block": planned_reads(batch, shuffle="block"),
+            "global": planned_reads(batch, shuffle=True),
+        }
         http_folder = root / "http"
         http_folder.mkdir()
         requests = count_requests(http_folder, args.http_size_mb)
@@ -203,6 +237,9 @@ def main() -> None:
         rate = num_tokens / statistics.median(values) / 1e6
         ratio = paired_ratio(base, values)
         print(f"{name:<18}{rate:>12.0f}{ratio:>17.2f}x")
+    print(f"# planned reads per batch, {args.size_mb} MiB file, coalesce_gap 128 KiB, one epoch")
+    for name, value in planned.items():
+        print(f"{'llmbatch ' + name:<24}{value:>8.3f}")
     print(f"# HTTP Range server, {args.http_size_mb} MiB file: requests per batch, one epoch")
     for name, value in requests.items():
         print(f"{'llmbatch ' + name:<24}{value:>8.3f}")
