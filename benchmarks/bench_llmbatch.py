@@ -19,8 +19,6 @@ batches. Page cache warm. Per round, interleaved (the order rotated each round):
 * with ``--int64``, the Loader lines with ``dtype=torch.int64`` and the mmap lines with
   ``.astype(np.int64)``.
 
-* ``llmbatch mmap glob`` / ``llmbatch mmap block``: the Loader lines with
-  ``format_options={"mmap": True}``.
 
 Then, for ``shuffle="block"`` and ``shuffle=True``: the reads per batch the engine plans over
 one epoch of the big file with the remote stores' coalescing gap (128 KiB), counted at the
@@ -76,21 +74,7 @@ def write_data(root: Path, size_mb: int) -> tuple[ab.Dataset, ab.Dataset, Path]:
     return batch, tokens, path
 
 
-def evict(urls: list[str]) -> None:
-    """Drop ``urls`` from the page cache (only these files: the machine is shared)."""
-    for url in urls:
-        fd = os.open(url, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def time_loader(
-    dataset: ab.Dataset, dtype: torch.dtype | None, cold: bool = False, **kwargs: object
-) -> float:
-    if cold:
-        evict(dataset.shard_urls)
+def time_loader(dataset: ab.Dataset, dtype: torch.dtype | None, **kwargs: object) -> float:
     start = time.perf_counter()
     with ab.Loader(dataset, batch_size=BATCH_SIZE, seed=0, dtype=dtype, **kwargs) as loader:
         for _ in loader:
@@ -195,17 +179,10 @@ def main() -> None:
         ):
             for x, y in zip(a, b, strict=True):
                 assert torch.equal(x["tokens"], y["tokens"])
-        mmap = {"mmap": True}
         runs: dict[str, Callable[[], float]] = {
             "tokens global": lambda: time_loader(tokens, dtype, seq_len=SEQ_LEN, shuffle=True),
             "llmbatch global": lambda: time_loader(batch, dtype, shuffle=True),
             "llmbatch block": lambda: time_loader(batch, dtype, shuffle="block"),
-            "llmbatch mmap glob": lambda: time_loader(
-                batch, dtype, shuffle=True, format_options=mmap
-            ),
-            "llmbatch mmap block": lambda: time_loader(
-                batch, dtype, shuffle="block", format_options=mmap
-            ),
             "mmap view": lambda: time_mmap(path, copy=False, int64=args.int64),
             "mmap copy": lambda: time_mmap(path, copy=True, int64=args.int64),
             "preadv copy": lambda: time_preadv(path, int64=args.int64),

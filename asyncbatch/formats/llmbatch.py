@@ -26,7 +26,6 @@ neighbouring slots merged across the padding).
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,14 +38,13 @@ import torch
 
 from ..batch import FieldSchema
 from ..dataset import Dataset
-from ..errors import ConfigError, FormatError, ShortReadError
+from ..errors import ConfigError, FormatError
 from ..layout import ReadPlan, ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..portal import run_sync
 from ..stores import open_store
 from ..stores.base import Store
-from ..stores.local import local_path
-from .base import Int64Array, Offload, Opener, PlannedSource, ReadFn
+from .base import Opener, PlannedSource
 from .tokens import TOKENS_FIELD, _numpy_dtype
 
 FORMAT = "llmbatch"
@@ -234,7 +232,6 @@ class LLMBatchRecords(PlannedSource):
         seq_len: int | None = None,
         *,
         dtype: npt.DTypeLike | torch.dtype | None = None,
-        memory_map: bool = False,
     ) -> None:
         self.datasets: Sequence[Dataset] = list(datasets)
         headers = [_header_of(d) for d in self.datasets]
@@ -267,18 +264,6 @@ class LLMBatchRecords(PlannedSource):
         self.default_block_size = first.batch_size if len(set(self._batch.tolist())) == 1 else None
         self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
         self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
-        #: Local files memory-mapped, the bytes copied out in the decode thread.
-        self.memory_map = bool(memory_map)
-        if self.memory_map:
-            remote = [
-                url for url in self.shard_urls if "://" in url and not url.startswith("file:")
-            ]
-            if remote:
-                raise ConfigError(
-                    f"format_options mmap=True reads local files only, not {remote[0]}"
-                )
-            self.converts = True  # the copy out of the map touches every byte: off the loop
-        self._maps: dict[int, npt.NDArray[np.uint8]] = {}
         out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
         self.sample_bytes = self.seq_len * (itemsize + out_itemsize)
         self.schema = {
@@ -307,66 +292,6 @@ class LLMBatchRecords(PlannedSource):
             array = array.astype(self.out_dtype)
         return {TOKENS_FIELD: torch.from_numpy(array)}
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
-        if not self.memory_map:
-            return await super().fetch(ids, read, gap, offload)
-        plan = self.plan(ids, gap)
-
-        def copy_out() -> dict[str, Any]:
-            array = self._copy_out(plan).reshape(ids.size, self.seq_len)
-            return {TOKENS_FIELD: torch.from_numpy(array)}
-
-        fields: dict[str, Any] = await offload(copy_out)
-        return fields
-
-    def _map(self, shard: int) -> npt.NDArray[Any]:
-        """The tokens of shard ``shard`` mapped read-only (its length checked against the
-        header's), indexed by byte offset // itemsize."""
-        mapped = self._maps.get(shard)
-        if mapped is None:
-            url = self.shard_urls[shard]
-            need = int(self.shard_map.offsets[shard]) + int(self.shard_map.counts[shard]) * 4
-            with open(local_path(url), "rb") as file:
-                size = os.fstat(file.fileno()).st_size
-                if size < need:
-                    raise ShortReadError(
-                        f"short file: {url} has {size} bytes, the header claims {need}",
-                        url,
-                        0,
-                        need,
-                    )
-                region = mmap.mmap(file.fileno(), need, access=mmap.ACCESS_READ)
-            mapped = np.frombuffer(region, dtype=self.stored_dtype)
-            self._maps[shard] = mapped
-        return mapped
-
-    def _copy_out(self, plan: ReadPlan) -> npt.NDArray[Any]:
-        """The tokens ``plan`` describes, copied (and converted, in the same pass) out of the
-        maps: one slice assignment per read or piece."""
-        size = self.stored_dtype.itemsize
-        out = np.empty(plan.nbytes // size, dtype=self.out_dtype or self.stored_dtype)
-        direct = plan.read_dest >= 0
-        for shard, start, end, dest in zip(
-            plan.read_shard[direct].tolist(),
-            (plan.read_start[direct] // size).tolist(),
-            (plan.read_end[direct] // size).tolist(),
-            (plan.read_dest[direct] // size).tolist(),
-            strict=True,
-        ):
-            out[dest : dest + end - start] = self._map(shard)[start:end]
-        sources = (plan.read_start[plan.piece_read] + plan.piece_src) // size
-        for shard, start, dest, length in zip(
-            plan.read_shard[plan.piece_read].tolist(),
-            sources.tolist(),
-            (plan.piece_dest // size).tolist(),
-            (plan.piece_length // size).tolist(),
-            strict=True,
-        ):
-            out[dest : dest + length] = self._map(shard)[start : start + length]
-        return out
-
 
 def llmbatch_records(
     datasets: Sequence[Dataset],
@@ -376,17 +301,15 @@ def llmbatch_records(
     dtype: Any,
     **options: Any,
 ) -> LLMBatchRecords:
-    """Source factory of the ``llmbatch`` format; ``format_options={"mmap": True}`` maps
-    local files instead of reading them through the store (see docs/format.md)."""
-    unknown = sorted(set(options) - {"mmap"})
-    if unknown:
-        raise ConfigError(f"LLMBATCH files take format_options mmap=, not {unknown}")
+    """Source factory of the ``llmbatch`` format (no format options)."""
+    if options:
+        raise ConfigError(f"LLMBATCH files take no format_options, got {sorted(options)}")
     if next_token:
         raise ConfigError(
             f"{datasets[0].url}: LLMBATCH records are whole sequences; next_token=True cannot"
             " read one token past them (shift the targets inside the record instead)"
         )
-    return LLMBatchRecords(datasets, seq_len, dtype=dtype, memory_map=options.get("mmap", False))
+    return LLMBatchRecords(datasets, seq_len, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- writing
