@@ -302,7 +302,9 @@ def test_a_last_slot_without_padding_reads(tmp_path: Path, records: npt.NDArray[
 def test_bad_arguments_are_config_errors(tmp_path: Path, records: npt.NDArray[np.uint32]) -> None:
     url = str(tmp_path / "c.batch")
     ab.write_llmbatch(url, records, batch_size=8)
-    with pytest.raises(ConfigError, match="seq_len=32, but the LLMBATCH file's records hold 24"):
+    with pytest.raises(
+        ConfigError, match="c.batch: seq_len=32, but the LLMBATCH file's records hold 24"
+    ):
         ab.Loader(url, batch_size=4, seq_len=32)
     with pytest.raises(ConfigError, match="next_token=True"):
         ab.Loader(url, batch_size=4, next_token=True)
@@ -324,3 +326,7 @@ def test_bad_arguments_are_config_errors(tmp_path: Path, records: npt.NDArray[np
         ab.write_llmbatch(url, np.zeros((2, 3, 4), dtype=np.uint32), batch_size=8)
     with ab.Loader(url, batch_size=4, seq_len=24, shuffle=False) as loader:
         assert next(loader)["tokens"].shape == (4, 24)  # the file's seq_len, given, is fine
+    # Any name opens with format="llmbatch"; the suffix only lets it be recognised.
+    other = tmp_path / "records.bin"
+    other.write_bytes((tmp_path / "c.batch").read_bytes())
+    assert ab.open_dataset(str(other), format="llmbatch").shard_urls == [str(other)]

@@ -182,7 +182,7 @@ def _split(url: str) -> tuple[str, str]:
 def _header_of(dataset: Dataset) -> LLMBatchHeader:
     fields = dataset.manifest.metadata.get(FORMAT)
     if not isinstance(fields, dict):
-        raise ConfigError(f"{dataset.url} is not an LLMBATCH dataset")
+        raise ConfigError(f"{dataset.url} ({dataset.manifest.format}) is not an LLMBATCH file")
     return LLMBatchHeader(
         batch_size=fields["batch_size"],
         seq_len=fields["seq_len"],
@@ -239,13 +239,15 @@ class LLMBatchRecords(PlannedSource):
         for dataset, header in zip(self.datasets, headers, strict=True):
             if seq_len is not None and header.seq_len != seq_len:
                 raise ConfigError(
-                    f"{dataset.url}: seq_len={seq_len}, but the LLMBATCH file's records hold"
-                    f" {header.seq_len} tokens (leave seq_len=None to take the file's)"
+                    f"{dataset.shard_urls[0]}: seq_len={seq_len}, but the LLMBATCH file's"
+                    f" records hold {header.seq_len} tokens (leave seq_len=None to take the"
+                    " file's)"
                 )
             if header.seq_len != first.seq_len or header.dtype != first.dtype:
                 raise ConfigError(
-                    f"{dataset.url} holds records of {header.seq_len} {header.dtype} tokens,"
-                    f" not {first.seq_len} {first.dtype} as {self.datasets[0].url}"
+                    f"{dataset.shard_urls[0]} holds records of {header.seq_len} {header.dtype}"
+                    f" tokens, not {first.seq_len} {first.dtype} as"
+                    f" {self.datasets[0].shard_urls[0]}"
                 )
         self.seq_len = first.seq_len
         self.stored_dtype = first.dtype
@@ -306,8 +308,9 @@ def llmbatch_records(
         raise ConfigError(f"LLMBATCH files take no format_options, got {sorted(options)}")
     if next_token:
         raise ConfigError(
-            f"{datasets[0].url}: LLMBATCH records are whole sequences; next_token=True cannot"
-            " read one token past them (shift the targets inside the record instead)"
+            f"{datasets[0].shard_urls[0]}: LLMBATCH records are whole sequences;"
+            " next_token=True cannot read one token past them (shift the targets inside the"
+            " record instead)"
         )
     return LLMBatchRecords(datasets, seq_len, dtype=dtype)
 
