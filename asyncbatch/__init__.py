@@ -2,7 +2,8 @@
 
 The layers, from the bytes up::
 
-    stores/     read byte ranges of objects: local files (preadv), fsspec (S3, HTTP, ...)
+    stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
+                filesystem; one RetryPolicy for them all
     manifest    the one file read to open a dataset; dataset: opening it
     layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
     sampling/   the order of samples: Feistel permutation, global and block shuffles,
@@ -42,11 +43,15 @@ from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
 from .formats.llmbatch import write_llmbatch as write_llmbatch
 from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
+from .formats.metadata import register_codec as register_codec
+from .formats.metadata import write_metadata_stream as write_metadata_stream
+from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
 from .mixture import mix as mix
 from .stores import register_store as register_store
+from .stores.retry import RetryPolicy as RetryPolicy
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
 from .writer import write_tokens_async as write_tokens_async
@@ -73,6 +78,7 @@ __all__ = [
     "RangeNotSupportedError",
     "ResumeStateError",
     "RetriesExhaustedError",
+    "RetryPolicy",
     "ShardChangedError",
     "ShortReadError",
     "StoreError",
@@ -82,9 +88,12 @@ __all__ = [
     "mix",
     "open_dataset",
     "open_dataset_async",
+    "register_codec",
     "register_store",
     "write_llmbatch",
     "write_llmbatch_async",
+    "write_metadata_stream",
+    "write_metadata_stream_async",
     "write_tokens",
     "write_tokens_async",
 ]

@@ -17,6 +17,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
 from .stores import open_store
 from .stores.base import Store
+from .stores.retry import RetryPolicy
 
 
 def join_url(root: str, path: str) -> str:
@@ -46,7 +47,8 @@ class Dataset:
     def fingerprint(self) -> str:
         """Identifies the data (not where it lives), for checking resume states."""
         m = self.manifest
-        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}"
+        arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
+        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}"
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -70,6 +72,7 @@ async def open_dataset_async(
     *,
     format: str | None = None,
     options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Dataset:
     """Open the dataset at ``url`` in the running loop; see :func:`open_dataset`."""
     from .formats import OPENERS  # formats import this module
@@ -80,7 +83,7 @@ async def open_dataset_async(
         raise ConfigError(f"format={format!r} is not one asyncbatch opens (known: {known})")
     extra = dict(options or {})
     store_options = dict(storage_options or {})
-    store = open_store(url, store_options)
+    store = open_store(url, store_options, retry=retry)
     try:
         if format is not None and format != "manifest":
             return await openers[format].open(url, store, store_options, extra)
@@ -135,6 +138,7 @@ def open_dataset(
     *,
     format: str | None = None,
     options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
     whatever the dataset's size.
@@ -142,6 +146,9 @@ def open_dataset(
     The layout is recognised by itself: an asyncbatch manifest at ``url`` or in the folder,
     or data in another layout an opener of :mod:`asyncbatch.formats` recognises;
     ``format=`` names it instead (``"manifest"`` or an opener's name); ``options=`` go to
-    the opener (e.g. the dtype of raw token files).
+    the opener (e.g. the dtype of raw token files); ``retry`` is how the store retries its
+    reads (default: ``RetryPolicy()``).
     """
-    return run_sync(open_dataset_async(url, storage_options, format=format, options=options))
+    return run_sync(
+        open_dataset_async(url, storage_options, format=format, options=options, retry=retry)
+    )

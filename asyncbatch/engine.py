@@ -28,6 +28,7 @@ from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.registry import scheme_of
+from .stores.retry import RetryPolicy
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -55,8 +56,10 @@ class Engine:
         worker: int = 0,
         stride: int = 1,
         unit: int = 1,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.source = source
+        self.retry = retry
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -92,7 +95,10 @@ class Engine:
                     index[key] = len(stores)
                     stores.append(
                         open_store(
-                            dataset.url, dataset.storage_options, max_inflight=self.max_inflight
+                            dataset.url,
+                            dataset.storage_options,
+                            max_inflight=self.max_inflight,
+                            retry=self.retry,
                         )
                     )
                 of_dataset.append(index[key])

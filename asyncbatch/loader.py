@@ -40,6 +40,7 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
+from .stores.retry import RetryPolicy
 
 STATE_VERSION = 2
 #: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
@@ -143,6 +144,7 @@ class _LoaderBase:
         world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
         format_options: Mapping[str, Any] | None = None,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
@@ -181,6 +183,9 @@ class _LoaderBase:
         self.drop_last = bool(drop_last)
         self.coalesce_gap = coalesce_gap
         self.storage_options = dict(storage_options or {})
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
+        self.retry = retry
         self.format_options = dict(format_options or {})
         self._dataset_arg = dataset
         self._engine: Engine | None = None
@@ -243,6 +248,7 @@ class _LoaderBase:
             worker=worker,
             stride=stride,
             unit=max(1, want),
+            retry=self.retry,
         )
         return self._engine
 
@@ -365,7 +371,7 @@ class Loader(_LoaderBase):
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, self.storage_options)
+            dataset = open_dataset(dataset, self.storage_options, retry=self.retry)
         self._build(dataset)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -478,7 +484,9 @@ class AsyncLoader(_LoaderBase):
         self._check_open()
         if self._engine is None:
             assert isinstance(self._dataset_arg, str)
-            self._build(await open_dataset_async(self._dataset_arg, self.storage_options))
+            self._build(
+                await open_dataset_async(self._dataset_arg, self.storage_options, retry=self.retry)
+            )
         return self
 
     def __aiter__(self) -> Self:

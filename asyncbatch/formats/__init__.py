@@ -17,10 +17,16 @@ from .base import Source as Source
 from .base import make_source as make_source
 from .llmbatch import OPENER as LLMBATCH_OPENER
 from .llmbatch import llmbatch_records
+from .megatron import MEGATRON_OPENER
+from .metadata import load_metadata_layout, metadata_windows
+from .npy import NPY_OPENER, RAW_OPENER
 from .tokens import TokenWindows as TokenWindows
 from .tokens import token_windows
 
 FORMATS["tokens"] = token_windows
+FORMATS["metadata_stream"] = metadata_windows
+INDEX_LOADERS["metadata_stream"] = load_metadata_layout
+OPENERS.extend([MEGATRON_OPENER, NPY_OPENER, RAW_OPENER])
 FORMATS["llmbatch"] = llmbatch_records
 OPENERS.append(LLMBATCH_OPENER)
 
