@@ -13,7 +13,8 @@ The layers, from the bytes up::
     handoff     the bounded queue between the engine and its consumer
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
-    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect``
+    integrity   checksums (xxh3-64) and verify=off|size|block|full
+    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect | verify``
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Requests in flight are bounded by the store. Any error ends the run with a
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,6 +24,16 @@ import numpy.typing as npt
 from .batch import Batch
 from .formats.base import Source
 from .handoff import BatchQueue, Final
+from .integrity import (
+    BLOCK_SCRATCH_BYTES,
+    DEFAULT_VERIFY,
+    SCAN_CONCURRENCY,
+    ShardChecks,
+    check_blocks,
+    plan_blocks,
+    scan_shard,
+    size_error,
+)
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
@@ -57,9 +68,12 @@ class Engine:
         stride: int = 1,
         unit: int = 1,
         retry: RetryPolicy | None = None,
+        verify: str = DEFAULT_VERIFY,
     ) -> None:
         self.source = source
         self.retry = retry
+        #: What to check of each shard, and which shards passed (kept across runs).
+        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -103,7 +117,7 @@ class Engine:
                     )
                 of_dataset.append(index[key])
             shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
-            reader = Reader(stores, self.source.shard_urls, shard_store)
+            reader = Reader(stores, self.source.shard_urls, shard_store, self.checks)
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
@@ -215,40 +229,44 @@ class Engine:
 
 
 class Reader:
-    """Carries out read plans over shards that may live in several stores."""
+    """Carries out read plans over shards that may live in several stores, verifying the
+    shards as ``checks.level`` says (see :mod:`asyncbatch.integrity`)."""
 
     def __init__(
-        self, stores: Sequence[Store], shard_urls: Sequence[str], shard_store: npt.NDArray[np.int64]
+        self,
+        stores: Sequence[Store],
+        shard_urls: Sequence[str],
+        shard_store: npt.NDArray[np.int64],
+        checks: ShardChecks | None = None,
     ) -> None:
         self.stores = stores
         self.shard_urls = shard_urls
         self.shard_store = shard_store
+        self.checks = checks
+        #: Shard checks under way or failed in this run, shared by the groups that wait.
+        self._checking: dict[int, asyncio.Future[None]] = {}
+        self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
 
     async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
         """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
 
         Reads that land in place go straight to their offset in one buffer; merged reads whose
         pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
-        pieces are copied into place.
+        pieces are copied into place. With ``verify="block"`` every read is widened to whole
+        checksum blocks instead, and no byte is copied out before its block checked.
         """
+        checks = self.checks
+        if checks is not None and checks.level != "off":
+            await self._check_shards(plan.read_shard)
+            if checks.level == "block":
+                return await self._read_blocks(plan)
         sizes = plan.read_end - plan.read_start
         indirect = plan.read_dest < 0
         scratch_sizes = np.where(indirect, sizes, 0)
         scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
         dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
         buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
-        if len(self.stores) == 1:
-            await self._read(self.stores[0], plan, None, buffer, dest_offsets)
-        else:
-            store_of_read = self.shard_store[plan.read_shard]
-            await asyncio.gather(
-                *(
-                    self._read(
-                        store, plan, np.flatnonzero(store_of_read == i), buffer, dest_offsets
-                    )
-                    for i, store in enumerate(self.stores)
-                )
-            )
+        await self._read_all(plan.read_shard, plan.read_start, plan.read_end, buffer, dest_offsets)
         if plan.piece_read.size:
             view = memoryview(buffer)  # type: ignore[arg-type]
             sources = scratch_at[plan.piece_read] + plan.piece_src
@@ -258,26 +276,149 @@ class Reader:
                 view[dest : dest + length] = view[src : src + length]
         return buffer[: plan.nbytes]
 
-    async def _read(
+    async def _read_all(
         self,
-        store: Store,
-        plan: ReadPlan,
-        picked: npt.NDArray[np.intp] | None,
+        shards: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
         buffer: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        """The plan's reads (those ``picked``, if given) from one store."""
-        shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
-        if picked is not None:
-            if not picked.size:
-                return
-            shards, starts, ends = shards[picked], starts[picked], ends[picked]
-            dest_offsets = dest_offsets[picked]
+        """Read ``[starts[i], ends[i])`` of shard ``shards[i]`` to ``dest_offsets[i]``."""
+        if len(self.stores) == 1:
+            await self._read(self.stores[0], shards, starts, ends, buffer, dest_offsets)
+            return
+        store_of_read = self.shard_store[shards]
+        picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
+        await asyncio.gather(
+            *(
+                self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+                for store, p in zip(self.stores, picks, strict=True)
+                if p.size
+            )
+        )
+
+    async def _read(
+        self,
+        store: Store,
+        shards: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        buffer: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """Reads from one store."""
         read_into: Any = getattr(store, "read_into", None)
         if read_into is not None:
             await read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
         else:
             await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
+
+    async def _read_blocks(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        """``read_plan`` with every read widened to whole checksum blocks (each read once),
+        checked before any of their bytes is copied into the batch buffer."""
+        assert self.checks is not None
+        direct = np.flatnonzero(plan.read_dest >= 0)
+        piece_read = plan.piece_read
+        blocks = plan_blocks(
+            self.checks,
+            plan.read_shard,
+            plan.read_start,
+            plan.read_end,
+            np.concatenate([direct, piece_read]),
+            np.concatenate([plan.read_start[direct], plan.read_start[piece_read] + plan.piece_src]),
+            np.concatenate([plan.read_dest[direct], plan.piece_dest]),
+            np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
+        )
+        buffer = np.empty(plan.nbytes, dtype=np.uint8)
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
+        # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
+        chunk = run_at // BLOCK_SCRATCH_BYTES
+        edges = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), int(run_at.size)]
+        order = np.argsort(blocks.seg_src, kind="stable")
+        seg_src = blocks.seg_src[order]
+        loop = asyncio.get_running_loop()
+        for r0, r1 in itertools.pairwise(edges):
+            base = int(run_at[r0])
+            top = int(run_at[r1 - 1] + run_length[r1 - 1])
+            scratch = np.empty(top - base, dtype=np.uint8)
+            await self._read_all(
+                blocks.run_shard[r0:r1],
+                blocks.run_start[r0:r1],
+                blocks.run_end[r0:r1],
+                scratch,
+                run_at[r0:r1] - base,
+            )
+            b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
+            await loop.run_in_executor(
+                None, check_blocks, self.checks, blocks, scratch, b0, b1, base
+            )
+            s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
+            picked = order[s0:s1]
+            source = memoryview(scratch)  # type: ignore[arg-type]
+            for src, dest, length in zip(
+                (blocks.seg_src[picked] - base).tolist(),
+                blocks.seg_dest[picked].tolist(),
+                blocks.seg_length[picked].tolist(),
+                strict=True,
+            ):
+                view[dest : dest + length] = source[src : src + length]
+        return buffer
+
+    async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:
+        """Check the shards of ``shards`` not checked yet (size, or whole checksum for
+        ``full``), each once however many groups wait for it; raises the first failure."""
+        assert self.checks is not None
+        checks = self.checks
+        todo = shards[~checks.passed[shards]]
+        if not todo.size:
+            return
+        loop = asyncio.get_running_loop()
+        mine: list[int] = []
+        waiting: list[asyncio.Future[None]] = []
+        for shard in np.unique(todo).tolist():
+            future = self._checking.get(shard)
+            if future is None:
+                future = self._checking[shard] = loop.create_future()
+                mine.append(shard)
+            waiting.append(future)
+        if mine:
+            try:
+                results = await asyncio.gather(
+                    *(self._check_shard(shard) for shard in mine), return_exceptions=True
+                )
+            except BaseException:
+                for shard in mine:  # cancelled: the groups waiting on these are cancelled too
+                    self._checking.pop(shard).cancel()
+                raise
+            for shard, result in zip(mine, results, strict=True):
+                future = self._checking[shard]
+                if isinstance(result, asyncio.CancelledError):
+                    future.cancel()
+                elif isinstance(result, BaseException):
+                    future.set_exception(result)
+                    future.exception()  # retrieved: it is raised below
+                else:
+                    checks.passed[shard] = True
+                    future.set_result(None)
+        for future in waiting:
+            await asyncio.shield(future)
+
+    async def _check_shard(self, shard: int) -> None:
+        assert self.checks is not None
+        checks = self.checks
+        store = self.stores[int(self.shard_store[shard])]
+        if checks.level == "full":
+            async with self._scans:
+                report = await scan_shard(store, checks, shard)
+            if report.problems:
+                raise report.problems[0]
+            return
+        url, expected = checks.urls[shard], int(checks.sizes[shard])
+        size = await store.size(url)
+        if size != expected:
+            raise size_error(url, expected, size)
 
 
 async def _read_ranges(

@@ -30,6 +30,7 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats import Source, make_source
 from .handoff import BatchQueue, Final, QueueStatistics
+from .integrity import DEFAULT_VERIFY, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
@@ -146,6 +147,7 @@ class _LoaderBase:
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         format_options: Mapping[str, Any] | None = None,
+        verify: str = DEFAULT_VERIFY,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
@@ -187,6 +189,8 @@ class _LoaderBase:
             raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
         self.retry = retry
         self.format_options = dict(format_options or {})
+        #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
+        self.verify = check_level(verify)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -249,6 +253,7 @@ class _LoaderBase:
             stride=stride,
             unit=max(1, want),
             retry=self.retry,
+            verify=self.verify,
         )
         return self._engine
 

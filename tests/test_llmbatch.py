@@ -284,6 +284,7 @@ def test_bad_files_are_format_errors(
         "shorter than the header claims: num_batches=25": good[:-4000],
         "num_batches=26 slots of 4096 bytes": _corrupt(good, 20, struct.pack("<Q", 26)),
         "longer than the header claims": good + bytes(4096),
+        "the last slot is cut inside its padding": good[:-1],
         "field seq_len is 0": _corrupt(good, 16, struct.pack("<I", 0)),
         "shorter than the 4096-byte LLMBATCH header": good[:100],
     }
@@ -332,6 +333,18 @@ def test_bad_arguments_are_config_errors(tmp_path: Path, records: npt.NDArray[np
         ab.write_llmbatch(url, np.zeros((2, 3, 4), dtype=np.uint32), batch_size=8)
     with ab.Loader(url, batch_size=4, seq_len=24, shuffle=False) as loader:
         assert next(loader)["tokens"].shape == (4, 24)  # the file's seq_len, given, is fine
+    with pytest.raises(ConfigError, match="needs checksums"):
+        ab.Loader(url, batch_size=4, verify="full")  # the layout has no checksums
+    # A file cut after it was opened: an error naming it, never short data.
+    dataset = ab.open_dataset(url)
+    with open(url, "r+b") as file:
+        file.truncate(4096 * 3)
+    with (
+        ab.Loader(dataset, batch_size=8, shuffle=False) as loader,
+        pytest.raises((ab.ManifestError, ab.ShortReadError), match="c.batch"),
+    ):
+        list(loader)
+    ab.write_llmbatch(url, records, batch_size=8)
     # Any name opens with format="llmbatch"; the suffix only lets it be recognised.
     other = tmp_path / "records.bin"
     other.write_bytes((tmp_path / "c.batch").read_bytes())

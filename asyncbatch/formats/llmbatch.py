@@ -133,6 +133,12 @@ class LLMBatchHeader:
                 raise FormatError(f"{url}: LLMBATCH header field {name} is {value}, must be >= 1")
         header = cls(batch_size, seq_len, num_batches, code, seed, total, version)
         needed = HEADER_SIZE + header.data_bytes
+        if needed < file_size < header.file_size:
+            raise FormatError(
+                f"{url}: {file_size} bytes, between the {needed} the tokens need and the"
+                f" {header.file_size} of whole slots (num_batches={num_batches}, slot_bytes="
+                f"{header.slot_bytes}): the last slot is cut inside its padding"
+            )
         if file_size < needed:
             raise FormatError(
                 f"{url}: {file_size} bytes, shorter than the header claims: num_batches="
@@ -160,13 +166,18 @@ class LLMBatchHeader:
 
 
 def llmbatch_dataset(
-    url: str, header: LLMBatchHeader, storage_options: Mapping[str, Any] | None = None
+    url: str,
+    header: LLMBatchHeader,
+    file_size: int,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Dataset:
-    """The dataset of the LLMBATCH file at ``url``: one shard, its elements (tokens, slot
-    padding included) starting after the header; the manifest lives in memory only."""
+    """The dataset of the ``file_size``-byte LLMBATCH file at ``url``: one shard, its
+    elements (tokens, slot padding included) starting after the header and running to the
+    end of the file (so the object's size is checked as any shard's); the manifest lives in
+    memory only."""
     root, name = _split(url)
-    elements = header.data_bytes // header.dtype.itemsize
-    shard = ShardInfo(name, header.data_bytes, elements, HEADER_SIZE)
+    nbytes = file_size - HEADER_SIZE
+    shard = ShardInfo(name, nbytes, nbytes // header.dtype.itemsize, HEADER_SIZE)
     manifest = Manifest(FORMAT, header.dtype, (shard,), {FORMAT: header.metadata()})
     return Dataset(root, manifest, dict(storage_options or {}))
 
@@ -213,7 +224,7 @@ async def open_llmbatch(
     if size >= HEADER_SIZE:
         await store.read_ranges(url, starts=[0], ends=[HEADER_SIZE], buffers=[memoryview(data)])
     header = LLMBatchHeader.parse(bytes(data), url, size)
-    return llmbatch_dataset(url, header, storage_options)
+    return llmbatch_dataset(url, header, size, storage_options)
 
 
 OPENER = Opener(FORMAT, open_llmbatch, claims)
@@ -416,7 +427,7 @@ async def write_llmbatch_async(
         await store.write(url, memoryview(data))  # type: ignore[arg-type]
     finally:
         await store.close()
-    return llmbatch_dataset(url, header, options)
+    return llmbatch_dataset(url, header, header.file_size, options)
 
 
 def write_llmbatch(
