@@ -44,6 +44,8 @@ from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
 from .formats.documents import write_documents as write_documents
 from .formats.documents import write_documents_async as write_documents_async
+from .formats.llmbatch import write_llmbatch as write_llmbatch
+from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
 from .formats.metadata import register_codec as register_codec
 from .formats.metadata import write_metadata_stream as write_metadata_stream
 from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
@@ -93,6 +95,8 @@ __all__ = [
     "register_store",
     "write_documents",
     "write_documents_async",
+    "write_llmbatch",
+    "write_llmbatch_async",
     "write_metadata_stream",
     "write_metadata_stream_async",
     "write_tokens",

@@ -210,7 +210,9 @@ class _LoaderBase:
         )
         sample_bytes = source.sample_bytes
         if self.shuffle == "block":
-            self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
+            # A format may say which block suits its layout (LLMBATCH: one batch slot).
+            default = getattr(source, "default_block_size", None)
+            self.block_size = self._block_size_arg or default or max(1, BLOCK_BYTES // sample_bytes)
         samples: SampleOrder | None = None
         num_samples = source.num_samples
         if isinstance(data, Mixture):

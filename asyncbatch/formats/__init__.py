@@ -16,6 +16,8 @@ from .base import PlannedSource as PlannedSource
 from .base import Source as Source
 from .base import make_source as make_source
 from .documents import documents, load_document_index
+from .llmbatch import OPENER as LLMBATCH_OPENER
+from .llmbatch import llmbatch_records
 from .megatron import MEGATRON_OPENER
 from .metadata import load_metadata_layout, metadata_windows
 from .npy import NPY_OPENER, RAW_OPENER
@@ -28,6 +30,8 @@ INDEX_LOADERS["documents"] = load_document_index
 FORMATS["metadata_stream"] = metadata_windows
 INDEX_LOADERS["metadata_stream"] = load_metadata_layout
 OPENERS.extend([MEGATRON_OPENER, NPY_OPENER, RAW_OPENER])
+FORMATS["llmbatch"] = llmbatch_records
+OPENERS.append(LLMBATCH_OPENER)
 
 __all__ = [
     "FORMATS",
