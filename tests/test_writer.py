@@ -46,3 +46,17 @@ def test_structured_dtype_survives_the_manifest(tmp_path: Path) -> None:
     data = np.zeros(10, dtype=record)
     dataset = ab.write_tokens(str(tmp_path / "ds"), data)
     assert ab.open_dataset(dataset.url).manifest.dtype == record
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_write_leaves_no_open_file_and_no_temporary(tmp_path: Path) -> None:
+    """One shard cannot be written (a folder sits at its path): the error reaches the caller,
+    the writes cancelled with it finish closing their files, and no temporary stays behind."""
+    for attempt in range(10):
+        root = tmp_path / f"ds{attempt}"
+        (root / "shard-00003.bin").mkdir(parents=True)
+        chunks = (np.full(50_000, i, dtype=np.uint16) for i in range(40))
+        with pytest.raises(OSError, match="shard-00003"):
+            ab.write_tokens(str(root), chunks, shard_size=20_000, max_concurrency=8)
+        assert not [p.name for p in root.iterdir() if ".tmp-" in p.name]
+        assert not (root / "manifest.json").exists()

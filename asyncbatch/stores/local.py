@@ -18,6 +18,7 @@ Local reads are not retried: a local I/O error does not pass by waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import os
@@ -62,6 +63,19 @@ Int64Array = npt.NDArray[np.int64]
 #: Reads one pool job does before a group is split across threads: fewer, larger jobs win
 #: on few cores, since each job costs a thread hop and the reads run without the GIL.
 RANGES_PER_JOB = 512
+
+
+def _write_file(path: str, data: Buffer | bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as file:
+            file.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def local_path(url: str) -> str:
@@ -265,10 +279,12 @@ class LocalStore:
         parent = os.path.dirname(path)
         if parent:
             await aiofiles.os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        async with aiofiles.open(tmp, "wb") as file:
-            await file.write(data)
-        await aiofiles.os.replace(tmp, path)
+        # One job in the pool writes, closes and renames: a caller cancelled meanwhile can
+        # leave neither an open file nor a half-written object behind.
+        if self._closed:
+            raise StoreError(f"store closed before writing {url}", url)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, _write_file, path, data)
         with self._fds_lock:  # our own write: the next open pins the new file
             self._pins.pop(url, None)
             entry = self._fds.get(url)
