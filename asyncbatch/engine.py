@@ -76,6 +76,7 @@ class Engine:
         :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
         tasks: set[asyncio.Task[bool]] = set()
         stores: list[Store] = []
+        final: Final | None = None
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
@@ -133,19 +134,26 @@ class Engine:
                 done += max(0, per_epoch - first_batch)
                 epoch, first_batch = epoch + 1, 0
             if previous is None or await previous:
-                queue.put(Final())
+                final = Final()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
-            queue.put(Final(exc))
+            final = Final(exc)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for store in stores:
-                await store.close()
+                try:
+                    await store.close()
+                except Exception as exc:  # a failed close still ends the run, with its error
+                    if final is not None and final.error is None:
+                        final = Final(exc)
             if decoder is not None:
                 decoder.shutdown(wait=True)
+            # The terminal item goes last, so a consumer that sees it finds everything closed.
+            if final is not None:
+                queue.put(final)
 
     async def _deliver(
         self,
@@ -158,16 +166,26 @@ class Engine:
         queue: BatchQueue,
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
+        held = [0]  # bytes counted in the queue for this group until its batches are put
         try:
-            items: list[Batch | Final] = list(
-                await self._read_group(reader, decoder, gap, epoch, batches)
-            )
-        except Exception as exc:
-            items = [Final(exc)]
-        if previous is not None and not await previous:
-            return False
-        queue.put_many(items)
-        return not isinstance(items[-1], Final)
+            try:
+                items: list[Batch | Final] = list(
+                    await self._read_group(reader, decoder, gap, epoch, batches, queue, held)
+                )
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
+                queue.add_bytes(-held[0])
+                held[0] = 0
+                items = [Final(exc)]
+            if previous is not None and not await previous:
+                return False
+            queue.put_many(items)  # the bytes held now belong to the queued batches
+            held[0] = 0
+            return not isinstance(items[-1], Final)
+        finally:
+            if held[0]:
+                queue.add_bytes(-held[0])
 
     async def _read_group(
         self,
@@ -176,7 +194,10 @@ class Engine:
         gap: int,
         epoch: int,
         batches: range,
+        queue: BatchQueue,
+        held: list[int],
     ) -> list[Batch]:
+        """The group's batches; counts the bytes it holds in ``queue`` and ``held[0]``."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
         lengths = [order.batch_length(b) for b in batches]
@@ -185,12 +206,18 @@ class Engine:
             starts = [(b - batches.start) * size for b in batches]
             ids = np.concatenate([ids[s : s + n] for s, n in zip(starts, lengths, strict=True)])
         plan = self.source.plan(ids, gap)
+        scratch = scratch_bytes(plan)
+        _hold(queue, held, plan.nbytes + scratch)
         buffer = await reader.read_plan(plan)
+        _hold(queue, held, -scratch)
         if decoder is not None:
             loop = asyncio.get_running_loop()
             fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
         else:
             fields = self.source.decode(buffer, int(ids.size))
+        # From here the group holds its decoded fields (the raw buffer, if they are new arrays,
+        # is freed with this frame).
+        _hold(queue, held, sum(int(value.nbytes) for value in fields.values()) - plan.nbytes)
         schema = self.source.schema
         out = []
         start = 0
@@ -208,6 +235,17 @@ class Engine:
         return out
 
 
+def _hold(queue: BatchQueue, held: list[int], nbytes: int) -> None:
+    queue.add_bytes(nbytes)
+    held[0] += nbytes
+
+
+def scratch_bytes(plan: ReadPlan) -> int:
+    """Bytes of the scratch area for ``plan``'s merged reads that cannot land in place."""
+    indirect = plan.read_dest < 0
+    return int((plan.read_end - plan.read_start)[indirect].sum())
+
+
 class Reader:
     """Carries out read plans over shards that may live in several stores."""
 
@@ -221,36 +259,58 @@ class Reader:
     async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
         """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
 
-        Reads that land in place go straight to their offset in one buffer; merged reads whose
-        pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
-        pieces are copied into place.
+        Reads that land in place go straight to their offset in the buffer; merged reads whose
+        pieces cannot (overlapping windows, gaps) land in a separate scratch buffer, freed on
+        return, and their pieces are copied into place. So the batches of a group keep only
+        their own bytes alive, never the scratch.
         """
-        sizes = plan.read_end - plan.read_start
+        buffer = np.empty(plan.nbytes, dtype=np.uint8)
         indirect = plan.read_dest < 0
-        scratch_sizes = np.where(indirect, sizes, 0)
-        scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
-        dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
-        buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
-        if len(self.stores) == 1:
-            await self._read(self.stores[0], plan, None, buffer, dest_offsets)
-        else:
-            store_of_read = self.shard_store[plan.read_shard]
-            await asyncio.gather(
-                *(
-                    self._read(
-                        store, plan, np.flatnonzero(store_of_read == i), buffer, dest_offsets
-                    )
-                    for i, store in enumerate(self.stores)
-                )
-            )
+        if not indirect.any():
+            await self._read_all(plan, None, buffer, plan.read_dest)
+            return buffer
+        sizes = np.where(indirect, plan.read_end - plan.read_start, 0)
+        scratch_at = np.cumsum(sizes) - sizes
+        scratch = np.empty(int(sizes.sum()), dtype=np.uint8)
+        await asyncio.gather(
+            self._read_all(plan, np.flatnonzero(~indirect), buffer, plan.read_dest),
+            self._read_all(plan, np.flatnonzero(indirect), scratch, scratch_at),
+        )
         if plan.piece_read.size:
-            view = memoryview(buffer)  # type: ignore[arg-type]
+            into = memoryview(buffer)  # type: ignore[arg-type]
+            source = memoryview(scratch)  # type: ignore[arg-type]
             sources = scratch_at[plan.piece_read] + plan.piece_src
             for src, dest, length in zip(
                 sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
             ):
-                view[dest : dest + length] = view[src : src + length]
-        return buffer[: plan.nbytes]
+                into[dest : dest + length] = source[src : src + length]
+        return buffer
+
+    async def _read_all(
+        self,
+        plan: ReadPlan,
+        picked: npt.NDArray[np.intp] | None,
+        buffer: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """The plan's reads (those ``picked``, if given) into ``buffer``, from every store."""
+        if len(self.stores) == 1:
+            await self._read(self.stores[0], plan, picked, buffer, dest_offsets)
+            return
+        store_of_read = self.shard_store[plan.read_shard]
+        everything = np.arange(plan.num_reads) if picked is None else picked
+        await asyncio.gather(
+            *(
+                self._read(
+                    store,
+                    plan,
+                    everything[store_of_read[everything] == i],
+                    buffer,
+                    dest_offsets,
+                )
+                for i, store in enumerate(self.stores)
+            )
+        )
 
     async def _read(
         self,

@@ -24,6 +24,7 @@ from typing import Any, Self
 import numpy.typing as npt
 import torch
 
+from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
@@ -46,6 +47,9 @@ STATE_VERSION = 2
 #: or two shuffle windows' worth with ``shuffle="block"``).
 PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
+#: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
+#: goes on stopping by itself; interpreter exit joins it).
+INTERRUPT_JOIN_TIMEOUT = 0.5
 #: With ``shuffle="block"``: the default block holds this many bytes of samples, and a
 #: window this many blocks.
 BLOCK_BYTES = 2**20
@@ -154,7 +158,9 @@ class _LoaderBase:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
-        if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
+        if coalesce_gap is not None and (
+            isinstance(coalesce_gap, bool) or not isinstance(coalesce_gap, int) or coalesce_gap < 0
+        ):
             raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
         if not isinstance(dataset, Dataset | Mixture | str):
             raise ConfigError(f"dataset must be a Dataset, a Mixture or a URL, got {dataset!r}")
@@ -336,6 +342,13 @@ class _LoaderBase:
             raise TypeError("len() is known once the dataset is open")
         return self._engine.order.batches_per_epoch
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as its arguments and position, never its thread, loop or stores (spawn)."""
+        dataset = self._data if self._data is not None else self._dataset_arg
+        args = getattr(self, "_args", {})
+        state = (self._epoch, self._position, self._closed)
+        return (_restore, (type(self), dataset, args, state))
+
     def _check_open(self) -> None:
         if self._closed:
             raise LoaderClosedError(f"{type(self).__name__} used after close()")
@@ -347,6 +360,17 @@ class _LoaderBase:
         raise NotImplementedError
 
 
+def _restore(
+    cls: type[_LoaderBase],
+    dataset: Dataset | Mixture | str,
+    args: dict[str, Any],
+    state: tuple[int, int, bool],
+) -> _LoaderBase:
+    loader = cls(dataset, **args)
+    loader._epoch, loader._position, loader._closed = state
+    return loader
+
+
 class Loader(_LoaderBase):
     """Synchronous, stateful batch iterator; the engine runs on its own background thread.
 
@@ -355,6 +379,7 @@ class Loader(_LoaderBase):
 
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        self._args = dict(kwargs)
         if isinstance(dataset, str):
             dataset = open_dataset(dataset, self.storage_options)
         self._build(dataset)
@@ -374,7 +399,14 @@ class Loader(_LoaderBase):
             self._start()
         assert self._queue is not None
         assert self._thread is not None
-        batch = self._take(self._queue.get(self._thread.is_alive))
+        try:
+            item = self._queue.get(self._thread.is_alive)
+        except BaseException:
+            # Ctrl-C, or an engine thread that died: stop the engine. The position is still
+            # after the last batch handed over, so a later next() goes on from there.
+            self._discard_run(INTERRUPT_JOIN_TIMEOUT)
+            raise
+        batch = self._take(item)
         if batch is None:
             raise StopIteration
         return batch
@@ -391,16 +423,23 @@ class Loader(_LoaderBase):
         )
         self._loop, self._queue, self._task, self._thread = loop, queue, task, thread
         thread.start()
+        lifecycle.track(self)
 
-    def _discard_run(self) -> None:
-        loop, task, thread = self._loop, self._task, self._thread
+    def _discard_run(self, timeout: float | None = None) -> None:
+        """Stop the run: cancel its task and wait (up to ``timeout``) for its thread."""
+        loop, task, thread, pid = self._loop, self._task, self._thread, self._pid
         self._forget_run()
-        if thread is None or self._pid != os.getpid():
+        if thread is None or pid != os.getpid():  # the thread stayed in the parent process
             return
+        lifecycle.untrack(self)
         if loop is not None and task is not None:
             with contextlib.suppress(RuntimeError):  # the loop already finished and closed
                 loop.call_soon_threadsafe(task.cancel)
-        thread.join()
+        if thread is threading.current_thread():  # garbage collected on its own thread
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            lifecycle.straggler(thread)
 
     def _run_finished(self) -> None:
         self._discard_run()  # the run put its Final item; the thread is exiting
@@ -408,6 +447,16 @@ class Loader(_LoaderBase):
     def _forget_run(self) -> None:
         self._loop = self._queue = self._task = self._thread = None
         self._pid = os.getpid()
+
+    def _forget_after_fork(self) -> list[object]:
+        kept: list[object] = [self._loop, self._queue, self._task, self._thread]
+        if self._task is not None:
+            self._task._log_destroy_pending = False  # type: ignore[attr-defined]
+        self._forget_run()
+        return kept
+
+    def _close_at_exit(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the engine and release its thread, tasks and files; idempotent."""
@@ -423,14 +472,17 @@ class Loader(_LoaderBase):
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None and not self._closed:
-            warnings.warn(
-                f"unclosed {self!r}: use 'with Loader(...)' or call close()",
-                ResourceWarning,
-                stacklevel=2,
-                source=self,
-            )
-            self.close()
+        if getattr(self, "_thread", None) is None or self._closed:
+            return
+        if self._pid == os.getpid():
+            with contextlib.suppress(Exception):  # warnings may be gone at interpreter exit
+                warnings.warn(
+                    f"unclosed {self!r}: use 'with Loader(...)' or call close()",
+                    ResourceWarning,
+                    stacklevel=2,
+                    source=self,
+                )
+        self.close()
 
     def __repr__(self) -> str:
         return f"Loader({self.dataset!r}, batch_size={self.batch_size}, seq_len={self.seq_len})"
@@ -459,6 +511,7 @@ class AsyncLoader(_LoaderBase):
 
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        self._args = dict(kwargs)
         if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
@@ -497,9 +550,11 @@ class AsyncLoader(_LoaderBase):
         if task is not None and not task.done():
             task.cancel()
             self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     def _run_finished(self) -> None:
-        self._task = self._queue = None
+        # A failed group ends the run while the engine may still wait for queue space.
+        self._discard_run()
 
     async def aclose(self) -> None:
         """Stop the engine task and wait until its stores are closed; idempotent."""

@@ -1,0 +1,75 @@
+"""Loader threads across process events: interpreter exit and ``fork()``.
+
+A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs.
+
+- At interpreter exit every loader still running is closed (its tasks cancelled, its stores
+  closed, its thread joined), so a script that never called ``close()`` still ends without
+  "Task was destroyed" or "Unclosed client session" noise. Threads a loader gave up waiting
+  for (after Ctrl-C) are joined too, for a bounded time.
+- In a child made by ``fork()`` the engine threads do not exist: each running loader forgets
+  its run, so that its next ``next()`` starts a new one in the child. The parent's loop, task
+  and queue are kept alive, unused, rather than garbage collected: collecting them in the child
+  would log "Task was destroyed but it is pending!" for a task that is fine in the parent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Protocol
+
+#: How long interpreter exit waits for each thread a loader stopped waiting for.
+EXIT_JOIN_TIMEOUT = 2.0
+
+
+class Running(Protocol):
+    """What a running loader offers this module."""
+
+    def _close_at_exit(self) -> None: ...
+
+    def _forget_after_fork(self) -> list[object]:
+        """Drop the run (its thread is not in this process); return its live objects."""
+        ...
+
+
+_running: weakref.WeakSet[Running] = weakref.WeakSet()
+_stragglers: set[threading.Thread] = set()
+#: Runs inherited from the parent process: kept, never used (see the module docstring).
+_orphans: list[object] = []
+
+
+def track(loader: Running) -> None:
+    """``loader`` has a running engine thread."""
+    _running.add(loader)
+
+
+def untrack(loader: Running) -> None:
+    """``loader``'s engine thread is stopping or gone."""
+    _running.discard(loader)
+
+
+def straggler(thread: threading.Thread) -> None:
+    """A stopping engine thread nobody waits for any more: joined (bounded) at exit."""
+    _stragglers.add(thread)
+
+
+def _at_exit() -> None:
+    for loader in list(_running):
+        loader._close_at_exit()
+    for thread in list(_stragglers):
+        thread.join(EXIT_JOIN_TIMEOUT)
+    _stragglers.clear()
+
+
+def _after_fork_in_child() -> None:
+    # Only this thread exists now: no lock is needed (and one held at fork time would hang).
+    for loader in list(_running):
+        _orphans.extend(loader._forget_after_fork())
+    _running.clear()
+    _stragglers.clear()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
