@@ -15,6 +15,7 @@ A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import weakref
@@ -57,7 +58,8 @@ def straggler(thread: threading.Thread) -> None:
 
 def _at_exit() -> None:
     for loader in list(_running):
-        loader._close_at_exit()
+        with contextlib.suppress(Exception):  # one failing close must not keep the rest open
+            loader._close_at_exit()
     for thread in list(_stragglers):
         thread.join(EXIT_JOIN_TIMEOUT)
     _stragglers.clear()

@@ -110,7 +110,8 @@ def sigint(args: dict[str, Any]) -> dict[str, Any]:
             print("ready", flush=True)
             next(iter(loader))
         except KeyboardInterrupt:
-            print(json.dumps({"interrupted": True, "threads": asyncbatch_threads()}), flush=True)
+            at = time.monotonic()  # the system-wide clock: the parent compares it with its own
+            print(json.dumps({"at": at, "threads": asyncbatch_threads()}), flush=True)
             raise
     return {"interrupted": False}
 
