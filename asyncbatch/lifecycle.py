@@ -36,7 +36,8 @@ class Running(Protocol):
 
 
 _running: weakref.WeakSet[Running] = weakref.WeakSet()
-_stragglers: set[threading.Thread] = set()
+#: Threads being stopped; weak, so the ones that finished and nobody holds drop out.
+_stragglers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 #: Runs inherited from the parent process: kept, never used (see the module docstring).
 _orphans: list[object] = []
 
@@ -51,8 +52,8 @@ def untrack(loader: Running) -> None:
     _running.discard(loader)
 
 
-def straggler(thread: threading.Thread) -> None:
-    """A stopping engine thread nobody waits for any more: joined (bounded) at exit."""
+def stopping(thread: threading.Thread) -> None:
+    """An engine thread asked to stop: joined (bounded) at exit if it is still running."""
     _stragglers.add(thread)
 
 

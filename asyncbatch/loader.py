@@ -437,9 +437,8 @@ class Loader(_LoaderBase):
                 loop.call_soon_threadsafe(task.cancel)
         if thread is threading.current_thread():  # garbage collected on its own thread
             return
+        lifecycle.stopping(thread)  # in case the join below times out or is interrupted
         thread.join(timeout)
-        if thread.is_alive():
-            lifecycle.straggler(thread)
 
     def _run_finished(self) -> None:
         self._discard_run()  # the run put its Final item; the thread is exiting
@@ -474,15 +473,15 @@ class Loader(_LoaderBase):
     def __del__(self) -> None:
         if getattr(self, "_thread", None) is None or self._closed:
             return
-        if self._pid == os.getpid():
-            with contextlib.suppress(Exception):  # warnings may be gone at interpreter exit
-                warnings.warn(
-                    f"unclosed {self!r}: use 'with Loader(...)' or call close()",
-                    ResourceWarning,
-                    stacklevel=2,
-                    source=self,
-                )
-        self.close()
+        try:
+            warnings.warn(
+                f"unclosed {self!r}: use 'with Loader(...)' or call close()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+        finally:  # also when warnings are errors
+            self.close()
 
     def __repr__(self) -> str:
         return f"Loader({self.dataset!r}, batch_size={self.batch_size}, seq_len={self.seq_len})"

@@ -269,6 +269,8 @@ def test_no_leaks_or_warnings_on_break_close_gc_and_exit(
 
 
 @pytest.mark.timeout(60)
+# Python 3.12+ warns about fork() in a process with threads: that is what is tested here.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_started_loader_survives_fork_and_spawn(
