@@ -9,6 +9,10 @@ loader is one epoch, each with its own order.
 ``state_dict()`` names the position after the last batch *handed to the caller*, never one
 merely prefetched, so resuming from it delivers exactly the batches an uninterrupted run
 would have delivered next.
+
+Lifecycle (docs/reliability.md): Ctrl-C in ``next()`` stops the engine and keeps the
+position; a loader left running is closed at interpreter exit; after ``fork()`` the child
+starts its own engine; a loader pickles as its arguments and position.
 """
 
 from __future__ import annotations
