@@ -272,10 +272,12 @@ class Reader:
         sizes = np.where(indirect, plan.read_end - plan.read_start, 0)
         scratch_at = np.cumsum(sizes) - sizes
         scratch = np.empty(int(sizes.sum()), dtype=np.uint8)
-        await asyncio.gather(
-            self._read_all(plan, np.flatnonzero(~indirect), buffer, plan.read_dest),
-            self._read_all(plan, np.flatnonzero(indirect), scratch, scratch_at),
-        )
+        direct = np.flatnonzero(~indirect)
+        to_scratch = self._read_all(plan, np.flatnonzero(indirect), scratch, scratch_at)
+        if direct.size:
+            await asyncio.gather(self._read_all(plan, direct, buffer, plan.read_dest), to_scratch)
+        else:
+            await to_scratch
         if plan.piece_read.size:
             into = memoryview(buffer)  # type: ignore[arg-type]
             source = memoryview(scratch)  # type: ignore[arg-type]

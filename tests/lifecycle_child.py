@@ -55,10 +55,14 @@ def ids_of(batches: Any, limit: int | None = None) -> list[int]:
 
 
 class StalledStore(LocalStore):
-    """Opens datasets as local files but never finishes a data read."""
+    """Local files whose data reads never finish while ``StalledStore.stall`` is set."""
 
-    async def read_into(self, *args: Any) -> None:
-        await asyncio.sleep(3600)
+    stall = True
+
+    async def read_into(self, urls: list[str], *args: Any) -> None:
+        if StalledStore.stall:
+            await asyncio.sleep(3600)
+        await super().read_into([url.removeprefix("stalled://") for url in urls], *args)
 
 
 def stalled_store(scheme: str, options: Any, *, max_inflight: int) -> StalledStore:
@@ -111,7 +115,12 @@ def sigint(args: dict[str, Any]) -> dict[str, Any]:
             next(iter(loader))
         except KeyboardInterrupt:
             at = time.monotonic()  # the system-wide clock: the parent compares it with its own
-            print(json.dumps({"at": at, "threads": asyncbatch_threads()}), flush=True)
+            report = {"at": at, "threads": asyncbatch_threads()}
+            if args["kind"] == "store":  # the store answers now: the loader goes on
+                StalledStore.stall = False
+                report["resumed"] = next(iter(loader)).global_indexes.tolist()
+                loader.close()
+            print(json.dumps(report), flush=True)
             raise
     return {"interrupted": False}
 
