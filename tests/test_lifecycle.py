@@ -248,7 +248,7 @@ def test_no_leaks_or_warnings_on_break_close_gc_and_exit(
         url = f"s3://{BUCKET}/leak-ds"
         ab.write_tokens(url, tokens, shard_size=3000, storage_options=options)
     modes = ["break", "close", "gc", "async"]
-    if store == "local":  # threads, descriptors and RSS over early breaks, closes, 20 epochs
+    if store != "s3":  # threads, descriptors (sockets too) and RSS over breaks, closes, epochs
         modes.append("steady")
     modes.append("exit")  # last: it leaves a loader running for interpreter exit to close
     results, err = run_child("leak", {"modes": modes, "url": url, "options": options})
@@ -258,7 +258,7 @@ def test_no_leaks_or_warnings_on_break_close_gc_and_exit(
         assert result["ids"] > 0, mode
     # The one warning asked for: a loader dropped while its thread runs.
     assert results["gc"]["warnings"] == ["unclosed Loader("]
-    if store == "local":
+    if store != "s3":  # (moto serves ~50 ranges/s: 20 epochs would take too long)
         (threads0, fds0, rss0), (threads1, fds1, rss1) = (
             results["steady"]["before"],
             results["steady"]["after"],
