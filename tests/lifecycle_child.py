@@ -73,7 +73,7 @@ class StalledHandler(RangeHandler):
     """Serves the manifest; data requests get headers, then nothing."""
 
     def do_GET(self) -> None:
-        if self.path.endswith(".bin"):
+        if self.path.endswith(".bin") or self.server.stall_everything:  # type: ignore[attr-defined]
             self.send_response(206)
             self.send_header("Content-Length", "1000000")
             self.end_headers()
@@ -83,9 +83,10 @@ class StalledHandler(RangeHandler):
 
 
 @contextlib.contextmanager
-def stalled_http(root: Path) -> Iterator[str]:
+def stalled_http(root: Path, everything: bool = False) -> Iterator[str]:
     server = RangeHTTPServer(root)
     server.RequestHandlerClass = StalledHandler
+    server.stall_everything = everything  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, name="stalled-http", daemon=True)
     thread.start()
     yield server.url
@@ -97,6 +98,8 @@ def stalled_http(root: Path) -> Iterator[str]:
 def sigint(args: dict[str, Any]) -> dict[str, Any]:
     """Block in next() on a store that never answers; the parent sends SIGINT."""
     path = args["path"]
+    if args["kind"] == "open":
+        return open_in_a_running_loop(path)
     if args["kind"] == "store":
         ab.register_store("stalled", stalled_store)
         local = ab.open_dataset(path)
@@ -123,6 +126,30 @@ def sigint(args: dict[str, Any]) -> dict[str, Any]:
             print(json.dumps(report), flush=True)
             raise
     return {"interrupted": False}
+
+
+def open_in_a_running_loop(path: str) -> dict[str, Any]:
+    """``open_dataset`` called from code a loop runs (a notebook cell), on a stalled server.
+
+    The loop installs no SIGINT handler (as in a notebook), so Ctrl-C raises in the thread
+    waiting for the portal's helper thread.
+    """
+
+    async def main(url: str) -> None:
+        ab.open_dataset(url)  # sync, on purpose: what a notebook user writes
+
+    loop = asyncio.new_event_loop()
+    with stalled_http(Path(path).parent, everything=True) as server:
+        try:
+            print("ready", flush=True)
+            loop.run_until_complete(main(f"{server}/{Path(path).name}"))
+        except KeyboardInterrupt:
+            at = time.monotonic()
+            print(json.dumps({"at": at, "threads": asyncbatch_threads()}), flush=True)
+            raise
+        finally:
+            loop.close()
+    return {}
 
 
 def leak(args: dict[str, Any]) -> dict[str, Any]:

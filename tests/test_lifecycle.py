@@ -192,8 +192,10 @@ def test_engine_errors_reach_the_consumer(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["store", "http"])
+@pytest.mark.parametrize("kind", ["store", "http", "open"])
 def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: str) -> None:
+    """Blocked in next() on a store or an HTTP server that never answers, or ("open") in
+    open_dataset called inside a running loop: SIGINT gets through and stops everything."""
     process = subprocess.Popen(
         [sys.executable, "-X", "dev", str(CHILD), "sigint"]
         + [json.dumps({"path": dataset.url, "kind": kind})],
