@@ -135,7 +135,7 @@ class Engine:
                 epoch, first_batch = epoch + 1, 0
             if previous is None or await previous:
                 final = Final()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
             raise
         except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
             final = Final(exc)
@@ -172,7 +172,7 @@ class Engine:
                 items: list[Batch | Final] = list(
                     await self._read_group(reader, decoder, gap, epoch, batches, queue, held)
                 )
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
                 raise
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
                 queue.add_bytes(-held[0])
