@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from .batch import Batch
 from .formats.tokens import TokenWindows
-from .handoff import BatchQueue, Final
+from .handoff import BatchQueue, Final, fields_bytes
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
@@ -217,7 +217,7 @@ class Engine:
             fields = self.source.decode(buffer, int(ids.size))
         # From here the group holds its decoded fields (the raw buffer, if they are new arrays,
         # is freed with this frame).
-        _hold(queue, held, sum(int(value.nbytes) for value in fields.values()) - plan.nbytes)
+        _hold(queue, held, fields_bytes(fields) - plan.nbytes)
         schema = self.source.schema
         out = []
         start = 0

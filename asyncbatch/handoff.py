@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,10 +143,13 @@ class BatchQueue:
 
 
 def item_bytes(item: Any) -> int:
-    """Bytes of a batch's fields (numpy arrays or tensors); 0 for anything else."""
+    """Bytes of a batch's fields; 0 for anything that is not a batch."""
     fields = getattr(item, "fields", None)
-    if not isinstance(fields, dict):
-        return 0
+    return fields_bytes(fields) if isinstance(fields, Mapping) else 0
+
+
+def fields_bytes(fields: Mapping[str, Any]) -> int:
+    """Bytes of decoded fields: arrays and tensors count their ``nbytes``, others nothing."""
     return sum(int(getattr(value, "nbytes", 0)) for value in fields.values())
 
 
