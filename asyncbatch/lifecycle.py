@@ -7,9 +7,10 @@ A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs
   "Task was destroyed" or "Unclosed client session" noise. Threads a loader gave up waiting
   for (after Ctrl-C) are joined too, for a bounded time.
 - In a child made by ``fork()`` the engine threads do not exist: each running loader forgets
-  its run, so that its next ``next()`` starts a new one in the child. The parent's loop, task
-  and queue are kept alive, unused, rather than garbage collected: collecting them in the child
-  would log "Task was destroyed but it is pending!" for a task that is fine in the parent.
+  its run, so that its next ``next()`` starts a new one in the child, and interpreter exit in
+  the child leaves the parent's run alone. The parent's loop, task and queue stay referenced,
+  unused, so that none of them is finalized in the child (a pending task or an unclosed loop
+  would complain about, or close, what belongs to the parent).
 """
 
 from __future__ import annotations

@@ -453,8 +453,6 @@ class Loader(_LoaderBase):
 
     def _forget_after_fork(self) -> list[object]:
         kept: list[object] = [self._loop, self._queue, self._task, self._thread]
-        if self._task is not None:
-            self._task._log_destroy_pending = False  # type: ignore[attr-defined]
         self._forget_run()
         return kept
 
