@@ -569,5 +569,21 @@ class AsyncLoader(_LoaderBase):
     async def __aenter__(self) -> Self:
         return await self.open()
 
+    def __del__(self) -> None:
+        task = getattr(self, "_task", None)
+        if task is None or task.done() or self._closed:
+            return
+        try:
+            warnings.warn(
+                f"unclosed {type(self).__name__}: use 'async with AsyncLoader(...)'"
+                " or await aclose()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+        finally:  # the engine task stops; its loop (asyncio.run) waits for it at the end
+            with contextlib.suppress(RuntimeError):  # that loop is already closed
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

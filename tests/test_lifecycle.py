@@ -8,6 +8,7 @@ errors in dev mode) run tests/lifecycle_child.py in a subprocess and check its o
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -268,6 +269,22 @@ def test_no_leaks_or_warnings_on_break_close_gc_and_exit(
         assert threads0 == threads1 == []
         assert fds1 == fds0
         assert rss1 - rss0 < 16 * 2**20, (rss0, rss1)
+
+
+def test_unclosed_async_loader_warns_and_stops(dataset: ab.Dataset) -> None:
+    async def main() -> None:
+        loader = ab.AsyncLoader(dataset, batch_size=4, seq_len=16, prefetch=4)
+        await loader.__anext__()
+        task = loader._task
+        assert task is not None
+        with pytest.warns(ResourceWarning, match="unclosed AsyncLoader"):
+            del loader
+            gc.collect()
+        await asyncio.wait([task], timeout=10)
+        assert task.cancelled()
+
+    asyncio.run(main())
+    assert asyncbatch_threads() == []
 
 
 # -- 4. fork, forkserver, spawn -------------------------------------------------------------
