@@ -2,7 +2,8 @@
 
 The layers, from the bytes up::
 
-    stores/     read byte ranges of objects: local files (preadv), fsspec (S3, HTTP, ...)
+    stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
+                filesystem; one RetryPolicy for them all
     manifest    the one file read to open a dataset; dataset: opening it
     layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
     sampling/   the order of samples: Feistel permutation, global and block shuffles,
@@ -13,13 +14,15 @@ The layers, from the bytes up::
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
     lifecycle   loader threads across interpreter exit and fork()
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
-    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect``
+    integrity   checksums (xxh3-64) and verify=off|size|block|full
+    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect | verify``
 """
 
 from __future__ import annotations
 
 from .batch import Batch as Batch
 from .batch import FieldSchema as FieldSchema
+from .batch import Jagged as Jagged
 from .dataset import Dataset as Dataset
 from .dataset import open_dataset as open_dataset
 from .dataset import open_dataset_async as open_dataset_async
@@ -40,11 +43,17 @@ from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
+from .formats.llmbatch import write_llmbatch as write_llmbatch
+from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
+from .formats.metadata import register_codec as register_codec
+from .formats.metadata import write_metadata_stream as write_metadata_stream
+from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
 from .loader import AsyncLoader as AsyncLoader
 from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
 from .mixture import mix as mix
 from .stores import register_store as register_store
+from .stores.retry import RetryPolicy as RetryPolicy
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
 from .writer import write_tokens_async as write_tokens_async
@@ -60,6 +69,7 @@ __all__ = [
     "Dataset",
     "FieldSchema",
     "FormatError",
+    "Jagged",
     "Loader",
     "LoaderClosedError",
     "LoaderDataset",
@@ -70,6 +80,7 @@ __all__ = [
     "RangeNotSupportedError",
     "ResumeStateError",
     "RetriesExhaustedError",
+    "RetryPolicy",
     "ShardChangedError",
     "ShortReadError",
     "StoreError",
@@ -79,7 +90,12 @@ __all__ = [
     "mix",
     "open_dataset",
     "open_dataset_async",
+    "register_codec",
     "register_store",
+    "write_llmbatch",
+    "write_llmbatch_async",
+    "write_metadata_stream",
+    "write_metadata_stream_async",
     "write_tokens",
     "write_tokens_async",
 ]

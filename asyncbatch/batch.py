@@ -1,13 +1,16 @@
 """The columnar batch handed to training and evaluation code.
 
 One int64 array of global sample indexes, one array or tensor per field, and the schema of
-each field stored once per field, never per sample. Building a batch costs O(fields) Python
-objects, whatever the batch size. A batch serialises as one small header plus one buffer
-per field (see :meth:`Batch.to_buffers`); pickling uses that form.
+each field stored once per field, never per sample. A field of variable-length values is a
+:class:`Jagged` column: all samples' values in one buffer plus ``offsets``, never padded
+unless asked. Building a batch costs O(fields) Python objects, whatever the batch size. A
+batch serialises as one small header plus one buffer per field (two for a jagged one; see
+:meth:`Batch.to_buffers`); pickling uses that form.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,71 @@ class FieldSchema:
     nested: bool = False
     #: False for values that are not numbers (strings, JSON objects).
     tensor: bool = True
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Jagged:
+    """Variable-length values: sample ``i`` holds ``values[offsets[i]:offsets[i + 1]]``.
+
+    ``values`` is a tensor (numbers) or a numpy object array (decoded strings, JSON), its
+    first axis running through every sample's values; ``offsets`` is int64 with one entry
+    more than there are samples, starting at 0. Slicing samples (``column[a:b]``) gives a
+    view with rebased offsets; ``column[i]`` is one sample's values.
+    """
+
+    values: Any
+    offsets: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise IndexError("a jagged column slices with step 1 only")
+            stop = max(start, stop)
+            offsets = self.offsets[start : stop + 1]
+            first, last = int(offsets[0]), int(offsets[-1])
+            return Jagged(self.values[first:last], offsets - first)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of a jagged column of {len(self)}")
+        index %= len(self)
+        return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
+
+    def to_nested(self) -> torch.Tensor:
+        """A ``torch.nested`` tensor of layout ``torch.jagged`` sharing ``values``."""
+        if not isinstance(self.values, torch.Tensor):
+            raise TypeError("only a jagged column of numbers converts to a nested tensor")
+        offsets = self.offsets - self.offsets[0]
+        return torch.nested.nested_tensor_from_jagged(self.values, offsets)
+
+    def to_padded(self, pad: int | float = 0, length: int | None = None) -> torch.Tensor:
+        """``[samples, length, ...]`` padded with ``pad`` (``length``: the longest sample's);
+        values past ``length`` are cut. :attr:`lengths` or :meth:`mask` tell what is real."""
+        if not isinstance(self.values, torch.Tensor):
+            raise TypeError("only a jagged column of numbers pads into a tensor")
+        lengths = self.lengths
+        width = int(lengths.max()) if length is None and len(self) else int(length or 0)
+        out = self.values.new_full((len(self), width, *self.values.shape[1:]), pad)
+        keep = self.mask(width)
+        position = torch.arange(width).expand(len(self), width)
+        source = (self.offsets[:-1, None] - self.offsets[0] + position)[keep]
+        out[keep] = self.values[source]
+        return out
+
+    def mask(self, length: int | None = None) -> torch.Tensor:
+        """Bool ``[samples, length]``: True where a padded position holds a real value."""
+        lengths = self.lengths
+        width = int(lengths.max()) if length is None and len(self) else int(length or 0)
+        return torch.arange(width)[None, :] < lengths[:, None]
+
+    def __repr__(self) -> str:
+        return f"Jagged(samples={len(self)}, values={tuple(getattr(self.values, 'shape', ()))})"
 
 
 @dataclass(eq=False, slots=True)
@@ -53,33 +121,33 @@ class Batch(Mapping[str, Any]):
         return int(self.global_indexes.size)
 
     def to_buffers(self) -> tuple[dict[str, Any], list[memoryview]]:
-        """A header (plain Python values) and one buffer per field, plus one for the indexes."""
+        """A header (plain Python values) and one buffer per field (a jagged field: values,
+        then offsets), plus one for the indexes. Object values are pickled into one buffer."""
         header: dict[str, Any] = {"extra": self.extra, "fields": []}
         buffers = [_bytes_view(self.global_indexes)]
         for name, value in self.fields.items():
-            is_tensor = isinstance(value, torch.Tensor)
-            array = value.numpy(force=True) if is_tensor else np.asarray(value)
-            header["fields"].append(
-                {
-                    "name": name,
-                    "schema": self.schema[name],
-                    "torch": is_tensor,
-                    "dtype": array.dtype.str,
-                    "shape": array.shape,
-                }
-            )
-            buffers.append(_bytes_view(array))
+            spec: dict[str, Any] = {"name": name, "schema": self.schema[name]}
+            if isinstance(value, Jagged):
+                spec["jagged"] = True
+                spec["values"] = _add_buffer(value.values, buffers)
+                spec["offsets"] = _add_buffer(value.offsets, buffers)
+            else:
+                spec["values"] = _add_buffer(value, buffers)
+            header["fields"].append(spec)
         return header, buffers
 
     @classmethod
     def from_buffers(cls, header: Mapping[str, Any], buffers: list[memoryview]) -> Batch:
-        """Inverse of :meth:`to_buffers`; arrays are views of ``buffers`` where possible."""
+        """Inverse of :meth:`to_buffers`."""
         indexes = np.frombuffer(buffers[0], dtype=np.int64)
         fields: dict[str, Any] = {}
         schema: dict[str, FieldSchema] = {}
-        for spec, buffer in zip(header["fields"], buffers[1:], strict=True):
-            array = np.frombuffer(buffer, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
-            fields[spec["name"]] = torch.from_numpy(array.copy()) if spec["torch"] else array
+        rest = iter(buffers[1:])
+        for spec in header["fields"]:
+            value = _from_buffer(spec["values"], next(rest))
+            if spec.get("jagged"):
+                value = Jagged(value, _from_buffer(spec["offsets"], next(rest)))
+            fields[spec["name"]] = value
             schema[spec["name"]] = spec["schema"]
         return cls(indexes.copy(), fields, schema, dict(header["extra"]))
 
@@ -92,6 +160,25 @@ class Batch(Mapping[str, Any]):
             f"{name}: {tuple(getattr(v, 'shape', ()))}" for name, v in self.fields.items()
         )
         return f"Batch(size={self.batch_size}, {shapes})"
+
+
+def _add_buffer(value: Any, buffers: list[memoryview]) -> dict[str, Any]:
+    """Append ``value``'s bytes to ``buffers``; returns what rebuilds it from them."""
+    is_tensor = isinstance(value, torch.Tensor)
+    array = value.numpy(force=True) if is_tensor else np.asarray(value)
+    if array.dtype == object:
+        buffers.append(memoryview(pickle.dumps(list(array.reshape(-1)), protocol=5)))
+        return {"objects": True, "shape": array.shape}
+    buffers.append(_bytes_view(array))
+    return {"torch": is_tensor, "dtype": array.dtype.str, "shape": array.shape}
+
+
+def _from_buffer(spec: Mapping[str, Any], buffer: memoryview) -> Any:
+    if spec.get("objects"):
+        items = pickle.loads(buffer)
+        return np.fromiter(items, dtype=object, count=len(items)).reshape(spec["shape"])
+    array = np.frombuffer(buffer, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
+    return torch.from_numpy(array.copy()) if spec["torch"] else array.copy()
 
 
 def _bytes_view(array: npt.NDArray[Any]) -> memoryview:

@@ -1,4 +1,5 @@
-"""The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one."""
+"""The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one,
+``verify`` checks one against its manifest's sizes and checksums."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy.typing as npt
 
 from .dataset import open_dataset
 from .errors import AsyncBatchError, NotFoundError
+from .integrity import verify_dataset
 from .loader import Loader
 from .progress import Progress
 from .writer import write_tokens
@@ -120,6 +122,47 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``asyncbatch verify`` exit codes: clean, something bad, nothing to check checksums against.
+VERIFY_CLEAN, VERIFY_BAD, VERIFY_NO_CHECKSUMS = 0, 1, 3
+
+
+def verify(args: argparse.Namespace) -> int:
+    bar: Progress | None = None
+
+    def progress(nbytes: int) -> None:
+        if bar is not None:
+            bar.update(nbytes)
+
+    dataset = open_dataset(args.url, _options(args.option))
+    bar = Progress(dataset.manifest.total_bytes, f"verifying {dataset.url}", "B")
+    try:
+        report = verify_dataset(
+            dataset,
+            level=args.level,
+            concurrency=args.concurrency,
+            progress=progress,
+        )
+    finally:
+        bar.close()
+    print(f"dataset   {report.url}")
+    print(f"checked   {report.shards} shards, {report.nbytes} bytes, level {report.level}")
+    for note in report.notes:
+        print(f"note      {note}")
+    for shard in report.bad:
+        for problem in shard.problems:
+            print(f"BAD       {problem}")
+    if report.bad:
+        blocks = sum(len(shard.bad_blocks) for shard in report.bad)
+        where = f", {blocks} bad blocks" if report.level == "block" else ""
+        print(f"result    {len(report.bad)} bad shards of {report.shards}{where}")
+        return VERIFY_BAD
+    if report.level == "size":
+        print("result    sizes match; no checksums to verify the bytes against")
+        return VERIFY_NO_CHECKSUMS
+    print("result    clean")
+    return VERIFY_CLEAN
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="asyncbatch", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -148,6 +191,22 @@ def parser() -> argparse.ArgumentParser:
     look.add_argument("--shards", type=int, default=5, help="shards to list")
     look.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     look.set_defaults(func=inspect)
+
+    check = commands.add_parser(
+        "verify",
+        help="check every shard's size and checksums; exit 0 clean, 1 bad, 3 no checksums",
+    )
+    check.add_argument("url")
+    check.add_argument(
+        "--level",
+        choices=("block", "full"),
+        default=None,
+        help="block: every block and whole shard (default when blocks are recorded);"
+        " full: whole shards only",
+    )
+    check.add_argument("--concurrency", type=int, default=8, help="shards read at once")
+    check.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    check.set_defaults(func=verify)
     return root
 
 

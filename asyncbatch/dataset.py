@@ -1,4 +1,5 @@
-"""Opening a dataset: read its manifest, and nothing else."""
+"""Opening a dataset: read its manifest (or the headers and index of data in another
+layout), and nothing else."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from .errors import NotFoundError
+from .errors import ConfigError, NotFoundError
 from .layout import ShardMap
 from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
 from .stores import open_store
 from .stores.base import Store
+from .stores.retry import RetryPolicy
 
 
 def join_url(root: str, path: str) -> str:
@@ -28,6 +31,8 @@ class Dataset:
     url: str
     manifest: Manifest
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Index arrays a format reads at open (document offsets, ...), kept in memory.
+    arrays: Mapping[str, npt.NDArray[Any]] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def shard_urls(self) -> list[str]:
@@ -36,12 +41,14 @@ class Dataset:
     @cached_property
     def shard_map(self) -> ShardMap:
         counts = np.array([s.elements for s in self.manifest.shards], dtype=np.int64)
-        return ShardMap(counts, self.manifest.dtype.itemsize)
+        offsets = np.array([s.offset for s in self.manifest.shards], dtype=np.int64)
+        return ShardMap(counts, self.manifest.dtype.itemsize, offsets)
 
     def fingerprint(self) -> str:
         """Identifies the data (not where it lives), for checking resume states."""
         m = self.manifest
-        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}"
+        arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
+        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}"
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -59,24 +66,89 @@ async def read_object(store: Store, url: str) -> bytes:
     return bytes(buffer)
 
 
-async def open_dataset_async(url: str, storage_options: Mapping[str, Any] | None = None) -> Dataset:
-    """Open the dataset at ``url`` (its root, or its ``manifest.json``) in the running loop."""
+async def open_dataset_async(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    format: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Dataset:
+    """Open the dataset at ``url`` in the running loop; see :func:`open_dataset`."""
+    from .formats import OPENERS  # formats import this module
+
+    openers = {opener.name: opener for opener in OPENERS}
+    if format is not None and format not in openers and format != "manifest":
+        known = ", ".join(["manifest", *openers])
+        raise ConfigError(f"format={format!r} is not one asyncbatch opens (known: {known})")
+    extra = dict(options or {})
+    store_options = dict(storage_options or {})
+    store = open_store(url, store_options, retry=retry)
+    try:
+        if format is not None and format != "manifest":
+            return await openers[format].open(url, store, store_options, extra)
+        if format is None:
+            for opener in OPENERS:
+                if opener.claims(url):
+                    return await opener.open(url, store, store_options, extra)
+        try:
+            dataset = await _open_manifest(url, store, store_options)
+        except NotFoundError as exc:
+            if format is not None:
+                raise
+            missing = exc
+        else:
+            if extra:
+                raise ConfigError(f"options={extra!r}: a dataset with a manifest takes none")
+            return dataset
+        for opener in OPENERS:
+            if opener.probe is not None and await opener.probe(url, store):
+                return await opener.open(url, store, store_options, extra)
+        tried = ", ".join(o.name for o in OPENERS)
+        if not tried:
+            raise missing
+        raise NotFoundError(
+            f"no dataset at {url}: {missing.url} not found, and it is no {tried} data",
+            missing.url,
+        ) from missing
+    finally:
+        await store.close()
+
+
+async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dataset:
     root = (
         url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
     )
     manifest_url = join_url(root, MANIFEST_NAME)
-    options = dict(storage_options or {})
-    store = open_store(manifest_url, options)
     try:
         text = await read_object(store, manifest_url)
     except NotFoundError as exc:
         msg = f"no dataset at {url}: {manifest_url} not found"
         raise NotFoundError(msg, manifest_url) from exc
-    finally:
-        await store.close()
-    return Dataset(root, Manifest.from_json(text, manifest_url), options)
+    from .formats import INDEX_LOADERS
+
+    dataset = Dataset(root, Manifest.from_json(text, manifest_url), options)
+    load = INDEX_LOADERS.get(dataset.manifest.format)
+    return dataset if load is None else await load(dataset, store)
 
 
-def open_dataset(url: str, storage_options: Mapping[str, Any] | None = None) -> Dataset:
-    """Open the dataset at ``url``; reads only its manifest, whatever the dataset's size."""
-    return run_sync(open_dataset_async(url, storage_options))
+def open_dataset(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    format: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Dataset:
+    """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
+    whatever the dataset's size.
+
+    The layout is recognised by itself: an asyncbatch manifest at ``url`` or in the folder,
+    or data in another layout an opener of :mod:`asyncbatch.formats` recognises;
+    ``format=`` names it instead (``"manifest"`` or an opener's name); ``options=`` go to
+    the opener (e.g. the dtype of raw token files); ``retry`` is how the store retries its
+    reads (default: ``RetryPolicy()``).
+    """
+    return run_sync(
+        open_dataset_async(url, storage_options, format=format, options=options, retry=retry)
+    )

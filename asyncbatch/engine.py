@@ -13,7 +13,8 @@ Requests in flight are bounded by the store. Any error ends the run with a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,13 +22,24 @@ import numpy as np
 import numpy.typing as npt
 
 from .batch import Batch
-from .formats.tokens import TokenWindows
-from .handoff import BatchQueue, Final, fields_bytes
+from .formats.base import Source
+from .handoff import BatchQueue, Final
+from .integrity import (
+    BLOCK_SCRATCH_BYTES,
+    DEFAULT_VERIFY,
+    SCAN_CONCURRENCY,
+    ShardChecks,
+    check_blocks,
+    plan_blocks,
+    scan_shard,
+    size_error,
+)
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.registry import scheme_of
+from .stores.retry import RetryPolicy
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -46,7 +58,7 @@ class Engine:
 
     def __init__(
         self,
-        source: TokenWindows,
+        source: Source,
         order: EpochOrder,
         *,
         max_inflight: int,
@@ -55,8 +67,13 @@ class Engine:
         worker: int = 0,
         stride: int = 1,
         unit: int = 1,
+        retry: RetryPolicy | None = None,
+        verify: str = DEFAULT_VERIFY,
     ) -> None:
         self.source = source
+        self.retry = retry
+        #: What to check of each shard, and which shards passed (kept across runs).
+        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -80,7 +97,7 @@ class Engine:
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
-            if self.source.converts
+            if getattr(self.source, "converts", True)
             else None
         )
         try:
@@ -93,12 +110,15 @@ class Engine:
                     index[key] = len(stores)
                     stores.append(
                         open_store(
-                            dataset.url, dataset.storage_options, max_inflight=self.max_inflight
+                            dataset.url,
+                            dataset.storage_options,
+                            max_inflight=self.max_inflight,
+                            retry=self.retry,
                         )
                     )
                 of_dataset.append(index[key])
             shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
-            reader = Reader(stores, self.source.shard_urls, shard_store)
+            reader = Reader(stores, self.source.shard_urls, shard_store, self.checks)
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
@@ -180,7 +200,8 @@ class Engine:
                 items = [Final(exc)]
             if previous is not None and not await previous:
                 return False
-            queue.put_many(items)  # the bytes held now belong to the queued batches
+            # The queue counts the batches' own bytes from here, in place of what was held.
+            queue.put_many(items, release=held[0])
             held[0] = 0
             return not isinstance(items[-1], Final)
         finally:
@@ -205,19 +226,21 @@ class Engine:
             size = order.batch_size
             starts = [(b - batches.start) * size for b in batches]
             ids = np.concatenate([ids[s : s + n] for s, n in zip(starts, lengths, strict=True)])
-        plan = self.source.plan(ids, gap)
-        scratch = scratch_bytes(plan)
-        _hold(queue, held, plan.nbytes + scratch)
-        buffer = await reader.read_plan(plan)
-        _hold(queue, held, -scratch)
-        if decoder is not None:
-            loop = asyncio.get_running_loop()
-            fields = await loop.run_in_executor(decoder, self.source.decode, buffer, int(ids.size))
-        else:
-            fields = self.source.decode(buffer, int(ids.size))
-        # From here the group holds its decoded fields (the raw buffer, if they are new arrays,
-        # is freed with this frame).
-        _hold(queue, held, fields_bytes(fields) - plan.nbytes)
+
+        async def offload(work: Callable[[], Any]) -> Any:
+            if decoder is None:
+                return work()
+            return await asyncio.get_running_loop().run_in_executor(decoder, work)
+
+        async def read(plan: ReadPlan) -> npt.NDArray[np.uint8]:
+            # A group holds its buffers, and their scratch while they are read.
+            scratch = scratch_bytes(plan)
+            _hold(queue, held, plan.nbytes + scratch)
+            buffer = await reader.read_plan(plan)
+            _hold(queue, held, -scratch)
+            return buffer
+
+        fields = await self.source.fetch(ids, read, gap, offload)
         schema = self.source.schema
         out = []
         start = 0
@@ -247,35 +270,52 @@ def scratch_bytes(plan: ReadPlan) -> int:
 
 
 class Reader:
-    """Carries out read plans over shards that may live in several stores."""
+    """Carries out read plans over shards that may live in several stores, verifying the
+    shards as ``checks.level`` says (see :mod:`asyncbatch.integrity`)."""
 
     def __init__(
-        self, stores: Sequence[Store], shard_urls: Sequence[str], shard_store: npt.NDArray[np.int64]
+        self,
+        stores: Sequence[Store],
+        shard_urls: Sequence[str],
+        shard_store: npt.NDArray[np.int64],
+        checks: ShardChecks | None = None,
     ) -> None:
         self.stores = stores
         self.shard_urls = shard_urls
         self.shard_store = shard_store
+        self.checks = checks
+        #: Shard checks under way or failed in this run, shared by the groups that wait.
+        self._checking: dict[int, asyncio.Future[None]] = {}
+        self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
 
     async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
         """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
 
         Reads that land in place go straight to their offset in the buffer; merged reads whose
         pieces cannot (overlapping windows, gaps) land in a separate scratch buffer, freed on
-        return, and their pieces are copied into place. So the batches of a group keep only
-        their own bytes alive, never the scratch.
+        return, and their pieces are copied into place, so the batches of a group keep only
+        their own bytes alive, never the scratch. With ``verify="block"`` every read is widened
+        to whole checksum blocks instead, and no byte is copied out before its block checked.
         """
+        checks = self.checks
+        if checks is not None and checks.level != "off":
+            await self._check_shards(plan.read_shard)
+            if checks.level == "block":
+                return await self._read_blocks(plan)
+        shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
         buffer = np.empty(plan.nbytes, dtype=np.uint8)
         indirect = plan.read_dest < 0
         if not indirect.any():
-            await self._read_all(plan, None, buffer, plan.read_dest)
+            await self._read_all(shards, starts, ends, buffer, plan.read_dest)
             return buffer
-        sizes = np.where(indirect, plan.read_end - plan.read_start, 0)
+        sizes = np.where(indirect, ends - starts, 0)
         scratch_at = np.cumsum(sizes) - sizes
         scratch = np.empty(int(sizes.sum()), dtype=np.uint8)
-        direct = np.flatnonzero(~indirect)
-        to_scratch = self._read_all(plan, np.flatnonzero(indirect), scratch, scratch_at)
-        if direct.size:
-            await asyncio.gather(self._read_all(plan, direct, buffer, plan.read_dest), to_scratch)
+        i, d = np.flatnonzero(indirect), np.flatnonzero(~indirect)
+        to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
+        if d.size:
+            to_buffer = self._read_all(shards[d], starts[d], ends[d], buffer, plan.read_dest[d])
+            await asyncio.gather(to_buffer, to_scratch)
         else:
             await to_scratch
         if plan.piece_read.size:
@@ -290,50 +330,147 @@ class Reader:
 
     async def _read_all(
         self,
-        plan: ReadPlan,
-        picked: npt.NDArray[np.intp] | None,
+        shards: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
         buffer: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        """The plan's reads (those ``picked``, if given) into ``buffer``, from every store."""
+        """Read ``[starts[i], ends[i])`` of shard ``shards[i]`` to ``dest_offsets[i]``."""
         if len(self.stores) == 1:
-            await self._read(self.stores[0], plan, picked, buffer, dest_offsets)
+            await self._read(self.stores[0], shards, starts, ends, buffer, dest_offsets)
             return
-        store_of_read = self.shard_store[plan.read_shard]
-        everything = np.arange(plan.num_reads) if picked is None else picked
+        store_of_read = self.shard_store[shards]
+        picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
         await asyncio.gather(
             *(
-                self._read(
-                    store,
-                    plan,
-                    everything[store_of_read[everything] == i],
-                    buffer,
-                    dest_offsets,
-                )
-                for i, store in enumerate(self.stores)
+                self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+                for store, p in zip(self.stores, picks, strict=True)
+                if p.size
             )
         )
 
     async def _read(
         self,
         store: Store,
-        plan: ReadPlan,
-        picked: npt.NDArray[np.intp] | None,
+        shards: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
         buffer: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        """The plan's reads (those ``picked``, if given) from one store."""
-        shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
-        if picked is not None:
-            if not picked.size:
-                return
-            shards, starts, ends = shards[picked], starts[picked], ends[picked]
-            dest_offsets = dest_offsets[picked]
+        """Reads from one store."""
         read_into: Any = getattr(store, "read_into", None)
         if read_into is not None:
             await read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
         else:
             await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
+
+    async def _read_blocks(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        """``read_plan`` with every read widened to whole checksum blocks (each read once),
+        checked before any of their bytes is copied into the batch buffer."""
+        assert self.checks is not None
+        direct = np.flatnonzero(plan.read_dest >= 0)
+        piece_read = plan.piece_read
+        blocks = plan_blocks(
+            self.checks,
+            plan.read_shard,
+            plan.read_start,
+            plan.read_end,
+            np.concatenate([direct, piece_read]),
+            np.concatenate([plan.read_start[direct], plan.read_start[piece_read] + plan.piece_src]),
+            np.concatenate([plan.read_dest[direct], plan.piece_dest]),
+            np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
+        )
+        buffer = np.empty(plan.nbytes, dtype=np.uint8)
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
+        # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
+        chunk = run_at // BLOCK_SCRATCH_BYTES
+        edges = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), int(run_at.size)]
+        order = np.argsort(blocks.seg_src, kind="stable")
+        seg_src = blocks.seg_src[order]
+        loop = asyncio.get_running_loop()
+        for r0, r1 in itertools.pairwise(edges):
+            base = int(run_at[r0])
+            top = int(run_at[r1 - 1] + run_length[r1 - 1])
+            scratch = np.empty(top - base, dtype=np.uint8)
+            await self._read_all(
+                blocks.run_shard[r0:r1],
+                blocks.run_start[r0:r1],
+                blocks.run_end[r0:r1],
+                scratch,
+                run_at[r0:r1] - base,
+            )
+            b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
+            await loop.run_in_executor(
+                None, check_blocks, self.checks, blocks, scratch, b0, b1, base
+            )
+            s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
+            picked = order[s0:s1]
+            source = memoryview(scratch)  # type: ignore[arg-type]
+            for src, dest, length in zip(
+                (blocks.seg_src[picked] - base).tolist(),
+                blocks.seg_dest[picked].tolist(),
+                blocks.seg_length[picked].tolist(),
+                strict=True,
+            ):
+                view[dest : dest + length] = source[src : src + length]
+        return buffer
+
+    async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:
+        """Check the shards of ``shards`` not checked yet (size, or whole checksum for
+        ``full``), each once however many groups wait for it; raises the first failure."""
+        assert self.checks is not None
+        checks = self.checks
+        todo = shards[~checks.passed[shards]]
+        if not todo.size:
+            return
+        loop = asyncio.get_running_loop()
+        mine: list[int] = []
+        waiting: list[asyncio.Future[None]] = []
+        for shard in np.unique(todo).tolist():
+            future = self._checking.get(shard)
+            if future is None:
+                future = self._checking[shard] = loop.create_future()
+                mine.append(shard)
+            waiting.append(future)
+        if mine:
+            try:
+                results = await asyncio.gather(
+                    *(self._check_shard(shard) for shard in mine), return_exceptions=True
+                )
+            except BaseException:
+                for shard in mine:  # cancelled: the groups waiting on these are cancelled too
+                    self._checking.pop(shard).cancel()
+                raise
+            for shard, result in zip(mine, results, strict=True):
+                future = self._checking[shard]
+                if isinstance(result, asyncio.CancelledError):
+                    future.cancel()
+                elif isinstance(result, BaseException):
+                    future.set_exception(result)
+                    future.exception()  # retrieved: it is raised below
+                else:
+                    checks.passed[shard] = True
+                    future.set_result(None)
+        for future in waiting:
+            await asyncio.shield(future)
+
+    async def _check_shard(self, shard: int) -> None:
+        assert self.checks is not None
+        checks = self.checks
+        store = self.stores[int(self.shard_store[shard])]
+        if checks.level == "full":
+            async with self._scans:
+                report = await scan_shard(store, checks, shard)
+            if report.problems:
+                raise report.problems[0]
+            return
+        url, expected = checks.urls[shard], int(checks.sizes[shard])
+        size = await store.size(url)
+        if size != expected:
+            raise size_error(url, expected, size)
 
 
 async def _read_ranges(

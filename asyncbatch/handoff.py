@@ -87,10 +87,18 @@ class BatchQueue:
         """Append a batch (holding a reserved slot) or a :class:`Final` (engine side)."""
         self.put_many((item,))
 
-    def put_many(self, items: Iterable[Any]) -> None:
-        """Append several items at once, waking the consumer once (engine side)."""
+    def put_many(self, items: Iterable[Any], release: int = 0) -> None:
+        """Append several items at once, waking the consumer once (engine side).
+
+        The batches' bytes are counted from now on, and ``release`` bytes the engine counted
+        while reading them (:meth:`add_bytes`) no longer are.
+        """
+        items = list(items)
+        nbytes = sum(item_bytes(item) for item in items) - release
         with self._lock:
             self._items.extend(items)
+            self._bytes += nbytes
+            self._peak_bytes = max(self._peak_bytes, self._bytes)
             self._not_empty.notify()
             waiter, self._item_waiter = self._item_waiter, None
         if waiter is not None and not waiter.done():
@@ -149,8 +157,18 @@ def item_bytes(item: Any) -> int:
 
 
 def fields_bytes(fields: Mapping[str, Any]) -> int:
-    """Bytes of decoded fields: arrays and tensors count their ``nbytes``, others nothing."""
-    return sum(int(getattr(value, "nbytes", 0)) for value in fields.values())
+    """Bytes of decoded fields: arrays and tensors count their ``nbytes``, a jagged column
+    its values and offsets, anything else nothing."""
+    return sum(_value_bytes(value) for value in fields.values())
+
+
+def _value_bytes(value: Any) -> int:
+    if value is None:
+        return 0
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    return sum(_value_bytes(getattr(value, part, None)) for part in ("values", "offsets"))
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -43,12 +43,26 @@ class ReadPlan:
 
 
 class ShardMap:
-    """Cumulative element counts of the shards of one dataset."""
+    """Cumulative element counts of the shards of one dataset.
 
-    def __init__(self, element_counts: npt.ArrayLike, itemsize: int) -> None:
+    ``offsets[s]`` is the byte where shard ``s``'s elements start in its object (a header
+    before them, as in ``.npy`` files); plans give byte ranges of the objects.
+    """
+
+    def __init__(
+        self,
+        element_counts: npt.ArrayLike,
+        itemsize: int,
+        offsets: npt.ArrayLike | None = None,
+    ) -> None:
         counts = np.asarray(element_counts, dtype=np.int64)
         self.itemsize = int(itemsize)
         self.counts = counts
+        self.offsets = (
+            np.zeros(counts.size, dtype=np.int64)
+            if offsets is None
+            else np.asarray(offsets, dtype=np.int64)
+        )
         self.ends = np.cumsum(counts)
         self.starts = self.ends - counts
         self.total = int(self.ends[-1]) if counts.size else 0
@@ -115,10 +129,11 @@ class ShardMap:
         indirect = ~direct[read_of_piece]
         size = self.itemsize
         shard_base = self.starts[read_shard]
+        header = self.offsets[read_shard]
         return ReadPlan(
             read_shard=read_shard,
-            read_start=(read_start - shard_base) * size,
-            read_end=(read_end - shard_base) * size,
+            read_start=(read_start - shard_base) * size + header,
+            read_end=(read_end - shard_base) * size + header,
             read_dest=np.where(read_dest >= 0, read_dest * size, -1),
             piece_read=read_of_piece[indirect],
             piece_src=(piece_start - read_start[read_of_piece])[indirect] * size,

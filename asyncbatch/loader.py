@@ -33,8 +33,9 @@ from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
-from .formats.tokens import TokenWindows
+from .formats import Source, make_source
 from .handoff import BatchQueue, Final, QueueStatistics
+from .integrity import DEFAULT_VERIFY, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
@@ -45,6 +46,7 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
+from .stores.retry import RetryPolicy
 
 STATE_VERSION = 2
 #: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
@@ -135,7 +137,7 @@ class _LoaderBase:
         dataset: Dataset | Mixture | str,
         *,
         batch_size: int,
-        seq_len: int,
+        seq_len: int | None = None,
         shuffle: bool | str = True,
         seed: int = 0,
         prefetch: int | None = None,
@@ -151,10 +153,13 @@ class _LoaderBase:
         world_size: int | None = None,
         coalesce_gap: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        format_options: Mapping[str, Any] | None = None,
+        verify: str = DEFAULT_VERIFY,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
-        self.seq_len = _positive("seq_len", seq_len)
+        self.seq_len = None if seq_len is None else _positive("seq_len", seq_len)
         self._prefetch_arg = None if prefetch is None else _positive("prefetch", prefetch)
         #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
         self.prefetch = self._prefetch_arg or 0
@@ -190,6 +195,12 @@ class _LoaderBase:
         self.drop_last = bool(drop_last)
         self.coalesce_gap = coalesce_gap
         self.storage_options = dict(storage_options or {})
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
+        self.retry = retry
+        self.format_options = dict(format_options or {})
+        #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
+        self.verify = check_level(verify)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -199,11 +210,19 @@ class _LoaderBase:
         self._closed = False
 
     def _build(self, data: Dataset | Mixture) -> Engine:
-        datasets = data.datasets if isinstance(data, Mixture) else data
-        source = TokenWindows(datasets, self.seq_len, next_token=self.next_token, dtype=self.dtype)
-        sample_bytes = source.window * source.stored_dtype.itemsize
+        datasets = data.datasets if isinstance(data, Mixture) else (data,)
+        source = make_source(
+            datasets,
+            seq_len=self.seq_len,
+            next_token=self.next_token,
+            dtype=self.dtype,
+            options=self.format_options,
+        )
+        sample_bytes = source.sample_bytes
         if self.shuffle == "block":
-            self.block_size = self._block_size_arg or max(1, BLOCK_BYTES // sample_bytes)
+            # A format may say which block suits its layout (LLMBATCH: one batch slot).
+            default = getattr(source, "default_block_size", None)
+            self.block_size = self._block_size_arg or default or max(1, BLOCK_BYTES // sample_bytes)
         samples: SampleOrder | None = None
         num_samples = source.num_samples
         if isinstance(data, Mixture):
@@ -223,10 +242,7 @@ class _LoaderBase:
             samples=samples,
         )
         self._data = data
-        itemsize = source.stored_dtype.itemsize
-        if source.out_dtype is not None and source.converts:
-            itemsize += source.out_dtype.itemsize
-        batch_bytes = self.batch_size * source.window * itemsize
+        batch_bytes = self.batch_size * sample_bytes
         worker, stride = self._worker
         # A block shuffle reads best a whole window at a time: this rank's (or worker's)
         # share of one is this many batches.
@@ -246,14 +262,18 @@ class _LoaderBase:
             worker=worker,
             stride=stride,
             unit=max(1, want),
+            retry=self.retry,
+            verify=self.verify,
         )
         return self._engine
 
-    def _mixture_order(self, mixture: Mixture, source: TokenWindows) -> MixtureOrder:
+    def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
         sizes = source.sizes.tolist()
         for dataset, size in zip(mixture.datasets, sizes, strict=True):
             if size == 0:
-                raise ConfigError(f"{dataset.url} is too short for one window of {source.window}")
+                raise ConfigError(
+                    f"{dataset.url} is too short: it holds no sample (seq_len={self.seq_len})"
+                )
         inner = [
             make_sample_order(
                 size, self.shuffle, derive_key(self.seed, d), self.block_size or 1, self.window or 1
@@ -385,7 +405,7 @@ class Loader(_LoaderBase):
         super().__init__(dataset, **kwargs)
         self._args = dict(kwargs)
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, self.storage_options)
+            dataset = open_dataset(dataset, self.storage_options, retry=self.retry)
         self._build(dataset)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -523,7 +543,9 @@ class AsyncLoader(_LoaderBase):
         self._check_open()
         if self._engine is None:
             assert isinstance(self._dataset_arg, str)
-            self._build(await open_dataset_async(self._dataset_arg, self.storage_options))
+            self._build(
+                await open_dataset_async(self._dataset_arg, self.storage_options, retry=self.retry)
+            )
         return self
 
     def __aiter__(self) -> Self:

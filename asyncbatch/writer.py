@@ -1,7 +1,9 @@
 """Writing datasets: arrays or iterables of arrays → shards plus ``manifest.json``, last.
 
 Shards are written concurrently (a bounded number at once) to any store URL. The manifest
-is written after every shard succeeded, so a reader never sees a half-written dataset.
+is written after every shard succeeded, so a reader never sees a half-written dataset. It
+records each shard's xxh3-64 checksum and, unless ``checksum_block=None``, one per block of
+``checksum_block`` bytes (see :mod:`asyncbatch.integrity`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import numpy.typing as npt
 
 from .dataset import Dataset, join_url
 from .errors import ConfigError
+from .integrity import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo
 from .portal import run_sync
 from .progress import Progress
 from .stores import open_store
 
 DEFAULT_SHARD_SIZE = 256 * 2**20
+
+
+def _checksums(data: memoryview, block: int | None) -> tuple[int, bytes | None]:
+    """A shard's checksum and its blocks' (runs in a thread: xxhash releases the GIL)."""
+    return digest(data), None if block is None else block_digests(data, block)
 
 
 def _checked_cast(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -48,12 +56,21 @@ async def write_tokens_async(
     storage_options: Mapping[str, Any] | None = None,
     max_concurrency: int = 4,
     progress: Progress | None = None,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
 ) -> Dataset:
     """Async form of :func:`write_tokens`, in the running loop."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     if max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
+    if checksum_block is not None and (
+        isinstance(checksum_block, bool)
+        or not isinstance(checksum_block, int)
+        or checksum_block < 1
+    ):
+        raise ConfigError(
+            f"checksum_block must be a positive number of bytes or None, got {checksum_block!r}"
+        )
     root = url.rstrip("/")
     options = dict(storage_options or {})
     chunks: Iterable[npt.ArrayLike] = (
@@ -62,12 +79,15 @@ async def write_tokens_async(
     target = np.dtype(dtype) if dtype is not None else None
     store = open_store(root, options, max_inflight=max_concurrency)
     shards: list[ShardInfo] = []
+    checksums: dict[int, tuple[int, bytes | None]] = {}
     writes: set[asyncio.Task[None]] = set()
     slots = asyncio.Semaphore(max_concurrency)
 
-    async def write_shard(name: str, data: npt.NDArray[Any]) -> None:
+    async def write_shard(index: int, name: str, data: npt.NDArray[Any]) -> None:
         try:
-            await store.write(join_url(root, name), memoryview(data.view(np.uint8)))  # type: ignore[arg-type]
+            raw = memoryview(data.view(np.uint8))  # type: ignore[arg-type]
+            checksums[index] = await asyncio.to_thread(_checksums, raw, checksum_block)
+            await store.write(join_url(root, name), raw)
             if progress is not None:
                 progress.update(data.nbytes)
         finally:
@@ -77,7 +97,7 @@ async def write_tokens_async(
         name = f"shard-{len(shards):05d}.bin"
         shards.append(ShardInfo(name, data.nbytes, int(data.size)))
         await slots.acquire()  # bounds the shard buffers held in memory
-        task = asyncio.create_task(write_shard(name, data))
+        task = asyncio.create_task(write_shard(len(shards) - 1, name, data))
         writes.add(task)
 
     try:
@@ -107,7 +127,22 @@ async def write_tokens_async(
         await asyncio.gather(*writes)
         if target is None:
             raise ConfigError("no tokens given and no dtype: pass dtype= to write an empty dataset")
-        manifest = Manifest("tokens", target, tuple(shards))
+        manifest = Manifest(
+            "tokens",
+            target,
+            tuple(
+                ShardInfo(
+                    s.path,
+                    s.nbytes,
+                    s.elements,
+                    checksum=checksums[i][0],
+                    block_checksums=checksums[i][1],
+                )
+                for i, s in enumerate(shards)
+            ),
+            checksum=ALGORITHM,
+            checksum_block=checksum_block,
+        )
         await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
     finally:
         for task in writes:
@@ -126,11 +161,14 @@ def write_tokens(
     storage_options: Mapping[str, Any] | None = None,
     max_concurrency: int = 4,
     progress: bool = False,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
 ) -> Dataset:
     """Write ``tokens`` (an array, or an iterable of arrays) as a token dataset at ``url``.
 
     Shards hold ``shard_size`` bytes (the last one less); ``dtype`` defaults to the first
-    array's. Integers that do not fit ``dtype`` are an error, never silently wrapped.
+    array's. Integers that do not fit ``dtype`` are an error, never silently wrapped. The
+    manifest records each shard's checksum and its ``checksum_block``-byte blocks' (1 MiB by
+    default; ``None``: whole shards only), which ``verify=`` and ``asyncbatch verify`` check.
     """
     bar = None
     if progress:
@@ -146,6 +184,7 @@ def write_tokens(
                 storage_options=storage_options,
                 max_concurrency=max_concurrency,
                 progress=bar,
+                checksum_block=checksum_block,
             )
         )
     finally:

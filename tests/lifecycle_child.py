@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import resource
 import sys
 import threading
@@ -59,6 +60,9 @@ class StalledStore(LocalStore):
 
     stall = True
 
+    async def size(self, url: str) -> int:
+        return await super().size(url.removeprefix("stalled://"))
+
     async def read_into(self, urls: list[str], *args: Any) -> None:
         if StalledStore.stall:
             await asyncio.sleep(3600)
@@ -74,10 +78,18 @@ class StalledHandler(RangeHandler):
 
     def do_GET(self) -> None:
         if self.path.endswith(".bin") or self.server.stall_everything:  # type: ignore[attr-defined]
-            self.send_response(206)
-            self.send_header("Content-Length", "1000000")
+            path = self._file()
+            if path is None:
+                return
+            size = path.stat().st_size
+            match = re.match(r"bytes=(\d+)-(\d*)$", self.headers.get("Range", ""))
+            start, end = (0, size) if match is None else (int(match[1]), int(match[2]) + 1)
+            self.send_response(206 if match else 200)
+            if match:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.send_header("Content-Length", str(end - start))
             self.end_headers()
-            time.sleep(3600)
+            time.sleep(3600)  # headers sent, the body never comes
             return
         super().do_GET()
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import gc
+import os
 import pickle
+import subprocess
 import sys
+import types
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from asyncbatch.batch import Batch, FieldSchema
+import asyncbatch as ab
+from asyncbatch.batch import Batch, FieldSchema, Jagged
 
 
 def make_batch(samples: int, fields: int) -> Batch:
@@ -25,13 +31,11 @@ def make_batch(samples: int, fields: int) -> Batch:
 
 
 def test_objects_grow_with_fields_not_samples() -> None:
-    counts = {}
-    for samples in (8, 1024):
-        gc.collect()
-        before = len(gc.get_objects())
-        batches = [make_batch(samples, 10) for _ in range(20)]
-        counts[samples] = len(gc.get_objects()) - before
-        del batches
+    # Counted by reachability from the batches, not by gc.get_objects() deltas, which other
+    # threads (a test server left running) change at any moment.
+    counts = {
+        samples: objects_held([make_batch(samples, 10) for _ in range(20)]) for samples in (8, 1024)
+    }
     # 20 batches × 10 fields: the count must not depend on the batch size.
     assert counts[1024] == counts[8]
     assert counts[8] < 20 * 10 * 4
@@ -53,3 +57,148 @@ def test_pickle_round_trip() -> None:
     assert np.array_equal(again.global_indexes, batch.global_indexes)
     assert again.schema == batch.schema and again.extra == batch.extra
     assert all(torch.equal(again[name], batch[name]) for name in batch)
+
+
+def make_jagged() -> Jagged:
+    lengths = torch.tensor([3, 0, 5, 1])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return Jagged(torch.arange(9, dtype=torch.int32) + 100, offsets)
+
+
+def test_jagged_column_slices_pads_and_nests() -> None:
+    column = make_jagged()
+    assert len(column) == 4 and column.lengths.tolist() == [3, 0, 5, 1]
+    assert column[2].tolist() == [103, 104, 105, 106, 107] and column[-1].tolist() == [108]
+    tail = column[1:3]
+    assert len(tail) == 2 and tail.offsets.tolist() == [0, 0, 5]
+    assert tail[1].tolist() == [103, 104, 105, 106, 107]
+    padded = column.to_padded(pad=-1)
+    assert padded.shape == (4, 5)
+    assert padded[0].tolist() == [100, 101, 102, -1, -1] and padded[1].tolist() == [-1] * 5
+    assert column.mask().sum().item() == 9
+    assert column.to_padded(length=2)[2].tolist() == [103, 104]
+    nested = tail.to_nested()
+    assert nested.is_nested and [t.tolist() for t in nested.unbind()] == [[], tail[1].tolist()]
+    with pytest.raises(IndexError):
+        column[4]
+
+
+def test_jagged_and_object_fields_round_trip_as_buffers() -> None:
+    objects = np.empty(3, dtype=object)
+    objects[:] = [{"a": 1}, [1, 2], "x"]
+    batch = Batch(
+        np.arange(4, dtype=np.int64),
+        {"docs": make_jagged(), "meta": Jagged(objects, torch.tensor([0, 1, 1, 3, 3]))},
+        {
+            "docs": FieldSchema("int32", (-1,), nested=True),
+            "meta": FieldSchema("object", (-1,), nested=True, tensor=False),
+        },
+    )
+    header, buffers = batch.to_buffers()
+    assert len(buffers) == 1 + 2 + 2
+    again = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(again["docs"].values, batch["docs"].values)
+    assert torch.equal(again["docs"].offsets, batch["docs"].offsets)
+    assert list(again["meta"][2]) == [[1, 2], "x"] and again["meta"].values[0] == {"a": 1}
+
+
+def objects_held(root: object) -> int:
+    """Python objects reachable from ``root`` (types and modules excluded)."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType):
+            continue
+        seen.add(id(obj))
+        stack.extend(gc.get_referents(obj))
+    return len(seen)
+
+
+def wide_batch(samples: int) -> Batch:
+    """10 fields of every shape a format gives: dense, jagged numbers, jagged objects."""
+    lengths = torch.arange(samples, dtype=torch.int64) % 7
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.arange(int(offsets[-1]), dtype=torch.int32)
+    texts = np.empty(int(offsets[-1]), dtype=object)
+    texts[:] = "x"  # one shared object: the count measures the batch, not the values
+    fields: dict[str, object] = {
+        f"dense{i}": torch.zeros(samples, 16, dtype=torch.int16) for i in range(4)
+    }
+    fields |= {f"jagged{i}": Jagged(values, offsets) for i in range(4)}
+    fields |= {"texts": Jagged(texts, offsets), "index": np.arange(samples)}
+    schema = {name: FieldSchema("int32", (-1,), nested=True) for name in fields}
+    return Batch(np.arange(samples, dtype=np.int64), fields, schema, {"epoch": 0})
+
+
+def test_wide_batches_hold_objects_per_field_not_per_sample() -> None:
+    counts = {n: objects_held(wide_batch(n)) for n in (8, 1024)}
+    assert counts[8] == counts[1024] < 200
+    # Slicing every field (what the engine does per batch) stays O(fields) too.
+    sliced = {n: objects_held(Batch(*_sliced(wide_batch(4 * n), n))) for n in (8, 1024)}
+    assert sliced[8] == sliced[1024]
+    header, buffers = wide_batch(1024).to_buffers()
+    assert len(buffers) == 1 + 4 + 2 * 4 + 2 + 1
+
+
+def _sliced(batch: Batch, n: int) -> tuple[object, ...]:
+    return (
+        batch.global_indexes[n : 2 * n],
+        {name: value[n : 2 * n] for name, value in batch.fields.items()},
+        batch.schema,
+    )
+
+
+def _metadata_batches(tmp_path: Path, codec: str, options: dict[str, object]) -> dict[int, Batch]:
+    rng = np.random.default_rng(0)
+    spans = []
+    for k in range(2000):
+        tokens = rng.integers(0, 1000, int(rng.integers(1, 12)), dtype=np.uint32)
+        spans.append((tokens, k if codec == "numpy" else {"k": k}))
+    ab.write_metadata_stream(
+        str(tmp_path / codec), spans, codec=codec, codec_options=options, shard_size=4000 * 8
+    )
+    batches = {}
+    for size in (8, 1024):
+        with ab.Loader(str(tmp_path / codec), batch_size=size, seq_len=8, shuffle=True) as loader:
+            batches[size] = next(iter(loader))
+    return batches
+
+
+@pytest.mark.timeout(60)
+def test_metadata_batch_from_a_loader_holds_objects_per_field(tmp_path: Path) -> None:
+    batches = _metadata_batches(tmp_path, "numpy", {"dtype": "<i8"})
+    assert batches[1024]["meta"].values.numel() > 1024  # more spans than samples
+    counts = {n: objects_held(b) for n, b in batches.items()}
+    assert counts[8] == counts[1024]
+    header, buffers = batches[1024].to_buffers()
+    assert len(buffers) == 1 + 1 + 3 * 2  # indexes, tokens, three jagged columns
+
+
+@pytest.mark.timeout(60)
+def test_metadata_batch_pickles_across_processes(tmp_path: Path) -> None:
+    batch = _metadata_batches(tmp_path, "json", {})[1024]
+    # The child unpickles (a Batch rebuilt from header + buffers), checks, and sends it back.
+    child = (
+        "import pickle, sys\n"
+        "batch = pickle.load(sys.stdin.buffer)\n"
+        "assert type(batch).__name__ == 'Batch' and batch.batch_size == 1024\n"
+        "assert len(batch.to_buffers()[1]) == 8\n"
+        "sys.stdout.buffer.write(pickle.dumps(batch))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child],
+        input=pickle.dumps(batch),
+        capture_output=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    again = pickle.loads(done.stdout)
+    assert np.array_equal(again.global_indexes, batch.global_indexes)
+    assert torch.equal(again["tokens"], batch["tokens"])
+    for name in ("meta_start", "meta_end"):
+        assert torch.equal(again[name].values, batch[name].values)
+        assert torch.equal(again[name].offsets, batch[name].offsets)
+    assert list(again["meta"].values) == list(batch["meta"].values)
+    assert again.schema == batch.schema and again.extra == batch.extra

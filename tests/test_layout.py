@@ -14,22 +14,25 @@ from asyncbatch.layout import ShardMap
     counts=st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(lambda c: sum(c) > 0),
     itemsize=st.sampled_from([1, 2, 4, 6]),
     gap=st.sampled_from([0, 1, 8, 64, 10**6]),
+    header=st.sampled_from([0, 3, 128]),
     data=st.data(),
 )
 def test_plan_reassembles_spans(
-    counts: list[int], itemsize: int, gap: int, data: st.DataObject
+    counts: list[int], itemsize: int, gap: int, header: int, data: st.DataObject
 ) -> None:
+    """Shards may start their elements after a header of ``header`` bytes (as .npy files)."""
     total = sum(counts)
     stream = np.random.default_rng(total).integers(0, 256, total * itemsize, dtype=np.uint8)
     shards, offset = [], 0
     for count in counts:
-        shards.append(stream[offset * itemsize : (offset + count) * itemsize])
+        body = stream[offset * itemsize : (offset + count) * itemsize]
+        shards.append(np.concatenate([np.full(header, 0x55, dtype=np.uint8), body]))
         offset += count
     length = data.draw(st.integers(1, total))
     starts = np.array(
         data.draw(st.lists(st.integers(0, total - length), min_size=1, max_size=20)), dtype=np.int64
     )
-    plan = ShardMap(counts, itemsize).plan(starts, length, gap)
+    plan = ShardMap(counts, itemsize, [header] * len(counts)).plan(starts, length, gap)
 
     buffer = np.full(plan.nbytes, 0xAA, dtype=np.uint8)
     scratch = {}

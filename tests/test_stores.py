@@ -77,7 +77,10 @@ def test_short_read_is_an_error(
     last = dataset.shard_urls[1]
     _truncate(store, last, 100, options, request)
     with (
-        ab.Loader(dataset, batch_size=4, seq_len=100, shuffle=False, prefetch=2) as loader,
+        # verify="off": the store's own length check, not the size check, must catch it.
+        ab.Loader(
+            dataset, batch_size=4, seq_len=100, shuffle=False, prefetch=2, verify="off"
+        ) as loader,
         pytest.raises(ShortReadError) as caught,
     ):
         for _ in loader:
@@ -108,6 +111,13 @@ def _truncate(
 def test_missing_dataset_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="manifest.json"):
         ab.open_dataset(str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ab.open_dataset(str(tmp_path / "nothing"), format="manifest")
+
+
+def test_unknown_format_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ab.ConfigError, match="format='parquet'"):
+        ab.open_dataset(str(tmp_path), format="parquet")
 
 
 def test_read_ranges_into_buffers(tmp_path: Path) -> None:
@@ -234,7 +244,8 @@ def test_local_reads_with_and_without_the_c_helper(
             )
     Path(dataset.shard_urls[2]).write_bytes(b"\0" * 10)
     with (
-        ab.Loader(dataset, batch_size=5, seq_len=33, shuffle=False) as loader,
+        # verify="off": the read loop's own length check must catch it.
+        ab.Loader(dataset, batch_size=5, seq_len=33, shuffle=False, verify="off") as loader,
         pytest.raises(ShortReadError, match=r"shard-00002.bin bytes \[0, "),
     ):
         for _ in loader:

@@ -23,26 +23,26 @@ from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError
 from ..layout import ReadPlan, ShardMap
+from .base import PlannedSource
 
 TOKENS_FIELD = "tokens"
 
 
-class TokenWindows:
+class TokenWindows(PlannedSource):
     """Fixed windows over a token dataset: maps sample ids to spans and decodes buffers."""
 
     def __init__(
         self,
         dataset: Dataset | Sequence[Dataset],
-        seq_len: int,
+        seq_len: int | None,
         *,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
     ) -> None:
         datasets = [dataset] if isinstance(dataset, Dataset) else list(dataset)
-        for one in datasets:
-            if one.manifest.format != "tokens":
-                raise ConfigError(f"{one.url} holds {one.manifest.format!r} data, not tokens")
-        self.datasets = datasets
+        if seq_len is None:
+            raise ConfigError(f"{datasets[0].url} is a token stream: give seq_len= (window length)")
+        self.datasets: Sequence[Dataset] = datasets
         self.dataset = datasets[0]
         self.seq_len = seq_len
         self.window = seq_len + int(next_token)
@@ -54,10 +54,11 @@ class TokenWindows:
         self._element_base = np.cumsum(totals) - totals
         if len(datasets) == 1:
             self.shard_map = self.dataset.shard_map
-            self.shard_urls = self.dataset.shard_urls
+            self.shard_urls: Sequence[str] = self.dataset.shard_urls
         else:
             counts = np.concatenate([d.shard_map.counts for d in datasets])
-            self.shard_map = ShardMap(counts, datasets[0].manifest.dtype.itemsize)
+            offsets = np.concatenate([d.shard_map.offsets for d in datasets])
+            self.shard_map = ShardMap(counts, datasets[0].manifest.dtype.itemsize, offsets)
             self.shard_urls = [url for d in datasets for url in d.shard_urls]
         #: The dataset (so the store) each shard belongs to.
         self.shard_dataset = np.repeat(
@@ -74,6 +75,8 @@ class TokenWindows:
             raise ConfigError(f"dtype={dtype!r} cannot convert the structured dtype {stored}")
         #: Whether decoding converts every value (worth a thread of its own).
         self.converts = self.out_dtype is not None and self.out_dtype != stored
+        out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
+        self.sample_bytes = self.window * (stored.itemsize + out_itemsize)
         self.schema = {
             name: FieldSchema(
                 dtype=str(self.out_dtype or (stored[name] if stored.names else stored)),
@@ -90,10 +93,10 @@ class TokenWindows:
         starts = self._element_base[which] + local * self.seq_len
         return self.shard_map.plan(starts, self.window, gap_bytes)
 
-    def decode(self, buffer: npt.NDArray[np.uint8], count: int) -> dict[str, Any]:
-        """Fields of ``count`` windows from the raw batch buffer (views, no copy if possible)."""
+    def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
+        """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""
         stored = self.stored_dtype
-        array = buffer.view(stored).reshape(count, self.window)
+        array = buffer.view(stored).reshape(ids.size, self.window)
         if stored.names:
             return {
                 name: torch.from_numpy(np.ascontiguousarray(array[name])) for name in stored.names
@@ -110,3 +113,17 @@ def _numpy_dtype(dtype: npt.DTypeLike | torch.dtype) -> np.dtype[Any]:
         return np.dtype(dtype)
     except TypeError as exc:
         raise ConfigError(f"dtype={dtype!r} is not a numpy or torch dtype") from exc
+
+
+def token_windows(
+    datasets: Sequence[Dataset],
+    *,
+    seq_len: int | None,
+    next_token: bool,
+    dtype: Any,
+    **options: Any,
+) -> TokenWindows:
+    """Source factory of the ``tokens`` format (no format options)."""
+    if options:
+        raise ConfigError(f"token streams take no format_options, got {sorted(options)}")
+    return TokenWindows(datasets, seq_len, next_token=next_token, dtype=dtype)

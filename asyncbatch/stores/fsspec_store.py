@@ -1,9 +1,10 @@
-"""Store over any fsspec filesystem.
+"""Store over any other fsspec filesystem (memory, GCS, Azure, ...).
 
-Async filesystems (s3fs, HTTP, gcsfs, ...) are used natively: one ``asynchronous=True``
-instance per store, created lazily in the loop that reads, never fsspec's own loop thread.
-Sync filesystems run in a bounded thread pool. Every range is length-checked: s3fs and
-fsspec's HTTP return short data without error when a range runs past the end of an object.
+Async filesystems are used natively: one ``asynchronous=True`` instance per store, created
+lazily in the loop that reads, never fsspec's own loop thread. Sync filesystems run in a
+bounded thread pool. Every range is length-checked and read under the store's
+:class:`~asyncbatch.stores.retry.RetryPolicy` (OS and timeout errors are retried). S3 and
+HTTP have their own stores (``s3.py``, ``http.py``), which check far more.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ from typing import Any
 
 import fsspec
 
-from ..errors import ConfigError, NotFoundError, StoreError, describe_range
+from ..errors import ConfigError, NotFoundError, PermissionDeniedError, StoreError, describe_range
 from .base import Buffer, check_length
-
-#: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
-#: request costs about RTT / in-flight ≈ 10 ms / 64 ≈ 150 µs ≈ 150 KB at 1 GB/s: merging
-#: across larger gaps moves more bytes than the request it saves.
-REMOTE_COALESCE_GAP = 128 * 1024
+from .ranged import REMOTE_COALESCE_GAP, fail
+from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 
 
 class FsspecStore:
@@ -30,9 +28,15 @@ class FsspecStore:
     coalesce_gap = REMOTE_COALESCE_GAP
 
     def __init__(
-        self, protocol: str, storage_options: Mapping[str, Any], *, max_inflight: int = 64
+        self,
+        protocol: str,
+        storage_options: Mapping[str, Any],
+        *,
+        max_inflight: int = 64,
+        retry: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
         self.protocol = protocol
+        self.retry = retry
         self._options = dict(storage_options)
         self._cls = fsspec.get_filesystem_class(protocol)
         self.is_async = bool(getattr(self._cls, "async_impl", False))
@@ -44,17 +48,11 @@ class FsspecStore:
     async def _filesystem(self) -> Any:
         if self._fs is None:
             if self.is_async:
-                options = dict(self._options)
-                if self.protocol in ("s3", "s3a"):
-                    # aiobotocore pools 10 connections by default: as many as we keep in flight.
-                    config = dict(options.get("config_kwargs") or {})
-                    config.setdefault("max_pool_connections", self._max_inflight)
-                    options["config_kwargs"] = config
                 fs = self._cls(
                     asynchronous=True,
                     loop=asyncio.get_running_loop(),
                     skip_instance_cache=True,
-                    **options,
+                    **self._options,
                 )
                 await fs.set_session()
             else:
@@ -79,9 +77,13 @@ class FsspecStore:
                 return await loop.run_in_executor(self._pool, lambda: call(*args, **kwargs))
         except FileNotFoundError as exc:
             raise NotFoundError(f"not found: {url}", url) from exc
+        except PermissionError as exc:
+            raise PermissionDeniedError(f"permission denied: {url}", url) from exc
         except StoreError:
             raise
-        except Exception as exc:  # aiohttp and botocore errors are not all OSError
+        except (OSError, TimeoutError) as exc:  # a connection or an I/O error: may pass
+            raise fail(StoreError, f"{method} failed: {exc!r}", url, retryable=True) from exc
+        except Exception as exc:  # other errors (not all OSError) are not retried
             raise StoreError(f"{method} failed: {url}: {exc!r}", url) from exc
 
     async def size(self, url: str) -> int:
@@ -107,13 +109,23 @@ class FsspecStore:
         )
 
     async def _read_one(self, url: str, start: int, end: int, buffer: Buffer) -> None:
-        try:
-            data = await self._call(url, "cat_file", url, start=start, end=end)
-        except NotFoundError:
-            raise
-        except StoreError as exc:
-            where = describe_range(url, start, end)
-            raise StoreError(f"read failed: {where}: {exc}", url, start, end) from exc
+        where = describe_range(url, start, end)
+
+        async def attempt() -> bytes:
+            try:
+                data: bytes = await self._call(url, "cat_file", url, start=start, end=end)
+            except StoreError as exc:
+                if type(exc) is not StoreError:
+                    raise  # typed: not found, permission denied
+                error = StoreError(f"read failed: {where}: {exc}", url, start, end)
+                error.detail = str(exc)  # type: ignore[attr-defined]
+                error.retryable = getattr(exc, "retryable", False)  # type: ignore[attr-defined]
+                raise error from exc
+            return data
+
+        data = await with_retries(
+            self.retry, attempt, what=f"read of {where}", url=url, start=start, end=end
+        )
         check_length(url, start, end, len(data))
         buffer[:] = data
 
@@ -137,11 +149,15 @@ class FsspecStore:
 
 
 def fsspec_store(
-    scheme: str, storage_options: Mapping[str, Any], *, max_inflight: int
+    scheme: str,
+    storage_options: Mapping[str, Any],
+    *,
+    max_inflight: int,
+    retry: RetryPolicy = DEFAULT_POLICY,
 ) -> FsspecStore:
     """Registry factory: an :class:`FsspecStore` for ``protocol``."""
     try:
-        return FsspecStore(scheme, storage_options, max_inflight=max_inflight)
+        return FsspecStore(scheme, storage_options, max_inflight=max_inflight, retry=retry)
     except ImportError as exc:
         hint = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}.get(scheme)
         extra = f"; pip install 'asyncbatch[{hint}]'" if hint else ""

@@ -7,6 +7,12 @@ threads read in parallel and no Python runs per range; without the helper (no co
 install time) a Python loop of ``os.preadv`` calls does the same, slower. Open file
 descriptors are kept in a small LRU so that thousands of shards do not exhaust the
 process's descriptor limit.
+
+Each file is pinned when it is first opened: its (inode, size, mtime) are recorded, checked
+again whenever it is reopened after leaving the LRU, and with one ``fstat`` per file after
+each group of reads. A file replaced, resized or rewritten during training is a
+:class:`~asyncbatch.errors.ShardChangedError`, not a silent mix of old and new bytes.
+Local reads are not retried: a local I/O error does not pass by waiting.
 """
 
 from __future__ import annotations
@@ -27,8 +33,24 @@ import aiofiles.os
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, NotFoundError, StoreError, describe_range
+from ..errors import (
+    ConfigError,
+    NotFoundError,
+    PermissionDeniedError,
+    ShardChangedError,
+    StoreError,
+    describe_range,
+)
 from .base import Buffer, check_length
+from .retry import DEFAULT_POLICY, RetryPolicy
+
+#: What pins a local file: (inode, size, mtime in ns).
+Version = tuple[int, int, int]
+
+
+def file_version(stat: os.stat_result) -> Version:
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
 
 try:
     from . import _preadv
@@ -59,6 +81,7 @@ class LocalStore:
     def __init__(self, max_threads: int = 8, max_open_files: int = 128) -> None:
         self._max_open_files = max_open_files
         self._fds: OrderedDict[str, list[int]] = OrderedDict()  # url -> [fd, readers]
+        self._pins: dict[str, Version] = {}  # url -> version when first opened
         self._fds_lock = threading.Lock()
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
@@ -175,6 +198,9 @@ class LocalStore:
                 done, got, error = _preadv.read_many(fds, starts, lengths, dest, dest_offsets)
             else:
                 done, got, error = _read_many_python(fds, starts, lengths, dest, dest_offsets)
+            # A file changed under a read explains a short one too: check pins first.
+            for index in used:
+                self._check_pin(urls[index], os.fstat(int(fd_of[index])))
             if done < starts.size:
                 url = urls[int(which[done])]
                 start, end = int(starts[done]), int(ends[done])
@@ -203,8 +229,15 @@ class LocalStore:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise NotFoundError(f"not found: {url}", url) from exc
+        except PermissionError as exc:
+            raise PermissionDeniedError(f"permission denied: {url}", url) from exc
         except OSError as exc:
             raise StoreError(f"cannot open {url}: {exc}", url) from exc
+        try:
+            self._check_pin(url, os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
         with self._fds_lock:
             if self._closed:  # close() ran while this thread was opening the file
                 os.close(fd)
@@ -217,6 +250,18 @@ class LocalStore:
             self._fds[url] = [fd, 1]
             self._evict_idle()
         return fd
+
+    def _check_pin(self, url: str, stat: os.stat_result) -> None:
+        """Pin ``url`` at this version if not yet pinned, else require the same version."""
+        version = file_version(stat)
+        with self._fds_lock:
+            pinned = self._pins.setdefault(url, version)
+        if pinned != version:
+            was = "inode {}, {} bytes, mtime {} ns".format(*pinned)
+            now = "inode {}, {} bytes, mtime {} ns".format(*version)
+            raise ShardChangedError(
+                f"the file changed since it was opened: {url} was {was}, is {now}", url
+            )
 
     def _release(self, url: str) -> None:
         with self._fds_lock:
@@ -242,6 +287,11 @@ class LocalStore:
         async with aiofiles.open(tmp, "wb") as file:
             await file.write(data)
         await aiofiles.os.replace(tmp, path)
+        with self._fds_lock:  # our own write: the next open pins the new file
+            self._pins.pop(url, None)
+            entry = self._fds.get(url)
+            if entry is not None and entry[1] == 0:
+                os.close(self._fds.pop(url)[0])
 
     async def close(self) -> None:
         with self._fds_lock:
@@ -286,9 +336,15 @@ def _read_many_python(
 
 
 def local_store(
-    scheme: str, storage_options: Mapping[str, Any], *, max_inflight: int
+    scheme: str,
+    storage_options: Mapping[str, Any],
+    *,
+    max_inflight: int,
+    retry: RetryPolicy = DEFAULT_POLICY,
 ) -> LocalStore:
-    """Registry factory: a :class:`LocalStore`; options ``max_open_files``, ``max_threads``."""
+    """Registry factory: a :class:`LocalStore`; options ``max_open_files``, ``max_threads``.
+
+    ``retry`` is accepted for a uniform signature; local reads are not retried."""
     options = dict(storage_options)
     threads = int(options.pop("max_threads", min(max_inflight, 8)))
     max_open = int(options.pop("max_open_files", 128))

@@ -4,13 +4,16 @@ Built-in schemes are import strings, loaded on first use. Third-party packages a
 through the ``asyncbatch.stores`` entry-point group (``scheme = "package.module:factory"``)
 or :func:`register_store`. Any other scheme fsspec knows is served by the fsspec store.
 
-A factory is called as ``factory(scheme, storage_options, max_inflight=N)`` and returns an
-object implementing :class:`~asyncbatch.stores.base.Store`.
+A factory is called as ``factory(scheme, storage_options, max_inflight=N, retry=policy)``
+and returns an object implementing :class:`~asyncbatch.stores.base.Store`; ``retry`` (a
+:class:`~asyncbatch.stores.retry.RetryPolicy`) is passed only to factories that accept it,
+so factories written before it existed keep working.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from types import MappingProxyType
@@ -21,6 +24,7 @@ import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
+from .retry import DEFAULT_POLICY, RetryPolicy
 
 StoreFactory = Callable[..., Store]
 
@@ -28,11 +32,14 @@ ENTRY_POINT_GROUP = "asyncbatch.stores"
 
 _BUILTIN: dict[str, str] = {
     "file": "asyncbatch.stores.local:local_store",
-    "s3": "asyncbatch.stores.fsspec_store:fsspec_store",
-    "s3a": "asyncbatch.stores.fsspec_store:fsspec_store",
-    "http": "asyncbatch.stores.fsspec_store:fsspec_store",
-    "https": "asyncbatch.stores.fsspec_store:fsspec_store",
+    "s3": "asyncbatch.stores.s3:s3_store",
+    "s3a": "asyncbatch.stores.s3:s3_store",
+    "http": "asyncbatch.stores.http:http_store",
+    "https": "asyncbatch.stores.http:http_store",
 }
+
+#: The extra that installs a built-in store's packages.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}
 
 _registry: dict[str, StoreFactory | str] = dict(_BUILTIN)
 _entry_points_loaded = False
@@ -68,12 +75,29 @@ def _load_entry_points() -> None:
         _registry.setdefault(entry.name.lower(), entry.value)
 
 
-def _resolve(target: StoreFactory | str) -> StoreFactory:
+def _resolve(scheme: str, target: StoreFactory | str) -> StoreFactory:
     if not isinstance(target, str):
         return target
     module, _, name = target.partition(":")
-    factory: StoreFactory = getattr(importlib.import_module(module), name)
+    try:
+        factory: StoreFactory = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        extra = f"; pip install 'asyncbatch[{_EXTRAS[scheme]}]'" if scheme in _EXTRAS else ""
+        raise ConfigError(f"the {scheme!r} store needs a package: {exc}{extra}") from exc
     return factory
+
+
+def _accepts_retry(factory: StoreFactory) -> bool:
+    """Whether ``factory`` takes the ``retry`` keyword (or any keyword)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: assume the old signature
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "retry" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )
 
 
 def store_factory(scheme: str) -> StoreFactory:
@@ -89,12 +113,20 @@ def store_factory(scheme: str) -> StoreFactory:
             " asyncbatch.register_store or the 'asyncbatch.stores' entry-point group",
             scheme,
         )
-    return _resolve(target)
+    return _resolve(scheme, target)
 
 
 def open_store(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, max_inflight: int = 64
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    max_inflight: int = 64,
+    retry: RetryPolicy | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop."""
     scheme = scheme_of(url)
-    return store_factory(scheme)(scheme, dict(storage_options or {}), max_inflight=max_inflight)
+    factory = store_factory(scheme)
+    options = dict(storage_options or {})
+    if _accepts_retry(factory):
+        return factory(scheme, options, max_inflight=max_inflight, retry=retry or DEFAULT_POLICY)
+    return factory(scheme, options, max_inflight=max_inflight)

@@ -1,0 +1,146 @@
+"""What a format gives the engine: a :class:`Source`, and how datasets of it are opened.
+
+A source maps sample ids to reads and turns the bytes read into fields. Most formats are a
+:class:`PlannedSource`: one read plan per group of batches, then a decode. A format whose
+later reads depend on earlier bytes (metadata streams: tokens, then the metadata index, then
+the metadata) overrides :meth:`Source.fetch` and reads as many plans as it needs.
+
+Sources are built per loader by :func:`make_source` from the datasets' ``manifest.format``;
+datasets are opened by :data:`OPENERS` (a manifest, or data users already have).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from ..batch import FieldSchema
+from ..errors import ConfigError
+from ..layout import ReadPlan
+
+if TYPE_CHECKING:
+    from ..dataset import Dataset
+    from ..stores.base import Store
+
+Int64Array = npt.NDArray[np.int64]
+#: Carries out a read plan; returns the ``plan.nbytes`` bytes it describes.
+ReadFn = Callable[[ReadPlan], Awaitable[npt.NDArray[np.uint8]]]
+#: Runs CPU-heavy work (a conversion touching every byte) off the event loop.
+Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Samples of one or several datasets (a mixture) of one format."""
+
+    datasets: Sequence[Dataset]
+    #: Every shard of every dataset, in order; plans name shards by index into this.
+    shard_urls: Sequence[str]
+    #: The dataset (so the store) each shard belongs to.
+    shard_dataset: Int64Array
+    #: Samples of each dataset; ids of dataset d start at the sum of those before it.
+    sizes: Int64Array
+    num_samples: int
+    schema: dict[str, FieldSchema]
+    #: Bytes one sample occupies in a batch, on average (sizes the prefetch and the groups).
+    sample_bytes: int
+
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        """Fields of samples ``ids``, in order; each value is sliced per batch along axis 0."""
+        ...
+
+
+class PlannedSource:
+    """A source whose samples come from one read plan and one decode."""
+
+    #: Whether decoding touches every byte (then it runs off the loop; numpy drops the GIL).
+    converts: bool = False
+
+    def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
+        """The reads that bring the bytes of samples ``ids``, packed in order."""
+        raise NotImplementedError
+
+    def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
+        """Fields of samples ``ids`` from the bytes ``plan`` described."""
+        raise NotImplementedError
+
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        buffer = await read(self.plan(ids, gap))
+        if self.converts:
+            fields: dict[str, Any] = await offload(lambda: self.decode(buffer, ids))
+            return fields
+        return self.decode(buffer, ids)
+
+
+class SourceFactory(Protocol):
+    def __call__(
+        self,
+        datasets: Sequence[Dataset],
+        *,
+        seq_len: int | None,
+        next_token: bool,
+        dtype: Any,
+        **options: Any,
+    ) -> Source: ...
+
+
+#: Source factories by ``manifest.format``; formats/__init__.py fills it.
+FORMATS: dict[str, SourceFactory] = {}
+
+
+def make_source(
+    datasets: Sequence[Dataset],
+    *,
+    seq_len: int | None,
+    next_token: bool = False,
+    dtype: Any = None,
+    options: Mapping[str, Any] | None = None,
+) -> Source:
+    """The source for ``datasets`` (all of one format), with format-specific ``options``."""
+    kinds = sorted({d.manifest.format for d in datasets})
+    if len(kinds) != 1:
+        urls = ", ".join(f"{d.url} ({d.manifest.format})" for d in datasets)
+        raise ConfigError(f"a mixture must be of one format, got {urls}")
+    factory = FORMATS.get(kinds[0])
+    if factory is None:
+        raise ConfigError(
+            f"{datasets[0].url} holds format {kinds[0]!r}, which this asyncbatch cannot read"
+            f" (known: {', '.join(sorted(FORMATS))})"
+        )
+    return factory(
+        datasets, seq_len=seq_len, next_token=next_token, dtype=dtype, **dict(options or {})
+    )
+
+
+@dataclass(frozen=True)
+class Opener:
+    """Opens datasets of one on-disk layout that has no asyncbatch manifest.
+
+    ``claims(url)`` decides from the URL alone (a ``.batch`` or ``.npy`` suffix); ``probe``,
+    when given, looks at the store (a ``.idx`` beside the URL) and is tried only when no
+    opener claims the URL and there is no manifest. ``open`` reads headers and index arrays,
+    never the data.
+    """
+
+    name: str
+    #: ``open(url, store, storage_options, options)``: ``options`` are ``open_dataset``'s
+    #: ``options=`` (e.g. the dtype of raw token files); unknown keys are a ConfigError.
+    open: Callable[[str, Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
+    claims: Callable[[str], bool] = lambda url: False
+    probe: Callable[[str, Store], Awaitable[bool]] | None = None
+
+
+#: Openers of data users already have, tried in order; formats/__init__.py fills it.
+OPENERS: list[Opener] = []
+
+#: After its manifest is read, a dataset of one of these formats reads its index arrays
+#: (document offsets, ...) into ``Dataset.arrays``: ``load(dataset, store) -> dataset``.
+INDEX_LOADERS: dict[str, Callable[[Dataset, Store], Awaitable[Dataset]]] = {}

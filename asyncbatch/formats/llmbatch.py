@@ -1,0 +1,465 @@
+"""LLMBATCH (ZeroBatch v2) files: pre-formed batches of fixed-length token records.
+
+The layout (docs/format.md, byte for byte): a 4096-byte little-endian header ::
+
+    offset size type  field
+    0      8    bytes magic "LLMBATCH"
+    8      4    u32   version (1)
+    12     4    u32   batch_size
+    16     4    u32   seq_len
+    20     8    u64   num_batches
+    28     4    u32   dtype (0 = uint32)
+    32     4    u32   seed (of the shuffle done while writing)
+    36     4    u32   total_records (before the remainder was dropped)
+    40     4056       zeros
+
+then ``num_batches`` slots of ``ceil(batch_size * seq_len * 4 / 4096) * 4096`` bytes, slot
+``b`` at ``4096 + b * slot_bytes``, each holding ``[batch_size, seq_len]`` tokens row-major
+and zero padding to the page.
+
+A sample is one *record* (``seq_len`` tokens): record ``r`` lives in slot ``r // batch_size``
+at row ``r % batch_size``, so the engine's index math, shuffles, ranks and resume states
+work unchanged. ``shuffle="block"`` defaults to blocks of the file's ``batch_size``: with a
+loader ``batch_size`` equal to it, each batch is one range read (rows of one slot, or of two
+neighbouring slots merged across the padding).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..batch import FieldSchema
+from ..dataset import Dataset
+from ..errors import ConfigError, FormatError
+from ..layout import ReadPlan, ShardMap
+from ..manifest import Manifest, ShardInfo
+from ..portal import run_sync
+from ..stores import open_store
+from ..stores.base import Store
+from .base import Opener, PlannedSource
+from .tokens import TOKENS_FIELD, _numpy_dtype
+
+FORMAT = "llmbatch"
+MAGIC = b"LLMBATCH"
+VERSION = 1
+HEADER_SIZE = 4096
+PAGE_SIZE = 4096
+#: The header fields before the reserved zeros, little-endian.
+_HEADER = struct.Struct("<8sIIIQIII")
+#: Token dtypes by header code; the layout defines only 0.
+DTYPES: dict[int, np.dtype[Any]] = {0: np.dtype("<u4")}
+_U32 = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LLMBatchHeader:
+    """The fields of an LLMBATCH header."""
+
+    batch_size: int
+    seq_len: int
+    num_batches: int
+    dtype_code: int = 0
+    seed: int = 0
+    total_records: int = 0
+    version: int = VERSION
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return DTYPES[self.dtype_code]
+
+    @property
+    def raw_batch_bytes(self) -> int:
+        return self.batch_size * self.seq_len * self.dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one batch slot: its tokens padded up to a whole page."""
+        return -(-self.raw_batch_bytes // PAGE_SIZE) * PAGE_SIZE
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.num_batches * self.slot_bytes
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes from the end of the header to the last token (the last slot's padding is
+        not needed to read it)."""
+        if not self.num_batches:
+            return 0
+        return (self.num_batches - 1) * self.slot_bytes + self.raw_batch_bytes
+
+    def pack(self) -> bytes:
+        """The 4096 header bytes."""
+        fields = _HEADER.pack(
+            MAGIC,
+            self.version,
+            self.batch_size,
+            self.seq_len,
+            self.num_batches,
+            self.dtype_code,
+            self.seed,
+            self.total_records,
+        )
+        return fields + bytes(HEADER_SIZE - len(fields))
+
+    @classmethod
+    def parse(cls, data: bytes, url: str, file_size: int) -> LLMBatchHeader:
+        """The header of the ``file_size``-byte file at ``url`` from its first bytes ``data``;
+        a FormatError naming the URL and the field for anything the layout does not allow."""
+        if file_size < HEADER_SIZE or len(data) < _HEADER.size:
+            raise FormatError(
+                f"{url}: {file_size} bytes, shorter than the {HEADER_SIZE}-byte LLMBATCH header"
+            )
+        magic, version, batch_size, seq_len, num_batches, code, seed, total = _HEADER.unpack_from(
+            data
+        )
+        if magic != MAGIC:
+            raise FormatError(f"{url}: magic is {magic!r}, not {MAGIC!r}: not an LLMBATCH file")
+        if version != VERSION:
+            raise FormatError(f"{url}: LLMBATCH version {version} is unknown (known: {VERSION})")
+        if code not in DTYPES:
+            known = ", ".join(f"{c} = {d}" for c, d in DTYPES.items())
+            raise FormatError(f"{url}: LLMBATCH dtype code {code} is unknown (known: {known})")
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if value < 1:
+                raise FormatError(f"{url}: LLMBATCH header field {name} is {value}, must be >= 1")
+        header = cls(batch_size, seq_len, num_batches, code, seed, total, version)
+        needed = HEADER_SIZE + header.data_bytes
+        if needed < file_size < header.file_size:
+            raise FormatError(
+                f"{url}: {file_size} bytes, between the {needed} the tokens need and the"
+                f" {header.file_size} of whole slots (num_batches={num_batches}, slot_bytes="
+                f"{header.slot_bytes}): the last slot is cut inside its padding"
+            )
+        if file_size < needed:
+            raise FormatError(
+                f"{url}: {file_size} bytes, shorter than the header claims: num_batches="
+                f"{num_batches} slots of {header.slot_bytes} bytes (batch_size={batch_size},"
+                f" seq_len={seq_len}) need {header.file_size} bytes"
+            )
+        if file_size > header.file_size:
+            raise FormatError(
+                f"{url}: {file_size} bytes, longer than the header claims: num_batches="
+                f"{num_batches} slots of {header.slot_bytes} bytes need {header.file_size} bytes"
+            )
+        return header
+
+    def metadata(self) -> dict[str, int]:
+        return {
+            "version": self.version,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "num_batches": self.num_batches,
+            "dtype_code": self.dtype_code,
+            "seed": self.seed,
+            "total_records": self.total_records,
+            "slot_bytes": self.slot_bytes,
+        }
+
+
+def llmbatch_dataset(
+    url: str,
+    header: LLMBatchHeader,
+    file_size: int,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Dataset:
+    """The dataset of the ``file_size``-byte LLMBATCH file at ``url``: one shard, its
+    elements (tokens, slot padding included) starting after the header and running to the
+    end of the file (so the object's size is checked as any shard's); the manifest lives in
+    memory only."""
+    root, name = _split(url)
+    nbytes = file_size - HEADER_SIZE
+    shard = ShardInfo(name, nbytes, nbytes // header.dtype.itemsize, HEADER_SIZE)
+    manifest = Manifest(FORMAT, header.dtype, (shard,), {FORMAT: header.metadata()})
+    return Dataset(root, manifest, dict(storage_options or {}))
+
+
+def _split(url: str) -> tuple[str, str]:
+    """``(folder, file name)`` of ``url``, the folder absolute for local paths."""
+    if "://" not in url:
+        url = os.path.abspath(url)
+    root, _, name = url.rpartition("/")
+    return root or "/", name
+
+
+def _header_of(dataset: Dataset) -> LLMBatchHeader:
+    fields = dataset.manifest.metadata.get(FORMAT)
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{dataset.url} ({dataset.manifest.format}) is not an LLMBATCH file")
+    return LLMBatchHeader(
+        batch_size=fields["batch_size"],
+        seq_len=fields["seq_len"],
+        num_batches=fields["num_batches"],
+        dtype_code=fields["dtype_code"],
+        seed=fields["seed"],
+        total_records=fields["total_records"],
+        version=fields["version"],
+    )
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def claims(url: str) -> bool:
+    """``.batch`` files (a query string after the name is allowed)."""
+    return url.split("?", 1)[0].endswith(".batch")
+
+
+async def open_llmbatch(
+    url: str, store: Store, storage_options: Mapping[str, Any], options: Mapping[str, Any]
+) -> Dataset:
+    """Open the LLMBATCH file at ``url``: its size and one read of the 4096-byte header."""
+    if options:
+        raise ConfigError(f"{url}: LLMBATCH files take no open options, got {sorted(options)}")
+    size = await store.size(url)
+    data = bytearray(min(size, HEADER_SIZE))
+    if size >= HEADER_SIZE:
+        await store.read_ranges(url, starts=[0], ends=[HEADER_SIZE], buffers=[memoryview(data)])
+    header = LLMBatchHeader.parse(bytes(data), url, size)
+    return llmbatch_dataset(url, header, size, storage_options)
+
+
+OPENER = Opener(FORMAT, open_llmbatch, claims)
+
+
+class LLMBatchRecords(PlannedSource):
+    """The records of one or several LLMBATCH files (a mixture), one sample each.
+
+    Field ``tokens``: ``[seq_len]`` per sample, the stored uint32 or converted to ``dtype``.
+    Ids of file ``d`` start after the records of the files before it.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        seq_len: int | None = None,
+        *,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+    ) -> None:
+        self.datasets: Sequence[Dataset] = list(datasets)
+        headers = [_header_of(d) for d in self.datasets]
+        first = headers[0]
+        for dataset, header in zip(self.datasets, headers, strict=True):
+            if seq_len is not None and header.seq_len != seq_len:
+                raise ConfigError(
+                    f"{dataset.shard_urls[0]}: seq_len={seq_len}, but the LLMBATCH file's"
+                    f" records hold {header.seq_len} tokens (leave seq_len=None to take the"
+                    " file's)"
+                )
+            if header.seq_len != first.seq_len or header.dtype != first.dtype:
+                raise ConfigError(
+                    f"{dataset.shard_urls[0]} holds records of {header.seq_len} {header.dtype}"
+                    f" tokens, not {first.seq_len} {first.dtype} as"
+                    f" {self.datasets[0].shard_urls[0]}"
+                )
+        self.seq_len = first.seq_len
+        self.stored_dtype = first.dtype
+        itemsize = first.dtype.itemsize
+        self.sizes = np.array([h.num_batches * h.batch_size for h in headers], dtype=np.int64)
+        self.num_samples = int(self.sizes.sum())
+        self._id_starts = np.cumsum(self.sizes) - self.sizes
+        self._batch = np.array([h.batch_size for h in headers], dtype=np.int64)
+        self._slot = np.array([h.slot_bytes // itemsize for h in headers], dtype=np.int64)
+        counts = np.array([d.manifest.shards[0].elements for d in self.datasets], dtype=np.int64)
+        self._element_base = np.cumsum(counts) - counts
+        self.shard_map = ShardMap(counts, itemsize, np.full(counts.size, HEADER_SIZE))
+        self.shard_urls: Sequence[str] = [d.shard_urls[0] for d in self.datasets]
+        self.shard_dataset = np.arange(len(self.datasets), dtype=np.int64)
+        #: ``shuffle="block"``'s default block: the files' batch size (if they share one).
+        self.default_block_size = first.batch_size if len(set(self._batch.tolist())) == 1 else None
+        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
+        out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
+        self.sample_bytes = self.seq_len * (itemsize + out_itemsize)
+        self.schema = {
+            TOKENS_FIELD: FieldSchema(
+                dtype=str(self.out_dtype or first.dtype), shape=(self.seq_len,)
+            )
+        }
+
+    def element_starts(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """First element of each record in the files' concatenated element stream."""
+        which = np.searchsorted(self._id_starts, ids, side="right") - 1
+        local = ids - self._id_starts[which]
+        batch = self._batch[which]
+        slot, row = np.divmod(local, batch)
+        starts: npt.NDArray[np.int64] = (
+            self._element_base[which] + slot * self._slot[which] + row * self.seq_len
+        )
+        return starts
+
+    def plan(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan:
+        return self.shard_map.plan(self.element_starts(ids), self.seq_len, gap)
+
+    def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
+        array = buffer.view(self.stored_dtype).reshape(ids.size, self.seq_len)
+        if self.out_dtype is not None and self.out_dtype != self.stored_dtype:
+            array = array.astype(self.out_dtype)
+        return {TOKENS_FIELD: torch.from_numpy(array)}
+
+
+def llmbatch_records(
+    datasets: Sequence[Dataset],
+    *,
+    seq_len: int | None,
+    next_token: bool,
+    dtype: Any,
+    **options: Any,
+) -> LLMBatchRecords:
+    """Source factory of the ``llmbatch`` format (no format options)."""
+    if options:
+        raise ConfigError(f"LLMBATCH files take no format_options, got {sorted(options)}")
+    if next_token:
+        raise ConfigError(
+            f"{datasets[0].shard_urls[0]}: LLMBATCH records are whole sequences;"
+            " next_token=True cannot read one token past them (shift the targets inside the"
+            " record instead)"
+        )
+    return LLMBatchRecords(datasets, seq_len, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _u32(name: str, value: Any, low: int = 0) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or not low <= value <= _U32
+    ):
+        raise ConfigError(f"{name} must be an integer in [{low}, {_U32}], got {value!r}")
+    return int(value)
+
+
+def _records(
+    tokens: npt.ArrayLike | Iterable[npt.ArrayLike], seq_len: int | None, dtype: np.dtype[Any]
+) -> tuple[npt.NDArray[Any], int]:
+    """All records as one ``[N, seq_len]`` array of ``dtype``, and ``seq_len``."""
+    from ..writer import _checked_cast
+
+    chunks: Iterable[npt.ArrayLike] = (
+        [tokens] if isinstance(tokens, np.ndarray) else tokens  # type: ignore[assignment]
+    )
+    parts: list[npt.NDArray[Any]] = []
+    for chunk in chunks:
+        array = np.asarray(chunk)
+        if array.ndim == 1:  # one record
+            array = array[None, :]
+        if array.ndim != 2:
+            raise ConfigError(
+                f"tokens must be [records, seq_len] arrays (or single records), got shape"
+                f" {array.shape}"
+            )
+        if seq_len is None:
+            seq_len = _u32("seq_len", int(array.shape[1]), 1)
+        if array.shape[1] != seq_len:
+            raise ConfigError(f"a record of {array.shape[1]} tokens, but seq_len={seq_len}")
+        parts.append(_checked_cast(array, dtype))
+    if seq_len is None:
+        raise ConfigError("no records given and no seq_len: pass seq_len= to write an empty file")
+    if not parts:
+        return np.empty((0, seq_len), dtype=dtype), seq_len
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)), seq_len
+
+
+def llmbatch_bytes(
+    tokens: npt.ArrayLike | Iterable[npt.ArrayLike],
+    *,
+    batch_size: int,
+    seq_len: int | None = None,
+    dtype: npt.DTypeLike = np.uint32,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> tuple[npt.NDArray[np.uint8], LLMBatchHeader]:
+    """The bytes of an LLMBATCH file of ``tokens``; see :func:`write_llmbatch`."""
+    batch_size = _u32("batch_size", batch_size, 1)
+    if seq_len is not None:
+        seq_len = _u32("seq_len", seq_len, 1)
+    seed = _u32("seed", seed)
+    try:
+        wanted = np.dtype(dtype)
+    except TypeError as exc:
+        raise ConfigError(f"dtype={dtype!r} is not a numpy dtype") from exc
+    codes = [code for code, stored in DTYPES.items() if stored == wanted.newbyteorder("<")]
+    if not codes:
+        known = ", ".join(f"{d}" for d in DTYPES.values())
+        raise ConfigError(f"dtype={dtype!r}: LLMBATCH stores tokens as {known}")
+    stored = DTYPES[codes[0]]
+    records, seq_len = _records(tokens, seq_len, stored)
+    total = _u32("the number of records (header field total_records)", int(records.shape[0]))
+    if shuffle:
+        records = records[np.random.default_rng(seed).permutation(total)]
+    header = LLMBatchHeader(batch_size, seq_len, total // batch_size, codes[0], seed, total)
+    out = np.zeros(header.file_size, dtype=np.uint8)
+    out[:HEADER_SIZE] = np.frombuffer(header.pack(), dtype=np.uint8)
+    slots = out[HEADER_SIZE:].reshape(header.num_batches, header.slot_bytes)
+    rows = slots[:, : header.raw_batch_bytes].view(stored)
+    rows[...] = records[: header.num_batches * batch_size].reshape(header.num_batches, -1)
+    return out, header
+
+
+async def write_llmbatch_async(
+    url: str,
+    tokens: npt.ArrayLike | Iterable[npt.ArrayLike],
+    *,
+    batch_size: int,
+    seq_len: int | None = None,
+    dtype: npt.DTypeLike = np.uint32,
+    seed: int = 0,
+    shuffle: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Dataset:
+    """Async form of :func:`write_llmbatch`, in the running loop."""
+    data, header = llmbatch_bytes(
+        tokens, batch_size=batch_size, seq_len=seq_len, dtype=dtype, seed=seed, shuffle=shuffle
+    )
+    options = dict(storage_options or {})
+    store = open_store(url, options)
+    try:
+        await store.write(url, memoryview(data))  # type: ignore[arg-type]
+    finally:
+        await store.close()
+    return llmbatch_dataset(url, header, header.file_size, options)
+
+
+def write_llmbatch(
+    url: str,
+    tokens: npt.ArrayLike | Iterable[npt.ArrayLike],
+    *,
+    batch_size: int,
+    seq_len: int | None = None,
+    dtype: npt.DTypeLike = np.uint32,
+    seed: int = 0,
+    shuffle: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Dataset:
+    """Write ``tokens`` (a ``[N, seq_len]`` array, or an iterable of such arrays or of
+    single records) as one LLMBATCH file at ``url`` (any store).
+
+    As the layout's own writer does: with ``shuffle`` the records are first put in the
+    order ``np.random.default_rng(seed).permutation(N)``; they are then cut into batches of
+    ``batch_size`` and the ``N % batch_size`` left over are dropped (``total_records`` in the
+    header still counts them). ``seed`` is recorded in the header either way. Tokens are
+    stored as uint32 (the only dtype the layout defines); values that do not fit are an
+    error. The whole file is built in memory, then written as one object.
+    """
+    return run_sync(
+        write_llmbatch_async(
+            url,
+            tokens,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            dtype=dtype,
+            seed=seed,
+            shuffle=shuffle,
+            storage_options=storage_options,
+        )
+    )

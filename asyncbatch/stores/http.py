@@ -1,0 +1,236 @@
+"""HTTP(S) store: byte ranges read with aiohttp, retried, length- and version-checked.
+
+fsspec's HTTP filesystem has no retries and no read timeout, accepts bodies that end early
+and returns the whole object when a server ignores ``Range``; this store reads ranges with
+aiohttp directly. One ``ClientSession`` per store, created lazily in the loop that reads;
+its connection pool holds ``max_inflight`` connections, exactly the requests the store lets
+run at once, so no request waits for a connection (or times out doing so). Objects are
+pinned to their ETag on first touch and later ranges send ``If-Match``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
+from .base import Buffer
+from .fsspec_store import FsspecStore
+from .ranged import (
+    REMOTE_COALESCE_GAP,
+    Pins,
+    Progress,
+    changed,
+    expected_length,
+    fail,
+    fill,
+    parse_retry_after,
+    run_all,
+    status_error,
+)
+from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+
+#: Bytes asked of the socket per read of a body.
+CHUNK = 1 << 20
+
+
+class HttpStore:
+    """Read-only store for ``http://`` and ``https://`` URLs.
+
+    ``storage_options``: ``headers`` (sent with every request). Listing (of a server's HTML
+    index pages) goes through fsspec's HTTP filesystem; writing is not supported.
+    """
+
+    coalesce_gap = REMOTE_COALESCE_GAP
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        max_inflight: int = 64,
+        retry: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        options = dict(storage_options or {})
+        self._headers = dict(options.pop("headers", None) or {})
+        if options:
+            raise ConfigError(
+                f"unknown storage_options for HTTP: {sorted(options)} (known: headers)"
+            )
+        self.max_inflight = max_inflight
+        self.retry = retry
+        self.pins = Pins()
+        self._session: aiohttp.ClientSession | None = None
+        self._limit: asyncio.Semaphore | None = None
+        self._lister: FsspecStore | None = None
+
+    def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        if self._session is None or self._limit is None:
+            connector = aiohttp.TCPConnector(limit=self.max_inflight, limit_per_host=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                # The connect phase only; headers and body are timed by this store.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
+                auto_decompress=False,
+                headers={**self._headers, "Accept-Encoding": "identity"},
+            )
+            self._limit = asyncio.Semaphore(self.max_inflight)
+        return self._session, self._limit
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        start: int | None = None,
+        end: int | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Send a request and wait for its headers; map the error statuses."""
+        session, _ = self._client()
+        wait = self.retry.connect_timeout + self.retry.first_byte_timeout
+        try:
+            async with asyncio.timeout(wait):
+                response = await session.request(method, url, headers=headers)
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise fail(
+                StoreTimeoutError,
+                f"no connection within {self.retry.connect_timeout:g} s",
+                url,
+                start,
+                end,
+            ) from exc
+        except TimeoutError as exc:
+            raise fail(
+                StoreTimeoutError, f"no response headers within {wait:g} s", url, start, end
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            detail = f"request failed: {type(exc).__name__}: {exc}"
+            raise fail(StoreError, detail, url, start, end, retryable=True) from exc
+        if response.status >= 400:
+            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            status, reason = response.status, response.reason or ""
+            response.release()
+            if status == 412:
+                raise changed(url, self.pins.get(url) or "?", await self._current_version(url))
+            raise status_error(status, reason, url, start, end, retry_after=retry_after)
+        return response
+
+    async def _current_version(self, url: str) -> str | None:
+        """The ETag the server reports now (for error messages; None if it cannot tell)."""
+        try:
+            session, _ = self._client()
+            async with asyncio.timeout(self.retry.first_byte_timeout):
+                async with session.head(url, allow_redirects=True) as response:
+                    return response.headers.get("ETag")
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
+    async def size(self, url: str) -> int:
+        """Size from a HEAD's ``Content-Length``; pins the object's ETag."""
+
+        async def attempt() -> int:
+            _, limit = self._client()
+            async with limit:
+                response = await self._request("HEAD", url, {})
+                response.release()
+            self.pins.check(url, response.headers.get("ETag"))
+            length = response.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise fail(StoreError, "size unknown: the server sent no Content-Length", url)
+            return int(length)
+
+        return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def list(self, url: str) -> list[str]:
+        """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""
+        if self._lister is None:
+            options = {"headers": self._headers} if self._headers else {}
+            self._lister = FsspecStore("http", options, max_inflight=self.max_inflight)
+        return await self._lister.list(url)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        await run_all(
+            self._read_range(url, start, end, buffer)
+            for start, end, buffer in zip(starts, ends, buffers, strict=True)
+            if end > start
+        )
+
+    async def _read_range(self, url: str, start: int, end: int, buffer: Buffer) -> None:
+        progress = Progress()
+
+        async def attempt() -> None:
+            _, limit = self._client()
+            async with limit:
+                await self._get(url, start, end, buffer, progress)
+
+        await with_retries(
+            self.retry,
+            attempt,
+            what=f"read of {describe_range(url, start, end)}",
+            url=url,
+            start=start,
+            end=end,
+        )
+
+    async def _get(
+        self, url: str, start: int, end: int, buffer: Buffer, progress: Progress
+    ) -> None:
+        """One GET of the range's missing tail ``[start + progress.got, end)``."""
+        first = start + progress.got
+        headers = {"Range": f"bytes={first}-{end - 1}"}
+        condition = self.pins.condition(url)
+        if condition is not None:
+            headers["If-Match"] = condition
+        response = await self._request("GET", url, headers, start, end)
+        try:
+            self.pins.check(url, response.headers.get("ETag"))
+            expected = expected_length(
+                url,
+                start,
+                end,
+                first,
+                response.status,
+                response.headers.get("Content-Range"),
+                response.content_length,
+            )
+            await fill(
+                lambda: response.content.read(CHUNK),
+                buffer,
+                progress,
+                expected,
+                self.retry.idle_timeout,
+                url,
+                start,
+                end,
+            )
+        finally:
+            if progress.got < end - start:
+                response.close()  # a body left unread: its connection cannot be reused
+            else:
+                response.release()
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        raise StoreError(f"cannot write {url}: the HTTP store is read-only", url)
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        lister, self._lister = self._lister, None
+        if session is not None:
+            await session.close()
+        if lister is not None:
+            await lister.close()
+
+
+def http_store(
+    scheme: str,
+    storage_options: Mapping[str, Any],
+    *,
+    max_inflight: int,
+    retry: RetryPolicy = DEFAULT_POLICY,
+) -> HttpStore:
+    """Registry factory: an :class:`HttpStore` (needs ``pip install 'asyncbatch[http]'``)."""
+    return HttpStore(storage_options, max_inflight=max_inflight, retry=retry)

@@ -1,0 +1,290 @@
+"""What every remote range read checks, whatever the client: status, range, version, length.
+
+A range completes only with exactly the bytes asked for: a 206 whose ``Content-Range``
+matches, or a 200 when the whole object was asked for. A server that ignores ``Range``
+gets one :class:`~asyncbatch.errors.RangeNotSupportedError`, never retried. Each object is
+pinned to the version (ETag) the store first saw; a later response with another version,
+or a 412 to an ``If-Match``, is a :class:`~asyncbatch.errors.ShardChangedError`. Bodies are
+read into the caller's buffer in chunks, each under the idle timeout; one that breaks off
+keeps the bytes received, so the next attempt asks only for the missing tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import (
+    NotFoundError,
+    PermissionDeniedError,
+    RangeNotSupportedError,
+    ShardChangedError,
+    ShortReadError,
+    StoreError,
+    StoreTimeoutError,
+    ThrottledError,
+    describe_range,
+)
+from .base import Buffer
+
+#: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
+#: request costs about RTT / in-flight ≈ 10 ms / 64 ≈ 150 µs ≈ 150 KB at 1 GB/s: merging
+#: across larger gaps moves more bytes than the request it saves.
+REMOTE_COALESCE_GAP = 128 * 1024
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def fail(
+    cls: type[StoreError],
+    detail: str,
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    *,
+    retryable: bool | None = None,
+    retry_after: float | None = None,
+) -> StoreError:
+    """An error of type ``cls`` whose message is ``detail`` and where it happened.
+
+    ``detail`` alone is kept as ``error.detail`` for the list of attempts; ``retryable``
+    overrides what the error's type says about retrying.
+    """
+    where = url if start is None or end is None else describe_range(url, start, end)
+    error = cls(f"{detail}: {where}", url, start, end)
+    error.detail = detail  # type: ignore[attr-defined]
+    if retryable is not None:
+        error.retryable = retryable  # type: ignore[attr-defined]
+    if retry_after is not None and isinstance(error, ThrottledError):
+        error.retry_after = retry_after
+    return error
+
+
+def status_error(
+    status: int,
+    reason: str,
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    *,
+    retry_after: float | None = None,
+) -> StoreError:
+    """The typed error for an HTTP error status (S3's too: they are the same codes)."""
+    detail = f"HTTP {status} {reason}".rstrip()
+    if status == 404:
+        return fail(NotFoundError, f"not found ({detail})", url, start, end)
+    if status in (401, 403):
+        return fail(PermissionDeniedError, f"permission denied ({detail})", url, start, end)
+    if status in (429, 503) or "SlowDown" in reason:
+        return fail(ThrottledError, detail, url, start, end, retry_after=retry_after)
+    if status == 416:
+        return fail(ShortReadError, f"range past the end of the object ({detail})", url, start, end)
+    return fail(StoreError, detail, url, start, end, retryable=status >= 500)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (the HTTP-date form is ignored)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def expected_length(
+    url: str,
+    start: int,
+    end: int,
+    first: int,
+    status: int,
+    content_range: str | None,
+    content_length: int | None,
+) -> int:
+    """Bytes the body must hold for a request of ``[first, end)`` (part of ``[start, end)``).
+
+    Raises :class:`RangeNotSupportedError` for a server that ignored the range or answered
+    another one, and :class:`ShortReadError` when the object ends before ``end``.
+    """
+    asked = f"bytes {first}-{end - 1}"
+    if status == 200:
+        if first == 0 and content_length in (None, end):
+            return end
+        raise fail(
+            RangeNotSupportedError,
+            f"the server ignored Range: it answered 200 with {content_length} bytes to a"
+            f" request for {asked}",
+            url,
+            start,
+            end,
+        )
+    match = _CONTENT_RANGE.match((content_range or "").strip())
+    if status != 206 or match is None:
+        raise fail(
+            RangeNotSupportedError,
+            f"asked {asked}, the server answered {status} with Content-Range {content_range!r}",
+            url,
+            start,
+            end,
+        )
+    low, high, total = int(match.group(1)), int(match.group(2)), match.group(3)
+    if low == first and high < end - 1 and total != "*" and int(total) == high + 1:
+        raise fail(
+            ShortReadError,
+            f"the object has only {total} bytes, {end - int(total)} fewer than the range needs",
+            url,
+            start,
+            end,
+        )
+    if low != first or high != end - 1:
+        raise fail(
+            RangeNotSupportedError,
+            f"asked {asked}, the server sent bytes {low}-{high}",
+            url,
+            start,
+            end,
+        )
+    if content_length is not None and content_length != end - first:
+        raise fail(
+            RangeNotSupportedError,
+            f"Content-Range {content_range!r} with Content-Length {content_length}",
+            url,
+            start,
+            end,
+        )
+    return end - first
+
+
+class Pins:
+    """The version (ETag) each object had when the store first touched it."""
+
+    def __init__(self) -> None:
+        self._versions: dict[str, str] = {}
+
+    def get(self, url: str) -> str | None:
+        return self._versions.get(url)
+
+    def condition(self, url: str) -> str | None:
+        """The ``If-Match`` value for ``url``: its strong ETag, if pinned (weak ones never
+        match with If-Match, so they are only compared afterwards)."""
+        version = self._versions.get(url)
+        return version if version is not None and not version.startswith("W/") else None
+
+    def check(self, url: str, version: str | None) -> None:
+        """Pin ``url`` at ``version`` if not yet pinned, else require the same version."""
+        if not version:
+            return
+        pinned = self._versions.setdefault(url, version)
+        if pinned != version:
+            raise changed(url, pinned, version)
+
+    def forget(self, url: str) -> None:
+        """Drop the pin (the store itself wrote the object)."""
+        self._versions.pop(url, None)
+
+
+def changed(url: str, pinned: str, now: str | None) -> ShardChangedError:
+    """The error for an object that no longer has its pinned version."""
+    error = fail(
+        ShardChangedError,
+        f"the object changed since it was pinned: ETag {pinned} when first read,"
+        f" {now or 'another version'} now",
+        url,
+    )
+    assert isinstance(error, ShardChangedError)
+    return error
+
+
+async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
+    """Await every read; on the first failure cancel the others, wait for them, and raise it
+    (unlike ``asyncio.gather``, which leaves them running against a buffer nobody wants)."""
+    tasks = [asyncio.ensure_future(read) for read in reads]
+    if not tasks:
+        return
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        error = task.exception() if task in done and not task.cancelled() else None
+        if error is not None:
+            raise error
+
+
+@dataclass
+class Progress:
+    """Bytes of one range received so far, kept across attempts."""
+
+    got: int = 0
+
+
+async def fill(
+    read: Callable[[], Awaitable[bytes]],
+    buffer: Buffer,
+    progress: Progress,
+    expected: int,
+    idle_timeout: float,
+    url: str,
+    start: int,
+    end: int,
+) -> None:
+    """Read a body into ``buffer[progress.got:]`` until ``expected`` more bytes arrived.
+
+    ``read()`` returns the next chunk, ``b""`` at the end. A pause longer than
+    ``idle_timeout`` is a :class:`StoreTimeoutError`; a body that ends early or breaks off is
+    a retryable :class:`ShortReadError`; more bytes than expected, a
+    :class:`RangeNotSupportedError`.
+    """
+    stop = progress.got + expected
+    total = end - start
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout):
+                chunk = await read()
+        except TimeoutError as exc:
+            raise fail(
+                StoreTimeoutError,
+                f"stalled: no bytes for {idle_timeout:g} s after {progress.got} of {total}",
+                url,
+                start,
+                end,
+            ) from exc
+        except StoreError:
+            raise
+        except Exception as exc:  # aiohttp, botocore: the connection broke mid-body
+            if progress.got == stop:
+                break  # every byte asked for arrived; only the end of the body was lost
+            raise fail(
+                ShortReadError,
+                f"body broke off after {progress.got} of {total} bytes ({type(exc).__name__})",
+                url,
+                start,
+                end,
+                retryable=True,
+            ) from exc
+        if not chunk:
+            break
+        if progress.got + len(chunk) > stop:
+            raise fail(
+                RangeNotSupportedError,
+                f"the server sent more than the {expected} bytes asked for",
+                url,
+                start,
+                end,
+            )
+        buffer[progress.got : progress.got + len(chunk)] = chunk
+        progress.got += len(chunk)
+    if progress.got < stop:
+        raise fail(
+            ShortReadError,
+            f"body ended after {progress.got} of {total} bytes",
+            url,
+            start,
+            end,
+            retryable=True,
+        )

@@ -1,0 +1,239 @@
+"""S3 store: s3fs for credentials, endpoint, listing and writes; reads our own.
+
+Ranges and sizes go straight to the aiobotocore client's ``get_object`` / ``head_object``
+with botocore's retries off (one attempt per call) and s3fs's ``_call_s3`` retries
+bypassed, so the store's :class:`~asyncbatch.stores.retry.RetryPolicy` is the only retry
+layer: a persistent 503 costs exactly ``max_attempts`` GETs. Each key is pinned to its ETag
+on first touch and later ranges send ``IfMatch``; every response's ``ContentRange`` is
+checked against the range asked. botocore and aiohttp errors are mapped to typed errors
+naming the key and range; none escapes raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
+from .base import Buffer
+from .fsspec_store import FsspecStore
+from .ranged import (
+    Pins,
+    Progress,
+    changed,
+    expected_length,
+    fail,
+    fill,
+    parse_retry_after,
+    run_all,
+    status_error,
+)
+from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+
+#: Bytes asked of the socket per read of a body.
+CHUNK = 1 << 20
+
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
+_NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion"}
+
+
+class _Changed(Exception):
+    """A 412 to an ``IfMatch``: turned into ShardChangedError once the new ETag is known."""
+
+
+class S3Store(FsspecStore):
+    """Store for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
+
+    def __init__(
+        self,
+        protocol: str,
+        storage_options: Mapping[str, Any],
+        *,
+        max_inflight: int = 64,
+        retry: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        options = dict(storage_options)
+        config = dict(options.get("config_kwargs") or {})
+        # aiobotocore pools 10 connections by default: as many as we keep in flight.
+        config.setdefault("max_pool_connections", max_inflight)
+        config.setdefault("connect_timeout", retry.connect_timeout)
+        # A backstop: this store times headers and body pauses itself.
+        config.setdefault("read_timeout", max(retry.first_byte_timeout, retry.idle_timeout))
+        config["retries"] = {"total_max_attempts": 1, "mode": "standard"}
+        options["config_kwargs"] = config
+        super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
+        self.pins = Pins()
+
+    async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
+        fs = await self._filesystem()
+        assert self._limit is not None
+        return await fs.set_session(), self._limit, fs
+
+    def _error(
+        self, exc: BaseException, url: str, start: int | None, end: int | None
+    ) -> BaseException:
+        """The typed error for anything botocore or aiohttp raised."""
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError
+
+        if isinstance(exc, ClientError):
+            meta = exc.response.get("ResponseMetadata", {})
+            status = int(meta.get("HTTPStatusCode") or 0)
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if status == 412 or code == "PreconditionFailed":
+                return _Changed()
+            if code in _NOT_FOUND:
+                status = 404
+            elif code in _THROTTLED:
+                status = 503
+            retry_after = (meta.get("HTTPHeaders") or {}).get("retry-after")
+            return status_error(
+                status, code, url, start, end, retry_after=parse_retry_after(retry_after)
+            )
+        if isinstance(exc, ConnectTimeoutError):
+            detail = f"no connection within {self.retry.connect_timeout:g} s"
+            return fail(StoreTimeoutError, detail, url, start, end)
+        if isinstance(exc, TimeoutError):  # botocore's read timeout is one too
+            return fail(StoreTimeoutError, f"timed out: {exc}", url, start, end)
+        if isinstance(exc, BotoCoreError | aiohttp.ClientError | OSError):
+            detail = f"request failed: {type(exc).__name__}: {exc}"
+            return fail(StoreError, detail, url, start, end, retryable=True)
+        return fail(StoreError, f"request failed: {type(exc).__name__}: {exc}", url, start, end)
+
+    async def _call_client(
+        self, method: str, url: str, start: int | None, end: int | None, **kwargs: Any
+    ) -> Any:
+        """``client.method(**kwargs)`` under the first-byte timeout; errors mapped."""
+        client, _, _ = await self._client()
+        wait = self.retry.connect_timeout + self.retry.first_byte_timeout
+        try:
+            async with asyncio.timeout(wait):
+                return await getattr(client, method)(**kwargs)
+        except TimeoutError as exc:
+            detail = f"no response headers within {wait:g} s"
+            raise fail(StoreTimeoutError, detail, url, start, end) from exc
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = self._error(exc, url, start, end)
+            if isinstance(error, _Changed):
+                now = await self._current_version(url)
+                raise changed(url, self.pins.get(url) or "?", now) from exc
+            raise error from exc
+
+    async def _current_version(self, url: str) -> str | None:
+        """The key's ETag now (for error messages; None if it cannot tell)."""
+        client, _, fs = await self._client()
+        bucket, key, version = fs.split_path(url)
+        try:
+            async with asyncio.timeout(self.retry.first_byte_timeout):
+                head = await client.head_object(Bucket=bucket, Key=key)
+        except Exception:  # noqa: BLE001 - only decorates an error being raised
+            return None
+        etag = head.get("ETag")
+        return str(etag) if etag else None
+
+    def _where(self, fs: Any, url: str) -> dict[str, Any]:
+        bucket, key, version = fs.split_path(url)
+        where = {"Bucket": bucket, "Key": key}
+        if version:
+            where["VersionId"] = version
+        return where
+
+    async def size(self, url: str) -> int:
+        """Size from a HEAD; pins the key's ETag."""
+
+        async def attempt() -> int:
+            _, limit, fs = await self._client()
+            async with limit:
+                head = await self._call_client(
+                    "head_object", url, None, None, **self._where(fs, url)
+                )
+            self.pins.check(url, head.get("ETag"))
+            return int(head["ContentLength"])
+
+        return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        await run_all(
+            self._read_range(url, start, end, buffer)
+            for start, end, buffer in zip(starts, ends, buffers, strict=True)
+            if end > start
+        )
+
+    async def _read_range(self, url: str, start: int, end: int, buffer: Buffer) -> None:
+        progress = Progress()
+
+        async def attempt() -> None:
+            _, limit, fs = await self._client()
+            async with limit:
+                await self._get(fs, url, start, end, buffer, progress)
+
+        await with_retries(
+            self.retry,
+            attempt,
+            what=f"read of {describe_range(url, start, end)}",
+            url=url,
+            start=start,
+            end=end,
+        )
+
+    async def _get(
+        self, fs: Any, url: str, start: int, end: int, buffer: Buffer, progress: Progress
+    ) -> None:
+        """One GET of the range's missing tail ``[start + progress.got, end)``."""
+        first = start + progress.got
+        kwargs = self._where(fs, url)
+        kwargs["Range"] = f"bytes={first}-{end - 1}"
+        condition = self.pins.condition(url)
+        if condition is not None:
+            kwargs["IfMatch"] = condition
+        response = await self._call_client("get_object", url, start, end, **kwargs)
+        body = response["Body"]
+        try:
+            self.pins.check(url, response.get("ETag"))
+            expected = expected_length(
+                url,
+                start,
+                end,
+                first,
+                int(response["ResponseMetadata"]["HTTPStatusCode"]),
+                response.get("ContentRange"),
+                response.get("ContentLength"),
+            )
+            await fill(
+                lambda: body.read(CHUNK),
+                buffer,
+                progress,
+                expected,
+                self.retry.idle_timeout,
+                url,
+                start,
+                end,
+            )
+        finally:
+            body.close()
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        await super().write(url, data)
+        self.pins.forget(url)
+
+
+def s3_store(
+    scheme: str,
+    storage_options: Mapping[str, Any],
+    *,
+    max_inflight: int,
+    retry: RetryPolicy = DEFAULT_POLICY,
+) -> S3Store:
+    """Registry factory: an :class:`S3Store` (needs ``pip install 'asyncbatch[s3]'``)."""
+    try:
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        msg = f"the {scheme!r} store needs a package: {exc}; pip install 'asyncbatch[s3]'"
+        raise ConfigError(msg) from exc
+    return S3Store(scheme, storage_options, max_inflight=max_inflight, retry=retry)
