@@ -369,7 +369,9 @@ def test_thousands_of_shards_under_a_low_descriptor_limit(many_shards: str) -> N
     assert "lru_error" not in result, result["lru_error"]
     lru = result["lru"]
     assert lru["seen"] == 3000 * 32 // 24 // 16 * 16
-    assert lru["peak"] <= lru["before"] + 128 + 8  # the LRU's 128, and a few of the loop's
+    # The LRU's 128, one being opened per pool thread (8), and the loop's epoll and wake-up
+    # socket pair.
+    assert lru["peak"] <= lru["before"] + 128 + 8 + 3
     assert lru["after"] == lru["before"]
     # Without the cap the same read runs out of descriptors: a clear error, not a hang.
     assert "Too many open files" in result["no_lru_error"]
