@@ -12,6 +12,7 @@ The layers, from the bytes up::
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
     handoff     the bounded queue between the engine and its consumer
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
+    lifecycle   loader threads across interpreter exit and fork()
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
     integrity   checksums (xxh3-64) and verify=off|size|block|full
     writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect | verify``

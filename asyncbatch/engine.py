@@ -93,6 +93,7 @@ class Engine:
         :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
         tasks: set[asyncio.Task[bool]] = set()
         stores: list[Store] = []
+        final: Final | None = None
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
@@ -153,19 +154,26 @@ class Engine:
                 done += max(0, per_epoch - first_batch)
                 epoch, first_batch = epoch + 1, 0
             if previous is None or await previous:
-                queue.put(Final())
-        except asyncio.CancelledError:
+                final = Final()
+        except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
             raise
         except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
-            queue.put(Final(exc))
+            final = Final(exc)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for store in stores:
-                await store.close()
+                try:
+                    await store.close()
+                except Exception as exc:  # a failed close still ends the run, with its error
+                    if final is not None and final.error is None:
+                        final = Final(exc)
             if decoder is not None:
                 decoder.shutdown(wait=True)
+            # The terminal item goes last, so a consumer that sees it finds everything closed.
+            if final is not None:
+                queue.put(final)
 
     async def _deliver(
         self,
@@ -178,16 +186,27 @@ class Engine:
         queue: BatchQueue,
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
+        held = [0]  # bytes counted in the queue for this group until its batches are put
         try:
-            items: list[Batch | Final] = list(
-                await self._read_group(reader, decoder, gap, epoch, batches)
-            )
-        except Exception as exc:
-            items = [Final(exc)]
-        if previous is not None and not await previous:
-            return False
-        queue.put_many(items)
-        return not isinstance(items[-1], Final)
+            try:
+                items: list[Batch | Final] = list(
+                    await self._read_group(reader, decoder, gap, epoch, batches, queue, held)
+                )
+            except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
+                queue.add_bytes(-held[0])
+                held[0] = 0
+                items = [Final(exc)]
+            if previous is not None and not await previous:
+                return False
+            # The queue counts the batches' own bytes from here, in place of what was held.
+            queue.put_many(items, release=held[0])
+            held[0] = 0
+            return not isinstance(items[-1], Final)
+        finally:
+            if held[0]:
+                queue.add_bytes(-held[0])
 
     async def _read_group(
         self,
@@ -196,7 +215,10 @@ class Engine:
         gap: int,
         epoch: int,
         batches: range,
+        queue: BatchQueue,
+        held: list[int],
     ) -> list[Batch]:
+        """The group's batches; counts the bytes it holds in ``queue`` and ``held[0]``."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
         lengths = [order.batch_length(b) for b in batches]
@@ -210,7 +232,15 @@ class Engine:
                 return work()
             return await asyncio.get_running_loop().run_in_executor(decoder, work)
 
-        fields = await self.source.fetch(ids, reader.read_plan, gap, offload)
+        async def read(plan: ReadPlan) -> npt.NDArray[np.uint8]:
+            # A group holds its buffers, and their scratch while they are read.
+            scratch = scratch_bytes(plan)
+            _hold(queue, held, plan.nbytes + scratch)
+            buffer = await reader.read_plan(plan)
+            _hold(queue, held, -scratch)
+            return buffer
+
+        fields = await self.source.fetch(ids, read, gap, offload)
         schema = self.source.schema
         out = []
         start = 0
@@ -226,6 +256,17 @@ class Engine:
             )
             start = stop
         return out
+
+
+def _hold(queue: BatchQueue, held: list[int], nbytes: int) -> None:
+    queue.add_bytes(nbytes)
+    held[0] += nbytes
+
+
+def scratch_bytes(plan: ReadPlan) -> int:
+    """Bytes of the scratch area for ``plan``'s merged reads that cannot land in place."""
+    indirect = plan.read_dest < 0
+    return int((plan.read_end - plan.read_start)[indirect].sum())
 
 
 class Reader:
@@ -250,31 +291,42 @@ class Reader:
     async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
         """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
 
-        Reads that land in place go straight to their offset in one buffer; merged reads whose
-        pieces cannot (overlapping windows, gaps) land in a scratch area after it, and their
-        pieces are copied into place. With ``verify="block"`` every read is widened to whole
-        checksum blocks instead, and no byte is copied out before its block checked.
+        Reads that land in place go straight to their offset in the buffer; merged reads whose
+        pieces cannot (overlapping windows, gaps) land in a separate scratch buffer, freed on
+        return, and their pieces are copied into place, so the batches of a group keep only
+        their own bytes alive, never the scratch. With ``verify="block"`` every read is widened
+        to whole checksum blocks instead, and no byte is copied out before its block checked.
         """
         checks = self.checks
         if checks is not None and checks.level != "off":
             await self._check_shards(plan.read_shard)
             if checks.level == "block":
                 return await self._read_blocks(plan)
-        sizes = plan.read_end - plan.read_start
+        shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
+        buffer = np.empty(plan.nbytes, dtype=np.uint8)
         indirect = plan.read_dest < 0
-        scratch_sizes = np.where(indirect, sizes, 0)
-        scratch_at = plan.nbytes + np.cumsum(scratch_sizes) - scratch_sizes
-        dest_offsets = np.where(indirect, scratch_at, plan.read_dest)
-        buffer = np.empty(plan.nbytes + int(scratch_sizes.sum()), dtype=np.uint8)
-        await self._read_all(plan.read_shard, plan.read_start, plan.read_end, buffer, dest_offsets)
+        if not indirect.any():
+            await self._read_all(shards, starts, ends, buffer, plan.read_dest)
+            return buffer
+        sizes = np.where(indirect, ends - starts, 0)
+        scratch_at = np.cumsum(sizes) - sizes
+        scratch = np.empty(int(sizes.sum()), dtype=np.uint8)
+        i, d = np.flatnonzero(indirect), np.flatnonzero(~indirect)
+        to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
+        if d.size:
+            to_buffer = self._read_all(shards[d], starts[d], ends[d], buffer, plan.read_dest[d])
+            await asyncio.gather(to_buffer, to_scratch)
+        else:
+            await to_scratch
         if plan.piece_read.size:
-            view = memoryview(buffer)  # type: ignore[arg-type]
+            into = memoryview(buffer)  # type: ignore[arg-type]
+            source = memoryview(scratch)  # type: ignore[arg-type]
             sources = scratch_at[plan.piece_read] + plan.piece_src
             for src, dest, length in zip(
                 sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
             ):
-                view[dest : dest + length] = view[src : src + length]
-        return buffer[: plan.nbytes]
+                into[dest : dest + length] = source[src : src + length]
+        return buffer
 
     async def _read_all(
         self,

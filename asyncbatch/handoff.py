@@ -2,6 +2,8 @@
 
 Capacity counts batches from the moment the engine starts reading them until the consumer
 takes them, so memory stays bounded by ``prefetch`` batches whatever the consumer's speed.
+The queue also counts bytes: the buffers of groups being read (with their scratch) and of
+batches ready, so the bound can be checked in bytes as well (``peak_bytes``).
 The engine side is async and never blocks its loop; the consumer side is either a plain
 thread (:meth:`get`, waiting in short slices so Ctrl-C gets through) or a coroutine in the
 engine's own loop (:meth:`aget`). Threads are only woken when the other side is waiting.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,10 @@ class QueueStatistics:
     ready: int
     #: The most batches ever reserved at once; never more than ``capacity``.
     peak_reserved: int
+    #: Bytes held now: buffers being read or decoded (with their scratch), and batches ready.
+    bytes: int = 0
+    #: The most bytes ever held at once.
+    peak_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,8 @@ class BatchQueue:
         self._not_empty = threading.Condition(self._lock)
         self._reserved = 0
         self._peak = 0
+        self._bytes = 0
+        self._peak_bytes = 0
         self._space_waiter: asyncio.Future[None] | None = None
         self._space_wanted = 0  # slots the waiting producer needs
         self._item_waiter: asyncio.Future[None] | None = None
@@ -65,14 +73,32 @@ class BatchQueue:
                 self._space_wanted = count
             await waiter
 
+    def add_bytes(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, if negative) bytes held by the engine (engine side).
+
+        Bytes of a group being read are counted here; once the group's batches are put, the
+        same bytes belong to them and leave the count as the consumer takes each one.
+        """
+        with self._lock:
+            self._bytes += nbytes
+            self._peak_bytes = max(self._peak_bytes, self._bytes)
+
     def put(self, item: Any) -> None:
         """Append a batch (holding a reserved slot) or a :class:`Final` (engine side)."""
         self.put_many((item,))
 
-    def put_many(self, items: Iterable[Any]) -> None:
-        """Append several items at once, waking the consumer once (engine side)."""
+    def put_many(self, items: Iterable[Any], release: int = 0) -> None:
+        """Append several items at once, waking the consumer once (engine side).
+
+        The batches' bytes are counted from now on, and ``release`` bytes the engine counted
+        while reading them (:meth:`add_bytes`) no longer are.
+        """
+        items = list(items)
+        nbytes = sum(item_bytes(item) for item in items) - release
         with self._lock:
             self._items.extend(items)
+            self._bytes += nbytes
+            self._peak_bytes = max(self._peak_bytes, self._bytes)
             self._not_empty.notify()
             waiter, self._item_waiter = self._item_waiter, None
         if waiter is not None and not waiter.done():
@@ -83,6 +109,7 @@ class BatchQueue:
         item = self._items.popleft()
         if not isinstance(item, Final):
             self._reserved -= 1
+            self._bytes -= item_bytes(item)
         # Wake the producer only once it can take the whole group it waits for.
         waiter = self._space_waiter
         if waiter is not None and self._reserved + self._space_wanted <= self.capacity:
@@ -118,7 +145,30 @@ class BatchQueue:
     def statistics(self) -> QueueStatistics:
         with self._lock:
             ready = sum(1 for item in self._items if not isinstance(item, Final))
-            return QueueStatistics(self.capacity, self._reserved, ready, self._peak)
+            return QueueStatistics(
+                self.capacity, self._reserved, ready, self._peak, self._bytes, self._peak_bytes
+            )
+
+
+def item_bytes(item: Any) -> int:
+    """Bytes of a batch's fields; 0 for anything that is not a batch."""
+    fields = getattr(item, "fields", None)
+    return fields_bytes(fields) if isinstance(fields, Mapping) else 0
+
+
+def fields_bytes(fields: Mapping[str, Any]) -> int:
+    """Bytes of decoded fields: arrays and tensors count their ``nbytes``, a jagged column
+    its values and offsets, anything else nothing."""
+    return sum(_value_bytes(value) for value in fields.values())
+
+
+def _value_bytes(value: Any) -> int:
+    if value is None:
+        return 0
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    return sum(_value_bytes(getattr(value, part, None)) for part in ("values", "offsets"))
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

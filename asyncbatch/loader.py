@@ -9,6 +9,10 @@ loader is one epoch, each with its own order.
 ``state_dict()`` names the position after the last batch *handed to the caller*, never one
 merely prefetched, so resuming from it delivers exactly the batches an uninterrupted run
 would have delivered next.
+
+Lifecycle (docs/reliability.md): Ctrl-C in ``next()`` stops the engine and keeps the
+position; a loader left running is closed at interpreter exit; after ``fork()`` the child
+starts its own engine; a loader pickles as its arguments and position.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Self
 import numpy.typing as npt
 import torch
 
+from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
@@ -48,6 +53,9 @@ STATE_VERSION = 2
 #: or two shuffle windows' worth with ``shuffle="block"``).
 PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
+#: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
+#: goes on stopping by itself; interpreter exit joins it).
+INTERRUPT_JOIN_TIMEOUT = 0.5
 #: With ``shuffle="block"``: the default block holds this many bytes of samples, and a
 #: window this many blocks.
 BLOCK_BYTES = 2**20
@@ -159,7 +167,9 @@ class _LoaderBase:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
-        if coalesce_gap is not None and (not isinstance(coalesce_gap, int) or coalesce_gap < 0):
+        if coalesce_gap is not None and (
+            isinstance(coalesce_gap, bool) or not isinstance(coalesce_gap, int) or coalesce_gap < 0
+        ):
             raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
         if not isinstance(dataset, Dataset | Mixture | str):
             raise ConfigError(f"dataset must be a Dataset, a Mixture or a URL, got {dataset!r}")
@@ -356,6 +366,13 @@ class _LoaderBase:
             raise TypeError("len() is known once the dataset is open")
         return self._engine.order.batches_per_epoch
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as its arguments and position, never its thread, loop or stores (spawn)."""
+        dataset = self._data if self._data is not None else self._dataset_arg
+        args = getattr(self, "_args", {})
+        state = (self._epoch, self._position, self._closed)
+        return (_restore, (type(self), dataset, args, state))
+
     def _check_open(self) -> None:
         if self._closed:
             raise LoaderClosedError(f"{type(self).__name__} used after close()")
@@ -367,6 +384,17 @@ class _LoaderBase:
         raise NotImplementedError
 
 
+def _restore(
+    cls: type[_LoaderBase],
+    dataset: Dataset | Mixture | str,
+    args: dict[str, Any],
+    state: tuple[int, int, bool],
+) -> _LoaderBase:
+    loader = cls(dataset, **args)
+    loader._epoch, loader._position, loader._closed = state
+    return loader
+
+
 class Loader(_LoaderBase):
     """Synchronous, stateful batch iterator; the engine runs on its own background thread.
 
@@ -375,6 +403,7 @@ class Loader(_LoaderBase):
 
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        self._args = dict(kwargs)
         if isinstance(dataset, str):
             dataset = open_dataset(dataset, self.storage_options, retry=self.retry)
         self._build(dataset)
@@ -394,7 +423,14 @@ class Loader(_LoaderBase):
             self._start()
         assert self._queue is not None
         assert self._thread is not None
-        batch = self._take(self._queue.get(self._thread.is_alive))
+        try:
+            item = self._queue.get(self._thread.is_alive)
+        except BaseException:
+            # Ctrl-C, or an engine thread that died: stop the engine. The position is still
+            # after the last batch handed over, so a later next() goes on from there.
+            self._discard_run(INTERRUPT_JOIN_TIMEOUT)
+            raise
+        batch = self._take(item)
         if batch is None:
             raise StopIteration
         return batch
@@ -411,16 +447,22 @@ class Loader(_LoaderBase):
         )
         self._loop, self._queue, self._task, self._thread = loop, queue, task, thread
         thread.start()
+        lifecycle.track(self)
 
-    def _discard_run(self) -> None:
-        loop, task, thread = self._loop, self._task, self._thread
+    def _discard_run(self, timeout: float | None = None) -> None:
+        """Stop the run: cancel its task and wait (up to ``timeout``) for its thread."""
+        loop, task, thread, pid = self._loop, self._task, self._thread, self._pid
         self._forget_run()
-        if thread is None or self._pid != os.getpid():
+        if thread is None or pid != os.getpid():  # the thread stayed in the parent process
             return
+        lifecycle.untrack(self)
         if loop is not None and task is not None:
             with contextlib.suppress(RuntimeError):  # the loop already finished and closed
                 loop.call_soon_threadsafe(task.cancel)
-        thread.join()
+        if thread is threading.current_thread():  # garbage collected on its own thread
+            return
+        lifecycle.stopping(thread)  # in case the join below times out or is interrupted
+        thread.join(timeout)
 
     def _run_finished(self) -> None:
         self._discard_run()  # the run put its Final item; the thread is exiting
@@ -428,6 +470,14 @@ class Loader(_LoaderBase):
     def _forget_run(self) -> None:
         self._loop = self._queue = self._task = self._thread = None
         self._pid = os.getpid()
+
+    def _forget_after_fork(self) -> list[object]:
+        kept: list[object] = [self._loop, self._queue, self._task, self._thread]
+        self._forget_run()
+        return kept
+
+    def _close_at_exit(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the engine and release its thread, tasks and files; idempotent."""
@@ -443,13 +493,16 @@ class Loader(_LoaderBase):
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None and not self._closed:
+        if getattr(self, "_thread", None) is None or self._closed:
+            return
+        try:
             warnings.warn(
                 f"unclosed {self!r}: use 'with Loader(...)' or call close()",
                 ResourceWarning,
                 stacklevel=2,
                 source=self,
             )
+        finally:  # also when warnings are errors
             self.close()
 
     def __repr__(self) -> str:
@@ -479,6 +532,7 @@ class AsyncLoader(_LoaderBase):
 
     def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
+        self._args = dict(kwargs)
         if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
@@ -519,9 +573,11 @@ class AsyncLoader(_LoaderBase):
         if task is not None and not task.done():
             task.cancel()
             self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     def _run_finished(self) -> None:
-        self._task = self._queue = None
+        # A failed group ends the run while the engine may still wait for queue space.
+        self._discard_run()
 
     async def aclose(self) -> None:
         """Stop the engine task and wait until its stores are closed; idempotent."""
@@ -534,6 +590,22 @@ class AsyncLoader(_LoaderBase):
 
     async def __aenter__(self) -> Self:
         return await self.open()
+
+    def __del__(self) -> None:
+        task = getattr(self, "_task", None)
+        if task is None or task.done() or self._closed:
+            return
+        try:
+            warnings.warn(
+                f"unclosed {type(self).__name__}: use 'async with AsyncLoader(...)'"
+                " or await aclose()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+        finally:  # the engine task stops; its loop (asyncio.run) waits for it at the end
+            with contextlib.suppress(RuntimeError):  # that loop is already closed
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

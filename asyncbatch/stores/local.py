@@ -181,6 +181,24 @@ class LocalStore:
         dest: npt.NDArray[np.uint8],
         dest_offsets: Int64Array,
     ) -> None:
+        # Each job holds at most its share of max_open_files at once (reads of one file are
+        # neighbours, so runs of one file are counted): thousands of shards in one group
+        # stay under a low descriptor limit.
+        runs = np.cumsum(np.r_[True, which[1:] != which[:-1]]) - 1
+        chunk = runs // max(1, self._max_open_files // self._threads)
+        cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), int(which.size)]
+        for a, b in itertools.pairwise(cuts):
+            self._read_chunk(urls, which[a:b], starts[a:b], ends[a:b], dest, dest_offsets[a:b])
+
+    def _read_chunk(
+        self,
+        urls: Sequence[str],
+        which: Int64Array,
+        starts: Int64Array,
+        ends: Int64Array,
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: Int64Array,
+    ) -> None:
         used = np.unique(which).tolist()
         held: list[str] = []
         try:

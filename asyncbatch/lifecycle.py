@@ -1,0 +1,79 @@
+"""Loader threads across process events: interpreter exit and ``fork()``.
+
+A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs.
+
+- At interpreter exit every loader still running is closed (its tasks cancelled, its stores
+  closed, its thread joined), so a script that never called ``close()`` still ends without
+  "Task was destroyed" or "Unclosed client session" noise. Threads a loader gave up waiting
+  for (after Ctrl-C) are joined too, for a bounded time.
+- In a child made by ``fork()`` the engine threads do not exist: each running loader forgets
+  its run, so that its next ``next()`` starts a new one in the child, and interpreter exit in
+  the child leaves the parent's run alone. The parent's loop, task and queue stay referenced,
+  unused, so that none of them is finalized in the child (a pending task or an unclosed loop
+  would complain about, or close, what belongs to the parent).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import weakref
+from typing import Protocol
+
+#: How long interpreter exit waits for each thread a loader stopped waiting for.
+EXIT_JOIN_TIMEOUT = 2.0
+
+
+class Running(Protocol):
+    """What a running loader offers this module."""
+
+    def _close_at_exit(self) -> None: ...
+
+    def _forget_after_fork(self) -> list[object]:
+        """Drop the run (its thread is not in this process); return its live objects."""
+        ...
+
+
+_running: weakref.WeakSet[Running] = weakref.WeakSet()
+#: Threads being stopped; weak, so the ones that finished and nobody holds drop out.
+_stragglers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: Runs inherited from the parent process: kept, never used (see the module docstring).
+_orphans: list[object] = []
+
+
+def track(loader: Running) -> None:
+    """``loader`` has a running engine thread."""
+    _running.add(loader)
+
+
+def untrack(loader: Running) -> None:
+    """``loader``'s engine thread is stopping or gone."""
+    _running.discard(loader)
+
+
+def stopping(thread: threading.Thread) -> None:
+    """An engine thread asked to stop: joined (bounded) at exit if it is still running."""
+    _stragglers.add(thread)
+
+
+def _at_exit() -> None:
+    for loader in list(_running):
+        with contextlib.suppress(Exception):  # one failing close must not keep the rest open
+            loader._close_at_exit()
+    for thread in list(_stragglers):
+        thread.join(EXIT_JOIN_TIMEOUT)
+    _stragglers.clear()
+
+
+def _after_fork_in_child() -> None:
+    # Only this thread exists now: no lock is needed (and one held at fork time would hang).
+    for loader in list(_running):
+        _orphans.extend(loader._forget_after_fork())
+    _running.clear()
+    _stragglers.clear()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
