@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
@@ -89,6 +90,12 @@ class RangeHTTPServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A loader closed mid-epoch drops its connections: not an error of the server's.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 @contextlib.contextmanager
