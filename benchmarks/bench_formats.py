@@ -15,10 +15,13 @@ baseline of the same round.
 
 Data: ``--size-mb`` of uint16 tokens (random below 50257) cut into documents of geometric
 lengths (mean ``--mean-doc`` tokens), written with ``ab.write_tokens`` and
-``ab.write_documents`` (shards of 64 MiB) to ``~/.cache/asyncbatch/bench-formats-<size>m``
-(reused), or with ``--s3`` to a fresh s3rver on 127.0.0.1 (see benchmarks/s3rver.py).
+``ab.write_documents`` (shards of 64 MiB), and as an LLMBATCH file, a metadata stream
+(``numpy`` codec), ``.npy`` files and a Megatron ``.bin``/``.idx`` (``--formats`` picks),
+to ``~/.cache/asyncbatch/bench-formats-<size>m`` (reused), or with ``--s3`` to a fresh
+s3rver on 127.0.0.1 (see benchmarks/s3rver.py).
 
 Usage: ``.venv/bin/python benchmarks/bench_formats.py [--size-mb 256] [--rounds 5] [--s3]``
+``[--formats tokens documents llmbatch metadata npy megatron]``
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,12 +44,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from common import git_revision, paired_ratio, positive
+from common import REPO, git_revision, paired_ratio, positive
 
 import asyncbatch as ab
 from asyncbatch.batch import Jagged
 from asyncbatch.engine import Engine, Reader
 from asyncbatch.layout import ReadPlan
+from asyncbatch.portal import run_sync
+from asyncbatch.stores.registry import open_store
+
+sys.path.insert(0, str(REPO / "tests"))
+from make_megatron import write_megatron  # noqa: E402
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16
@@ -114,15 +124,41 @@ def document_lengths(total: int, mean: int, seed: int = SEED) -> npt.NDArray[np.
     return out[out > 0]
 
 
-def open_or_write(place: Place, name: str, write: Callable[[str], object]) -> ab.Dataset:
-    """The dataset ``name`` at ``place``, written first unless a local copy is there."""
+def open_or_write(
+    place: Place, name: str, write: Callable[[str], object], last: str = "/manifest.json"
+) -> ab.Dataset:
+    """The dataset ``name`` at ``place``, written first unless a local copy is there (its
+    URL plus ``last``, the file written last, exists)."""
     url = place.url(name)
-    if not (place.local and (Path(url) / "manifest.json").exists()):
+    if not (place.local and Path(url + last).exists()):
         start = time.perf_counter()
         print(f"  writing {url}", file=sys.stderr, end="", flush=True)
         write(url)
         print(f" ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return ab.open_dataset(url, place.options)
+
+
+def put(url: str, data: bytes, options: dict[str, Any]) -> None:
+    """Write one object (a local file: written, then renamed into place)."""
+
+    async def write() -> None:
+        store = open_store(url, options)
+        try:
+            await store.write(url, data)
+        finally:
+            await store.close()
+
+    run_sync(write())
+
+
+def documents_of(
+    tokens: npt.NDArray[np.uint16], args: argparse.Namespace
+) -> tuple[npt.NDArray[np.int64], Iterator[npt.NDArray[np.uint16]]]:
+    """The documents' start offsets (and the end), and the documents, of the token stream."""
+    lengths = document_lengths(tokens.size, args.mean_doc)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pairs = zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    return offsets, (tokens[start:stop] for start, stop in pairs)
 
 
 def tokens_delivered(batch: ab.Batch) -> int:
@@ -156,18 +192,11 @@ def documents_cases(
 ) -> list[Case]:
     """Documents: packed windows (as the baseline's, plus boundaries), and documents as
     jagged samples (a batch of about as many tokens) with the global and block shuffles."""
-    lengths = document_lengths(tokens.size, args.mean_doc)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-
-    def documents() -> Iterator[npt.NDArray[np.uint16]]:
-        for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-            yield tokens[start:stop]
-
     dataset = open_or_write(
         place,
         f"documents-mean{args.mean_doc}",
         lambda url: ab.write_documents(
-            url, documents(), shard_size=SHARD_SIZE, storage_options=place.options
+            url, documents_of(tokens, args)[1], shard_size=SHARD_SIZE, storage_options=place.options
         ),
     )
     per_batch = max(1, BATCH_SIZE * SEQ_LEN // args.mean_doc)
@@ -197,10 +226,113 @@ def documents_cases(
     ]
 
 
+def llmbatch_cases(
+    place: Place, tokens: npt.NDArray[np.uint16], args: argparse.Namespace
+) -> list[Case]:
+    """One LLMBATCH file of the baseline's windows in stream order (stored uint32, twice the
+    bytes; batch 16), with the global shuffle and the block recipe (``shuffle="block"``, the
+    file's default block: one file batch)."""
+    records = tokens.size // SEQ_LEN // BATCH_SIZE * BATCH_SIZE
+    dataset = open_or_write(
+        place,
+        "llmbatch.batch",
+        lambda url: ab.write_llmbatch(
+            url,
+            tokens[: records * SEQ_LEN].reshape(records, SEQ_LEN),
+            batch_size=BATCH_SIZE,
+            shuffle=False,
+            storage_options=place.options,
+        ),
+        last="",
+    )
+    return [
+        Case(
+            "llmbatch global",
+            lambda: ab.Loader(dataset, batch_size=BATCH_SIZE, shuffle=True, seed=SEED),
+        ),
+        Case(
+            "llmbatch block",
+            lambda: ab.Loader(dataset, batch_size=BATCH_SIZE, shuffle="block", seed=SEED),
+        ),
+    ]
+
+
+def metadata_cases(
+    place: Place, tokens: npt.NDArray[np.uint16], args: argparse.Namespace
+) -> list[Case]:
+    """A metadata stream (u2 tokens, u4 ids; a document's start offset per document, numpy
+    codec) in the baseline's windows, its metadata reads combined (the default) and not."""
+    offsets = documents_of(tokens, args)[0]
+    meta_ids = np.repeat(np.arange(offsets.size - 1, dtype=np.uint32), np.diff(offsets))
+    dataset = open_or_write(
+        place,
+        f"metadata-numpy-mean{args.mean_doc}",
+        lambda url: ab.write_metadata_stream(
+            url,
+            tokens=tokens,
+            meta_ids=meta_ids,
+            values=offsets[:-1].tolist(),
+            codec="numpy",
+            codec_options={"dtype": "<i8"},
+            token_dtype="<u2",
+            shard_size=SHARD_SIZE,
+            storage_options=place.options,
+        ),
+    )
+    common = dict(batch_size=BATCH_SIZE, seq_len=SEQ_LEN, shuffle=True, seed=SEED)
+    return [
+        Case("metadata numpy", lambda: ab.Loader(dataset, **common)),
+        Case(
+            "metadata numpy, per span",
+            lambda: ab.Loader(dataset, format_options={"combine": False}, **common),
+        ),
+    ]
+
+
+def npy_cases(place: Place, tokens: npt.NDArray[np.uint16], args: argparse.Namespace) -> list[Case]:
+    """``.npy`` files of the baseline's shard size in one folder, read in place."""
+    parts = np.array_split(tokens, -(-tokens.nbytes // SHARD_SIZE))
+
+    def write(url: str) -> None:
+        for i, part in enumerate(parts):
+            buffer = io.BytesIO()
+            np.save(buffer, part)
+            put(f"{url}/part-{i:03d}.npy", buffer.getvalue(), place.options)
+
+    dataset = open_or_write(place, "npy", write, last=f"/part-{len(parts) - 1:03d}.npy")
+    common = dict(batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=SEED)
+    return [Case(".npy", lambda: ab.Loader(dataset, shuffle=True, **common))]
+
+
+def megatron_cases(
+    place: Place, tokens: npt.NDArray[np.uint16], args: argparse.Namespace
+) -> list[Case]:
+    """A Megatron-LM ``prefix.bin``/``.idx`` of the documents (one sequence each, as
+    tests/make_megatron.py writes it), opened as documents and packed into ``seq_len``."""
+
+    def write(url: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="bench-formats-") as folder:
+            write_megatron(Path(folder) / "m", [[doc] for doc in documents_of(tokens, args)[1]])
+            for suffix in (".bin", ".idx"):
+                put(url + suffix, (Path(folder) / f"m{suffix}").read_bytes(), place.options)
+
+    dataset = open_or_write(place, f"megatron-mean{args.mean_doc}/m", write, last=".idx")
+    return [
+        Case(
+            "megatron packed",
+            lambda: ab.Loader(dataset, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=SEED),
+        )
+    ]
+
+
 #: Formats measured, in order; the first is the baseline of the ratios.
 FORMATS: dict[str, Callable[[Place, npt.NDArray[np.uint16], argparse.Namespace], list[Case]]] = {
     "tokens": tokens_cases,
     "documents": documents_cases,
+    "llmbatch": llmbatch_cases,
+    "metadata": metadata_cases,
+    "npy": npy_cases,
+    "megatron": megatron_cases,
 }
 
 
