@@ -8,7 +8,8 @@ server at the end, error or not. With ``seq_len`` 2048, batch 16, global shuffle
 
 * ``loader``: ``ab.Loader`` reading the first ``--batches`` batches of epoch 0, timed from
   constructing the Loader to the last batch in hand. Its range requests (and the bytes they
-  return) are counted where they reach s3fs, by wrapping ``S3FileSystem._cat_file``: the
+  return) are counted at the aiobotocore client (``AioBaseClient._make_api_call``), which
+  both the Loader's store and s3fs call, as are its HEADs (sizes, ``verify="size"``): the
   Loader merges neighbouring windows closer than its store's coalescing gap into one
   request, so requests <= windows, and its prefetching requests count when they complete
   within the timed interval;
@@ -48,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 import s3fs
 import torch
+from aiobotocore.client import AioBaseClient
 from common import git_revision, paired_ratio, positive
 from s3rver import (
     BUCKET,
@@ -91,38 +93,50 @@ class Ranges:
 
 @dataclass(frozen=True)
 class Sample:
-    """One measurement: seconds, range requests completed, bytes those requests returned."""
+    """One measurement: seconds, range requests completed, bytes those requests returned,
+    HEAD requests."""
 
     seconds: float
     requests: int
     fetched: int
+    heads: int = 0
 
 
 class RequestLog:
-    """Counts the s3fs range requests of this process by wrapping ``S3FileSystem._cat_file``.
+    """Counts this process's S3 range GETs and HEADs at the aiobotocore client.
 
-    Counting at the s3fs call keeps the figures true whatever the Loader's read planning
-    does; ``recording`` (when set) also collects the ranges, in order of completion.
+    Wraps ``AioBaseClient._make_api_call``, which every S3 request goes through, whether it
+    comes from s3fs (``_cat_file``) or from the Loader's store (which calls the client's
+    ``get_object`` / ``head_object`` itself), so the figures stay true whatever the Loader's
+    read planning or store does. A GET counts when its response headers arrive, with the
+    ``ContentLength`` it announces; ``recording`` (when set) also collects the ranges, in
+    that order.
     """
 
     def __init__(self) -> None:
         self.count = 0
         self.nbytes = 0
+        self.heads = 0
         self.recording: Ranges | None = None
-        original = s3fs.S3FileSystem._cat_file
+        original = AioBaseClient._make_api_call
 
-        async def counted(fs: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
-            data: bytes = await original(fs, path, *args, **kwargs)
-            self.count += 1
-            self.nbytes += len(data)
-            recording = self.recording
-            if recording is not None and kwargs.get("start") is not None:
-                recording.paths.append(path)
-                recording.starts.append(kwargs["start"])
-                recording.ends.append(kwargs["end"])
-            return data
+        async def counted(client: Any, operation: str, params: dict[str, Any]) -> Any:
+            response = await original(client, operation, params)
+            if operation == "HeadObject":
+                self.heads += 1
+            elif operation == "GetObject":
+                self.count += 1
+                self.nbytes += int(response.get("ContentLength") or 0)
+                recording = self.recording
+                spec = params.get("Range")
+                if recording is not None and spec:
+                    first, last = spec.removeprefix("bytes=").split("-")
+                    recording.paths.append(f"{params['Bucket']}/{params['Key']}")
+                    recording.starts.append(int(first))
+                    recording.ends.append(int(last) + 1)
+            return response
 
-        s3fs.S3FileSystem._cat_file = counted
+        AioBaseClient._make_api_call = counted  # type: ignore[method-assign]
 
 
 def window_ranges(dataset: ab.Dataset, ids: npt.NDArray[np.int64]) -> Ranges:
@@ -171,12 +185,17 @@ def time_loader(
 
     With ``reference``, the last batch must hold exactly those rows (bytes).
     """
-    count, nbytes = log.count, log.nbytes
+    count, nbytes, heads = log.count, log.nbytes, log.heads
     start = time.perf_counter()
     with make_loader(dataset, inflight, gap) as loader:
         for done, batch in enumerate(loader, 1):
             if done == batches:
-                sample = Sample(time.perf_counter() - start, log.count - count, log.nbytes - nbytes)
+                sample = Sample(
+                    time.perf_counter() - start,
+                    log.count - count,
+                    log.nbytes - nbytes,
+                    log.heads - heads,
+                )
                 if reference is not None:
                     tokens: torch.Tensor = batch["tokens"]
                     if [row.numpy().tobytes() for row in tokens] != reference:
@@ -291,7 +310,8 @@ def run(endpoint: str, args: argparse.Namespace, log: RequestLog) -> None:
     loader_requests = recording.head(first_run.requests)
     print(
         f"  Loader (coalescing gap {coalesce_gap(url, options) // 1024} KiB):"
-        f" {first_run.requests} range requests completed by batch {batches}"
+        f" {first_run.requests} range requests and {first_run.heads} HEADs completed by batch"
+        f" {batches}"
         f" ({windows} windows), {first_run.fetched / payload:.2f}x the window bytes"
         + (", last batch checked against s3fs" if reference is not None else "")
     )
