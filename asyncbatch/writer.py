@@ -9,6 +9,7 @@ records each shard's xxh3-64 checksum and, unless ``checksum_block=None``, one p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from .manifest import MANIFEST_NAME, Manifest, ShardInfo
 from .portal import run_sync
 from .progress import Progress
 from .stores import open_store
+from .stores.base import Store
 
 DEFAULT_SHARD_SIZE = 256 * 2**20
 
@@ -47,18 +49,8 @@ def _checked_cast(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[
     return array.astype(dtype)
 
 
-async def write_tokens_async(
-    url: str,
-    tokens: npt.ArrayLike | Iterable[npt.ArrayLike],
-    *,
-    dtype: npt.DTypeLike | None = None,
-    shard_size: int = DEFAULT_SHARD_SIZE,
-    storage_options: Mapping[str, Any] | None = None,
-    max_concurrency: int = 4,
-    progress: Progress | None = None,
-    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
-) -> Dataset:
-    """Async form of :func:`write_tokens`, in the running loop."""
+def check_write_args(shard_size: Any, max_concurrency: Any, checksum_block: Any) -> None:
+    """ConfigError naming the first bad writer argument."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     if max_concurrency < 1:
@@ -71,83 +63,134 @@ async def write_tokens_async(
         raise ConfigError(
             f"checksum_block must be a positive number of bytes or None, got {checksum_block!r}"
         )
+
+
+class ShardWriter:
+    """Cuts a stream of 1-D arrays into shards of ``shard_size`` bytes and writes them, a
+    bounded number at once, each with its checksums; used as ``async with``.
+
+    After an error, shards in flight finish rather than being cancelled midway; cancelling
+    the writer cancels them.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        root: str,
+        *,
+        dtype: npt.DTypeLike | None,
+        shard_size: int,
+        max_concurrency: int,
+        checksum_block: int | None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.store, self.root = store, root
+        self.dtype: np.dtype[Any] | None = np.dtype(dtype) if dtype is not None else None
+        self.shard_size = shard_size
+        self.checksum_block = checksum_block
+        self.progress = progress
+        self.shards: list[ShardInfo] = []
+        self._writes: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._buffer: npt.NDArray[Any] | None = None
+        self._fill = 0
+
+    async def add(self, array: npt.NDArray[Any]) -> None:
+        """Append the elements of ``array`` (cast to the dataset's dtype, checked)."""
+        if self.dtype is None:
+            self.dtype = array.dtype
+        array = _checked_cast(array.reshape(-1), self.dtype)
+        per_shard = max(1, self.shard_size // self.dtype.itemsize)
+        while array.size:
+            if self._buffer is None:
+                self._buffer, self._fill = np.empty(per_shard, dtype=self.dtype), 0
+            take = min(per_shard - self._fill, array.size)
+            self._buffer[self._fill : self._fill + take] = array[:take]
+            self._fill += take
+            array = array[take:]
+            if self._fill == per_shard:
+                await self._flush(self._buffer)
+                self._buffer = None
+        for done in [t for t in self._writes if t.done()]:
+            self._writes.discard(done)
+            done.result()
+
+    async def finish(self) -> tuple[ShardInfo, ...]:
+        """Write the last partial shard, wait for every shard; the shards written."""
+        if self._buffer is not None and self._fill:
+            await self._flush(self._buffer[: self._fill])
+        self._buffer = None
+        await asyncio.gather(*self._writes)
+        return tuple(self.shards)
+
+    async def _flush(self, data: npt.NDArray[Any]) -> None:
+        self.shards.append(ShardInfo(f"shard-{len(self.shards):05d}.bin", data.nbytes, data.size))
+        await self._slots.acquire()  # bounds the shard buffers held in memory
+        self._writes.add(asyncio.create_task(self._write(len(self.shards) - 1, data)))
+
+    async def _write(self, index: int, data: npt.NDArray[Any]) -> None:
+        try:
+            raw = memoryview(data.view(np.uint8))  # type: ignore[arg-type]
+            checksum, blocks = await asyncio.to_thread(_checksums, raw, self.checksum_block)
+            shard = self.shards[index]
+            await self.store.write(join_url(self.root, shard.path), raw)
+            self.shards[index] = dataclasses.replace(
+                shard, checksum=checksum, block_checksums=blocks
+            )
+            if self.progress is not None:
+                self.progress.update(data.nbytes)
+        finally:
+            self._slots.release()
+
+    async def __aenter__(self) -> ShardWriter:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None and issubclass(kind, asyncio.CancelledError):
+            for task in self._writes:
+                task.cancel()
+        await asyncio.gather(*self._writes, return_exceptions=True)
+
+
+async def write_tokens_async(
+    url: str,
+    tokens: npt.ArrayLike | Iterable[npt.ArrayLike],
+    *,
+    dtype: npt.DTypeLike | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    storage_options: Mapping[str, Any] | None = None,
+    max_concurrency: int = 4,
+    progress: Progress | None = None,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
+) -> Dataset:
+    """Async form of :func:`write_tokens`, in the running loop."""
+    check_write_args(shard_size, max_concurrency, checksum_block)
     root = url.rstrip("/")
     options = dict(storage_options or {})
     chunks: Iterable[npt.ArrayLike] = (
         [tokens] if isinstance(tokens, np.ndarray) else tokens  # type: ignore[assignment]
     )
-    target = np.dtype(dtype) if dtype is not None else None
     store = open_store(root, options, max_inflight=max_concurrency)
-    shards: list[ShardInfo] = []
-    checksums: dict[int, tuple[int, bytes | None]] = {}
-    writes: set[asyncio.Task[None]] = set()
-    slots = asyncio.Semaphore(max_concurrency)
-
-    async def write_shard(index: int, name: str, data: npt.NDArray[Any]) -> None:
-        try:
-            raw = memoryview(data.view(np.uint8))  # type: ignore[arg-type]
-            checksums[index] = await asyncio.to_thread(_checksums, raw, checksum_block)
-            await store.write(join_url(root, name), raw)
-            if progress is not None:
-                progress.update(data.nbytes)
-        finally:
-            slots.release()
-
-    async def flush(data: npt.NDArray[Any]) -> None:
-        name = f"shard-{len(shards):05d}.bin"
-        shards.append(ShardInfo(name, data.nbytes, int(data.size)))
-        await slots.acquire()  # bounds the shard buffers held in memory
-        task = asyncio.create_task(write_shard(len(shards) - 1, name, data))
-        writes.add(task)
-
     try:
-        buffer: npt.NDArray[Any] | None = None
-        fill = 0
-        for chunk in chunks:
-            array = np.asarray(chunk)
-            if target is None:
-                target = array.dtype
-            array = _checked_cast(array.reshape(-1), target)
-            per_shard = max(1, shard_size // target.itemsize)
-            while array.size:
-                if buffer is None:
-                    buffer, fill = np.empty(per_shard, dtype=target), 0
-                take = min(per_shard - fill, array.size)
-                buffer[fill : fill + take] = array[:take]
-                fill += take
-                array = array[take:]
-                if fill == per_shard:
-                    await flush(buffer)
-                    buffer = None
-            for done in [t for t in writes if t.done()]:
-                writes.discard(done)
-                done.result()
-        if buffer is not None and fill:
-            await flush(buffer[:fill])
-        await asyncio.gather(*writes)
-        if target is None:
+        async with ShardWriter(
+            store,
+            root,
+            dtype=dtype,
+            shard_size=shard_size,
+            max_concurrency=max_concurrency,
+            checksum_block=checksum_block,
+            progress=progress,
+        ) as shards:
+            for chunk in chunks:
+                await shards.add(np.asarray(chunk))
+            written = await shards.finish()
+        if shards.dtype is None:
             raise ConfigError("no tokens given and no dtype: pass dtype= to write an empty dataset")
         manifest = Manifest(
-            "tokens",
-            target,
-            tuple(
-                ShardInfo(
-                    s.path,
-                    s.nbytes,
-                    s.elements,
-                    checksum=checksums[i][0],
-                    block_checksums=checksums[i][1],
-                )
-                for i, s in enumerate(shards)
-            ),
-            checksum=ALGORITHM,
-            checksum_block=checksum_block,
+            "tokens", shards.dtype, written, checksum=ALGORITHM, checksum_block=checksum_block
         )
         await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
     finally:
-        for task in writes:
-            task.cancel()
-        await asyncio.gather(*writes, return_exceptions=True)
         await store.close()
     return Dataset(root, manifest, options)
 

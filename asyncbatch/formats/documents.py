@@ -25,7 +25,6 @@ numbers their samples.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,10 +38,10 @@ from ..dataset import Dataset, join_url, read_object
 from ..errors import ConfigError, ManifestError, NotFoundError
 from ..integrity import ALGORITHM, DEFAULT_CHECKSUM_BLOCK
 from ..layout import ReadPlan, ShardMap
-from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
+from ..manifest import MANIFEST_NAME, Manifest
 from ..portal import run_sync
 from ..stores import open_store
-from ..writer import DEFAULT_SHARD_SIZE, _checked_cast, _checksums
+from ..writer import DEFAULT_SHARD_SIZE, ShardWriter, check_write_args
 from .base import PlannedSource, Source
 from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
 
@@ -480,75 +479,34 @@ async def write_documents_async(
     checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
 ) -> Dataset:
     """Async form of :func:`write_documents`, in the running loop."""
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
-    if max_concurrency < 1:
-        raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
-    if checksum_block is not None and (
-        isinstance(checksum_block, bool)
-        or not isinstance(checksum_block, int)
-        or checksum_block < 1
-    ):
-        raise ConfigError(
-            f"checksum_block must be a positive number of bytes or None, got {checksum_block!r}"
-        )
+    check_write_args(shard_size, max_concurrency, checksum_block)
     if isinstance(documents, np.ndarray) and documents.ndim < 2:
         raise ConfigError(
             f"documents must be an iterable of 1-D arrays, got one array of shape {documents.shape}"
         )
     root = url.rstrip("/")
     options = dict(storage_options or {})
-    target = np.dtype(dtype) if dtype is not None else None
     store = open_store(root, options, max_inflight=max_concurrency)
-    shards: list[ShardInfo] = []
     lengths: list[int] = []
-    writes: set[asyncio.Task[None]] = set()
-    slots = asyncio.Semaphore(max_concurrency)
-
-    async def write_shard(index: int, data: npt.NDArray[Any]) -> None:
-        try:
-            raw = memoryview(data.view(np.uint8))  # type: ignore[arg-type]
-            checksum, blocks = await asyncio.to_thread(_checksums, raw, checksum_block)
-            shard = shards[index]
-            await store.write(join_url(root, shard.path), raw)
-            shards[index] = dataclasses.replace(shard, checksum=checksum, block_checksums=blocks)
-        finally:
-            slots.release()
-
-    async def flush(data: npt.NDArray[Any]) -> None:
-        shards.append(ShardInfo(f"shard-{len(shards):05d}.bin", data.nbytes, int(data.size)))
-        await slots.acquire()  # bounds the shard buffers held in memory
-        task = asyncio.create_task(write_shard(len(shards) - 1, data))
-        writes.add(task)
-
     try:
-        buffer: npt.NDArray[Any] | None = None
-        fill = 0
-        for number, document in enumerate(documents):
-            array = np.asarray(document)
-            if array.ndim != 1:
-                raise ConfigError(f"document {number} has shape {array.shape}; documents are 1-D")
-            if target is None:
-                target = array.dtype
-            array = _checked_cast(array, target)
-            lengths.append(array.size)
-            per_shard = max(1, shard_size // target.itemsize)
-            while array.size:
-                if buffer is None:
-                    buffer, fill = np.empty(per_shard, dtype=target), 0
-                take = min(per_shard - fill, array.size)
-                buffer[fill : fill + take] = array[:take]
-                fill += take
-                array = array[take:]
-                if fill == per_shard:
-                    await flush(buffer)
-                    buffer = None
-            for done in [t for t in writes if t.done()]:
-                writes.discard(done)
-                done.result()
-        if buffer is not None and fill:
-            await flush(buffer[:fill])
-        await asyncio.gather(*writes)
+        async with ShardWriter(
+            store,
+            root,
+            dtype=dtype,
+            shard_size=shard_size,
+            max_concurrency=max_concurrency,
+            checksum_block=checksum_block,
+        ) as shards:
+            for number, document in enumerate(documents):
+                array = np.asarray(document)
+                if array.ndim != 1:
+                    raise ConfigError(
+                        f"document {number} has shape {array.shape}; documents are 1-D"
+                    )
+                lengths.append(array.size)
+                await shards.add(array)
+            written = await shards.finish()
+        target = shards.dtype
         if target is None:
             raise ConfigError("no documents given and no dtype: pass dtype= for an empty dataset")
         offsets = np.zeros(len(lengths) + 1, dtype=INDEX_DTYPE)
@@ -558,20 +516,13 @@ async def write_documents_async(
         manifest = Manifest(
             FORMAT,
             target,
-            tuple(shards),
+            written,
             metadata,
             checksum=ALGORITHM,
             checksum_block=checksum_block,
         )
         await store.write(join_url(root, MANIFEST_NAME), manifest.to_json().encode())
-    except asyncio.CancelledError:
-        for task in writes:
-            task.cancel()
-        raise
     finally:
-        # After an error, shards in flight (at most max_concurrency) finish rather than being
-        # cancelled: a write cancelled midway can leave its temporary file open.
-        await asyncio.gather(*writes, return_exceptions=True)
         await store.close()
     return Dataset(root, manifest, options, {OFFSETS: offsets.astype(np.int64)})
 
