@@ -36,6 +36,7 @@ from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
 from ..portal import run_sync
 from ..stores import open_store
+from ..writer import DEFAULT_SHARD_SIZE, _checked_cast, check_write_args
 from .base import Offload, ReadFn
 from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
 
@@ -46,7 +47,6 @@ FORMAT = "metadata_stream"
 #: Byte offsets in a metadata index file: little-endian int64.
 INDEX_DTYPE = np.dtype("<i8")
 START_FIELD, END_FIELD, VALUE_FIELD = "meta_start", "meta_end", "meta"
-DEFAULT_SHARD_SIZE = 256 * 2**20
 #: A merge gap below any distance: every range is read on its own.
 NEVER_MERGE = -(2**62)
 Int64Array = npt.NDArray[np.int64]
@@ -619,12 +619,7 @@ def _token_chunks(
 def _checked_tokens(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     if array.dtype.kind not in "iu":
         raise ConfigError(f"tokens must be integers, got {array.dtype}")
-    if array.size and array.dtype != dtype:
-        info = np.iinfo(dtype)
-        low, high = int(array.min()), int(array.max())
-        if low < info.min or high > info.max:
-            raise ConfigError(f"tokens in [{low}, {high}] do not fit {dtype}")
-    return array.astype(dtype, copy=False)
+    return _checked_cast(array, dtype)
 
 
 async def write_metadata_stream_async(
@@ -643,10 +638,7 @@ async def write_metadata_stream_async(
     max_concurrency: int = 4,
 ) -> Dataset:
     """Async form of :func:`write_metadata_stream`, in the running loop."""
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
-    if max_concurrency < 1:
-        raise ConfigError(f"max_concurrency must be positive, got {max_concurrency!r}")
+    check_write_args(shard_size, max_concurrency, None)
     try:  # the manifest holds the options as JSON: store what a reader will get back
         options = json.loads(json.dumps(dict(codec_options or {})))
     except TypeError as exc:
