@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from .batch import Batch
 from .formats.base import Source
@@ -242,20 +243,24 @@ class Engine:
 
         fields = await self.source.fetch(ids, read, gap, offload)
         schema = self.source.schema
-        out = []
-        start = 0
-        for batch, length in zip(batches, lengths, strict=True):
-            stop = start + length
-            out.append(
-                Batch(
-                    ids[start:stop],
-                    {name: value[start:stop] for name, value in fields.items()},
-                    schema,
-                    {"epoch": epoch, "batch": batch},
-                )
+        names = list(fields)
+        columns = [split_rows(fields[name], lengths) for name in names]
+        cuts = list(itertools.accumulate(lengths, initial=0))
+        return [
+            Batch(
+                ids[a:b], dict(zip(names, parts, strict=True)), schema, {"epoch": epoch, "batch": n}
             )
-            start = stop
-        return out
+            for n, a, b, *parts in zip(batches, cuts[:-1], cuts[1:], *columns, strict=True)
+        ]
+
+
+def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
+    """``value`` cut along its first axis into consecutive parts of ``lengths`` rows (views);
+    a tensor is cut in one call, the rest by slicing."""
+    if isinstance(value, torch.Tensor):
+        return torch.split_with_sizes(value, list(lengths))
+    cuts = list(itertools.accumulate(lengths, initial=0))
+    return [value[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def _hold(queue: BatchQueue, held: list[int], nbytes: int) -> None:

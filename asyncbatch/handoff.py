@@ -49,7 +49,7 @@ class BatchQueue:
     def __init__(self, capacity: int, loop: asyncio.AbstractEventLoop) -> None:
         self.capacity = capacity
         self._loop = loop
-        self._items: deque[Any] = deque()
+        self._items: deque[tuple[Any, int]] = deque()
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._reserved = 0
@@ -93,10 +93,11 @@ class BatchQueue:
         The batches' bytes are counted from now on, and ``release`` bytes the engine counted
         while reading them (:meth:`add_bytes`) no longer are.
         """
-        items = list(items)
-        nbytes = sum(item_bytes(item) for item in items) - release
+        # Each item is queued with its bytes, counted once here rather than again when taken.
+        sized = [(item, item_bytes(item)) for item in items]
+        nbytes = sum(size for _, size in sized) - release
         with self._lock:
-            self._items.extend(items)
+            self._items.extend(sized)
             self._bytes += nbytes
             self._peak_bytes = max(self._peak_bytes, self._bytes)
             self._not_empty.notify()
@@ -106,10 +107,10 @@ class BatchQueue:
 
     def _pop(self) -> Any:
         """Pop the head (lock held) and free its slot."""
-        item = self._items.popleft()
+        item, nbytes = self._items.popleft()
         if not isinstance(item, Final):
             self._reserved -= 1
-            self._bytes -= item_bytes(item)
+            self._bytes -= nbytes
         # Wake the producer only once it can take the whole group it waits for.
         waiter = self._space_waiter
         if waiter is not None and self._reserved + self._space_wanted <= self.capacity:
@@ -144,7 +145,7 @@ class BatchQueue:
 
     def statistics(self) -> QueueStatistics:
         with self._lock:
-            ready = sum(1 for item in self._items if not isinstance(item, Final))
+            ready = sum(1 for item, _ in self._items if not isinstance(item, Final))
             return QueueStatistics(
                 self.capacity, self._reserved, ready, self._peak, self._bytes, self._peak_bytes
             )

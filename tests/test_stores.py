@@ -226,17 +226,18 @@ def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     asyncio.run(store.close())
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("mode", ["mmap", "pread", "python"])
 def test_local_reads_with_and_without_the_c_helper(
-    native: bool, tmp_path: Path, tokens: npt.NDArray[np.uint16], monkeypatch: pytest.MonkeyPatch
+    mode: str, tmp_path: Path, tokens: npt.NDArray[np.uint16], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from asyncbatch.stores import local
 
-    if native:
-        assert local._preadv is not None, "the C helper was not built"
-    else:
+    if mode == "python":
         monkeypatch.setattr(local, "_preadv", None)
-    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    else:
+        assert local._preadv is not None, "the C helper was not built"
+    ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    dataset = ab.open_dataset(str(tmp_path / "ds"), storage_options={"mmap": mode == "mmap"})
     with ab.Loader(dataset, batch_size=5, seq_len=33, next_token=True, prefetch=8) as loader:
         for batch in loader:
             np.testing.assert_array_equal(
@@ -274,3 +275,98 @@ def test_c_helper_refuses_ranges_outside_the_buffer(tmp_path: Path) -> None:
         assert (done, got, error) == (0, 5, 0)  # a short read at the end of the file
     finally:
         os.close(fd)
+
+
+def test_mmap_option_is_checked(tmp_path: Path, tokens: npt.NDArray[np.uint16]) -> None:
+    ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    with pytest.raises(ConfigError, match="mmap must be True or False, got 'no'"):
+        ab.open_dataset(str(tmp_path / "ds"), storage_options={"mmap": "no"})
+
+
+# The C helper's mapped copies, each in a child process: if the SIGBUS guard failed, the child
+# would die of the signal and the test fail, instead of the whole test run dying with it.
+COPY_CHILD = """
+import os, sys
+import numpy as np
+from asyncbatch.stores import _preadv
+path = sys.argv[1]
+with open(path, "wb") as file:
+    file.write(bytes(range(256)) * 64)  # 16 KiB: four pages
+fd = os.open(path, os.O_RDONLY)
+base = _preadv.map_file(fd, 16384)
+one = lambda *v: np.array(v, dtype=np.int64)
+dest = np.zeros(8192, dtype=np.uint8)
+copy = lambda limits, offsets, lengths, at: _preadv.copy_many(
+    one(*[base] * len(limits)), one(*limits), one(*offsets), one(*lengths), dest, one(*at)
+)
+print(copy([16384, 16384], [0, 300], [100, 50], [0, 100]))
+assert bytes(dest[:150]) == (bytes(range(256)) * 2)[:100] + (bytes(range(256)) * 2)[300:350]
+print(copy([16000], [15990], [100], [0]))  # past the end of the map
+os.truncate(path, 4096)  # the file shrinks under its mapping
+print(copy([16384, 16384], [0, 8192], [10, 100], [0, 10]))
+print(copy([16384], [100], [10], [0]))  # the guard is ready for the next copy
+_preadv.unmap_file(base, 16384)
+os.close(fd)
+if sys.argv[2] == "outside":  # a bus error outside a copy still ends the process
+    os.truncate(path, 16384)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=(16384,))
+    os.truncate(path, 0)
+    print(int(mapped[8192]))
+"""
+
+
+def _copy_child(tmp_path: Path, case: str) -> Any:
+    import subprocess
+    import sys
+
+    from asyncbatch.stores import local
+
+    if local._preadv is None:
+        pytest.skip("the C helper was not built")
+    return subprocess.run(
+        [sys.executable, "-c", COPY_CHILD, str(tmp_path / "blob"), case],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_mapped_copies_stop_at_the_map_end_and_survive_truncation(tmp_path: Path) -> None:
+    child = _copy_child(tmp_path, "inside")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split("\n")[:4] == [
+        "(2, 0, 0)",  # both copies done
+        "(0, 10, 0)",  # 10 bytes of 100 left in the map: read 0 stops short after 10
+        "(1, 0, -1)",  # read 1 lies past the new end of the file: a bus error, caught
+        "(1, 0, 0)",  # and the guard is ready for the next copy
+    ]
+
+
+def test_bus_errors_outside_a_copy_still_end_the_process(tmp_path: Path) -> None:
+    import signal
+
+    child = _copy_child(tmp_path, "outside")
+    assert child.returncode == -signal.SIGBUS, (child.returncode, child.stderr)
+
+
+def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> None:
+    from asyncbatch.errors import ShardChangedError
+    from asyncbatch.stores.local import LocalStore
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 256)
+
+    async def main() -> None:
+        store = LocalStore(mmap=True)
+        try:
+            buffer = bytearray(100)
+            view = [memoryview(buffer)]
+            await store.read_ranges(str(path), starts=[20000], ends=[20100], buffers=view)
+            assert bytes(buffer) == (bytes(range(256)) * 256)[20000:20100]
+            os.truncate(path, 4096)  # in place: same inode, the mapping stays
+            with pytest.raises(ShardChangedError, match=r"blob was inode \d+, 65536 bytes"):
+                await store.read_ranges(str(path), starts=[20000], ends=[20100], buffers=view)
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -1,16 +1,31 @@
-/* Many positional reads into one buffer, with the GIL released for all of them.
+/* Many reads of local files into one buffer, with the GIL released for all of them.
  *
  * read_many(fds, offsets, lengths, dest, dest_offsets) -> (done, got, errno)
  *   fds: int32 buffer; offsets, lengths, dest_offsets: int64 buffers, one entry per read;
  *   dest: a writable buffer. Read i copies lengths[i] bytes at offsets[i] of fds[i] to
- *   dest[dest_offsets[i]:]. Every destination range is checked to lie inside dest before
- *   any read starts. Returns done == number of reads on success; otherwise read `done`
- *   stopped after `got` bytes, with `errno` set (0 for end of file).
+ *   dest[dest_offsets[i]:] with pread. Every destination range is checked to lie inside dest
+ *   before any read starts. Returns done == number of reads on success; otherwise read
+ *   `done` stopped after `got` bytes, with `errno` set (0 for end of file).
+ *
+ * map_file(fd, length) -> address; unmap_file(address, length)
+ *   A read-only shared mapping of a file's first `length` bytes (address 0 for length 0).
+ *
+ * copy_many(bases, limits, offsets, lengths, dest, dest_offsets) -> (done, got, errno)
+ *   What read_many does, copying from mappings instead: read i copies from
+ *   bases[i] + offsets[i], where the mapping at bases[i] holds limits[i] bytes. A read past
+ *   a mapping's end stops short like a read at end of file. A file truncated under its
+ *   mapping makes the copy fault (SIGBUS): a handler installed by map_file jumps back out of
+ *   the copy, which returns errno -1 for that read instead of the process dying. Bus errors
+ *   outside a copy go to the handler that was there before.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static int get_array(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *name,
@@ -89,9 +104,143 @@ done:
     return result;
 }
 
+/* Set while this thread copies from mappings: where a bus error jumps back to. */
+static __thread sigjmp_buf *copy_jump __attribute__((tls_model("initial-exec")));
+static struct sigaction previous_bus;
+static int bus_handler_installed = 0;
+
+static void on_bus_error(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *jump = copy_jump;
+    if (jump != NULL) {
+        copy_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    /* Not a copy of ours: behave as the previous disposition would. */
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        previous_bus.sa_sigaction(sig, info, context);
+    } else if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+        previous_bus.sa_handler(sig);
+    } else {
+        /* Restore the default action; the faulting access runs again and ends the process. */
+        sigaction(sig, &previous_bus, NULL);
+    }
+}
+
+static int install_bus_handler(void) {
+    if (bus_handler_installed) return 0;
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_sigaction = on_bus_error;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, &previous_bus) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    bus_handler_installed = 1;
+    return 0;
+}
+
+static PyObject *map_file(PyObject *self, PyObject *args) {
+    int fd;
+    long long length;
+    if (!PyArg_ParseTuple(args, "iL", &fd, &length)) return NULL;
+    if (length < 0) {
+        PyErr_SetString(PyExc_ValueError, "map_file: negative length");
+        return NULL;
+    }
+    if (install_bus_handler() < 0) return NULL;
+    if (length == 0) return PyLong_FromLong(0);
+    void *address;
+    Py_BEGIN_ALLOW_THREADS
+    address = mmap(NULL, (size_t)length, PROT_READ, MAP_SHARED, fd, 0);
+    Py_END_ALLOW_THREADS
+    if (address == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromVoidPtr(address);
+}
+
+static PyObject *unmap_file(PyObject *self, PyObject *args) {
+    PyObject *address_obj;
+    long long length;
+    if (!PyArg_ParseTuple(args, "OL", &address_obj, &length)) return NULL;
+    void *address = PyLong_AsVoidPtr(address_obj);
+    if (address == NULL && PyErr_Occurred()) return NULL;
+    if (address != NULL && length > 0 && munmap(address, (size_t)length) != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5])) {
+        return NULL;
+    }
+    static const char *names[6] = {"bases", "limits", "offsets", "lengths", "dest", "dest_offsets"};
+    Py_buffer views[6];
+    memset(views, 0, sizeof(views));
+    PyObject *result = NULL;
+    for (int k = 0; k < 6; k++) {
+        if (get_array(objs[k], &views[k], k == 4 ? 1 : 8, names[k], k == 4) < 0) goto done;
+    }
+    Py_ssize_t count = views[0].len / 8;
+    for (int k = 1; k < 6; k++) {
+        if (k != 4 && views[k].len / 8 != count) {
+            PyErr_SetString(PyExc_ValueError, "copy_many: the per-read arrays differ in length");
+            goto done;
+        }
+    }
+    const int64_t *base = (const int64_t *)views[0].buf;
+    const int64_t *limit = (const int64_t *)views[1].buf;
+    const int64_t *offset = (const int64_t *)views[2].buf;
+    const int64_t *length = (const int64_t *)views[3].buf;
+    const int64_t *at = (const int64_t *)views[5].buf;
+    char *out = (char *)views[4].buf;
+    Py_ssize_t size = views[4].len;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (offset[i] < 0 || length[i] < 0 || at[i] < 0 || at[i] > size || length[i] > size - at[i]) {
+            PyErr_Format(PyExc_ValueError, "read %zd: range outside the buffers", i);
+            goto done;
+        }
+    }
+    volatile Py_ssize_t i = 0;
+    int64_t got = 0;
+    int error = 0;
+    sigjmp_buf jump;
+    Py_BEGIN_ALLOW_THREADS
+    if (sigsetjmp(jump, 1) == 0) {
+        copy_jump = &jump;
+        for (; i < count; i++) {
+            int64_t available = limit[i] - offset[i];
+            int64_t n = available < length[i] ? (available > 0 ? available : 0) : length[i];
+            if (n > 0) memcpy(out + at[i], (const char *)(intptr_t)base[i] + offset[i], (size_t)n);
+            if (n < length[i]) {
+                got = n;
+                break;
+            }
+        }
+    } else {
+        error = -1; /* a bus error in read i: the file shrank under its mapping */
+        got = 0;
+    }
+    copy_jump = NULL;
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nLi", (Py_ssize_t)i, (long long)got, error);
+done:
+    for (int k = 0; k < 6; k++) {
+        if (views[k].obj) PyBuffer_Release(&views[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"read_many", read_many, METH_VARARGS,
      "read_many(fds, offsets, lengths, dest, dest_offsets) -> (done, got, errno)"},
+    {"map_file", map_file, METH_VARARGS, "map_file(fd, length) -> address"},
+    {"unmap_file", unmap_file, METH_VARARGS, "unmap_file(address, length)"},
+    {"copy_many", copy_many, METH_VARARGS,
+     "copy_many(bases, limits, offsets, lengths, dest, dest_offsets) -> (done, got, errno)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,12 +1,17 @@
-"""Local and HPC filesystem store: positional reads straight into the caller's buffers.
+"""Local and HPC filesystem store: reads straight into the caller's buffers.
 
 Reads run in a bounded thread pool, never on the event loop. The engine's path,
 :meth:`LocalStore.read_into`, reads a whole group of ranges into one buffer in a single call
-of the small C helper ``_preadv`` (a ``pread`` loop with the GIL released), so two pool
-threads read in parallel and no Python runs per range; without the helper (no compiler at
-install time) a Python loop of ``os.preadv`` calls does the same, slower. Open file
-descriptors are kept in a small LRU so that thousands of shards do not exhaust the
-process's descriptor limit.
+of the small C helper ``_preadv``, with the GIL released, so pool threads read in parallel
+and no Python runs per range. By default the helper copies from a read-only mapping of each
+file (``mmap``): for the small windows of a global shuffle this costs about half a ``pread``
+call, which is mostly system-call overhead. A file truncated under its mapping would kill
+the process with SIGBUS; the helper catches the fault inside its copy loop and the read
+fails with a :class:`~asyncbatch.errors.ShardChangedError` instead. ``storage_options=
+{"mmap": False}`` reads with ``pread`` (e.g. on a parallel filesystem that maps poorly), as
+does a file that cannot be mapped; without the helper (no compiler at install time) a Python
+loop of ``os.preadv`` calls reads, slower. Open files (and their mappings) are kept in a
+small LRU so that thousands of shards do not exhaust the process's descriptor limit.
 
 Each file is pinned when it is first opened: its (inode, size, mtime) are recorded, checked
 again whenever it is reopened after leaving the LRU, and with one ``fstat`` per file after
@@ -92,9 +97,12 @@ class LocalStore:
     # neighbours further apart than that moves more bytes than it saves in calls.
     coalesce_gap = 16 * 1024
 
-    def __init__(self, max_threads: int = 8, max_open_files: int = 128) -> None:
+    def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
         self._max_open_files = max_open_files
-        self._fds: OrderedDict[str, list[int]] = OrderedDict()  # url -> [fd, readers]
+        #: Whether reads copy from mappings (needs the C helper) rather than call pread.
+        self._mmap = mmap and _preadv is not None
+        #: url -> [fd, readers, mapping address, mapped bytes (-1: not mapped)]
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()
         self._pins: dict[str, Version] = {}  # url -> version when first opened
         self._fds_lock = threading.Lock()
         self._threads = max_threads
@@ -203,23 +211,37 @@ class LocalStore:
         held: list[str] = []
         try:
             fd_of = np.full(len(urls), -1, dtype=np.int32)
+            base_of = np.zeros(len(urls), dtype=np.int64)
+            limit_of = np.full(len(urls), -1, dtype=np.int64)
             for index in used:
-                fd_of[index] = self._acquire(urls[index])
+                fd_of[index], base_of[index], limit_of[index] = self._acquire(urls[index])
                 held.append(urls[index])
-            fds = fd_of[which]
             lengths = ends - starts
-            if _preadv is not None:
-                done, got, error = _preadv.read_many(fds, starts, lengths, dest, dest_offsets)
+            if _preadv is None:
+                done, got, error = _read_many_python(
+                    fd_of[which], starts, lengths, dest, dest_offsets
+                )
+            elif self._mmap and (limit_of[used] >= 0).all():
+                done, got, error = _preadv.copy_many(
+                    base_of[which], limit_of[which], starts, lengths, dest, dest_offsets
+                )
             else:
-                done, got, error = _read_many_python(fds, starts, lengths, dest, dest_offsets)
+                done, got, error = _preadv.read_many(
+                    fd_of[which], starts, lengths, dest, dest_offsets
+                )
             # A file changed under a read explains a short one too: check pins first.
             for index in used:
                 self._check_pin(urls[index], os.fstat(int(fd_of[index])))
             if done < starts.size:
                 url = urls[int(which[done])]
                 start, end = int(starts[done]), int(ends[done])
+                where = describe_range(url, start, end)
+                if error < 0:
+                    message = (
+                        f"the file shrank under the read (a bus error in its mapping): {where}"
+                    )
+                    raise ShardChangedError(message, url, start, end)
                 if error:
-                    where = describe_range(url, start, end)
                     message = f"read failed: {where}: {os.strerror(error)}"
                     raise StoreError(message, url, start, end) from OSError(
                         error, os.strerror(error)
@@ -229,8 +251,9 @@ class LocalStore:
             for url in held:
                 self._release(url)
 
-    def _acquire(self, url: str) -> int:
-        """A descriptor for ``url``, held open until the matching :meth:`_release`."""
+    def _acquire(self, url: str) -> tuple[int, int, int]:
+        """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
+        matching :meth:`_release`."""
         with self._fds_lock:
             if self._closed:
                 raise StoreError(f"store closed while reading {url}", url)
@@ -238,7 +261,7 @@ class LocalStore:
             if entry is not None:
                 entry[1] += 1
                 self._fds.move_to_end(url)
-                return entry[0]
+                return entry[0], entry[2], entry[3]
         try:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError as exc:
@@ -247,23 +270,29 @@ class LocalStore:
             raise PermissionDeniedError(f"permission denied: {url}", url) from exc
         except OSError as exc:
             raise StoreError(f"cannot open {url}: {exc}", url) from exc
+        opened = [fd, 1, 0, -1]
         try:
-            self._check_pin(url, os.fstat(fd))
+            stat = os.fstat(fd)
+            self._check_pin(url, stat)
+            if self._mmap and _preadv is not None:
+                # The pinned size is mapped; a file that cannot be mapped is read with pread.
+                with contextlib.suppress(OSError):
+                    opened[2], opened[3] = _preadv.map_file(fd, stat.st_size), stat.st_size
         except BaseException:
-            os.close(fd)
+            _close_entry(opened)
             raise
         with self._fds_lock:
             if self._closed:  # close() ran while this thread was opening the file
-                os.close(fd)
+                _close_entry(opened)
                 raise StoreError(f"store closed while reading {url}", url)
             entry = self._fds.get(url)
             if entry is not None:  # another thread opened it meanwhile
-                os.close(fd)
+                _close_entry(opened)
                 entry[1] += 1
-                return entry[0]
-            self._fds[url] = [fd, 1]
+                return entry[0], entry[2], entry[3]
+            self._fds[url] = opened
             self._evict_idle()
-        return fd
+        return opened[0], opened[2], opened[3]
 
     def _check_pin(self, url: str, stat: os.stat_result) -> None:
         """Pin ``url`` at this version if not yet pinned, else require the same version."""
@@ -289,8 +318,8 @@ class LocalStore:
         excess = len(self._fds) - self._max_open_files
         if excess <= 0:
             return
-        for url in [u for u, (_, refs) in self._fds.items() if refs == 0][:excess]:
-            os.close(self._fds.pop(url)[0])
+        for url in [u for u, entry in self._fds.items() if entry[1] == 0][:excess]:
+            _close_entry(self._fds.pop(url))
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         path = local_path(url)
@@ -307,22 +336,30 @@ class LocalStore:
             self._pins.pop(url, None)
             entry = self._fds.get(url)
             if entry is not None and entry[1] == 0:
-                os.close(self._fds.pop(url)[0])
+                _close_entry(self._fds.pop(url))
 
     async def close(self) -> None:
         with self._fds_lock:
             if self._closed:
                 return
             self._closed = True
-            fds = [fd for fd, _ in self._fds.values()]
+            entries = list(self._fds.values())
             self._fds.clear()
         self._pool.shutdown(wait=True)
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError as exc:  # pragma: no cover - already closed
-                if exc.errno != errno.EBADF:
-                    raise
+        for entry in entries:
+            _close_entry(entry)
+
+
+def _close_entry(entry: list[int]) -> None:
+    """Unmap and close one open file of the LRU."""
+    fd, _, address, length = entry
+    if length > 0 and _preadv is not None:
+        _preadv.unmap_file(address, length)
+    try:
+        os.close(fd)
+    except OSError as exc:  # pragma: no cover - already closed
+        if exc.errno != errno.EBADF:
+            raise
 
 
 def _read_many_python(
@@ -358,12 +395,16 @@ def local_store(
     max_inflight: int,
     retry: RetryPolicy = DEFAULT_POLICY,
 ) -> LocalStore:
-    """Registry factory: a :class:`LocalStore`; options ``max_open_files``, ``max_threads``.
+    """Registry factory: a :class:`LocalStore`; options ``max_open_files``, ``max_threads``,
+    ``mmap`` (default True: copy from mappings; False: ``pread``).
 
     ``retry`` is accepted for a uniform signature; local reads are not retried."""
     options = dict(storage_options)
     threads = int(options.pop("max_threads", min(max_inflight, 8)))
     max_open = int(options.pop("max_open_files", 128))
+    mmap = options.pop("mmap", True)
+    if not isinstance(mmap, bool):
+        raise ConfigError(f"storage_options mmap must be True or False, got {mmap!r}")
     if options:
         raise ConfigError(f"unknown storage_options for local files: {sorted(options)}")
-    return LocalStore(max_threads=threads, max_open_files=max_open)
+    return LocalStore(max_threads=threads, max_open_files=max_open, mmap=mmap)
