@@ -9,6 +9,8 @@ Measured, in interleaved rounds (the median is reported; the machine is shared a
 
 * ``loader uint16`` / ``loader int64``: ``ab.Loader`` with the stored dtype, and with
   ``dtype=torch.int64``; timed from constructing the Loader to the last batch in hand;
+* ``loader pread``: ``loader uint16`` with ``storage_options={"mmap": False}`` (``pread``
+  instead of copies out of the files' mappings);
 * ``ceiling preadv``: the same windows read with ``os.preadv`` into one preallocated batch
   buffer in a tight Python loop (files opened once, offsets computed beforehand, no checks);
 * ``DataLoader w0`` / ``w2``: ``torch.utils.data.DataLoader`` over a map-style dataset of
@@ -309,10 +311,13 @@ def main() -> None:
     )
 
     reference = reference_batch(dataset, ids)
+    # The same files read with pread instead of copies out of their mappings.
+    pread = ab.open_dataset(dataset.url, storage_options={"mmap": False})
     measures: dict[str, tuple[int, Callable[[], float]]] = {
         "ceiling preadv": (batches, lambda: time_ceiling(dataset, ids, reference)),
         "loader uint16": (batches, lambda: time_loader(dataset, batches, None)),
         "loader int64": (batches, lambda: time_loader(dataset, batches, torch.int64)),
+        "loader pread": (batches, lambda: time_loader(pread, batches, None)),
         "DataLoader w0": (batches, lambda: time_dataloader(dataset, ids, 0)),
         "DataLoader w2": (
             worker_batches,
@@ -356,7 +361,7 @@ def main() -> None:
     print(f"(best baseline: {baseline_name}; min/max in M tok/s over {args.rounds} rounds)")
     print()
     print("paired ratios (median over rounds of the ratio within each round):")
-    for name in ("loader uint16", "loader int64"):
+    for name in ("loader uint16", "loader int64", "loader pread"):
         ceil = paired_ratio(rates[name], rates["ceiling preadv"])
         base = paired_ratio(rates[name], rates[baseline_name])
         print(f"  {name}: / ceiling {ceil:.3f}, / {baseline_name} {base:.2f}")

@@ -28,7 +28,7 @@ import numpy as np
 import asyncbatch as ab
 dataset = ab.open_dataset(sys.argv[1])
 batches, settings = int(sys.argv[2]), json.loads(sys.argv[3])
-out = {}
+out = {"tree": ab.__file__}
 for name, kwargs in settings.items():
     with ab.Loader(dataset, batch_size=16, seq_len=2048, seed=0, prefetch=32, **kwargs) as loader:
         start, tokens = time.perf_counter(), 0
@@ -62,15 +62,21 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
     for round_ in range(args.rounds):
         for key, tree in (("a", args.tree_a), ("b", args.tree_b)):
+            # The child runs in the tree: ``python -c`` puts its working directory first on
+            # sys.path, ahead of PYTHONPATH, so from another checkout it would import that one.
             done = subprocess.run(
-                [sys.executable, "-c", CHILD, str(args.data), str(args.batches)]
+                [sys.executable, "-c", CHILD, str(args.data.resolve()), str(args.batches)]
                 + [json.dumps(SETTINGS)],
                 env=dict(os.environ, PYTHONPATH=str(tree.resolve())),
+                cwd=tree.resolve(),
                 capture_output=True,
                 text=True,
                 check=True,
             )
-            results[key].append(json.loads(done.stdout))
+            out = json.loads(done.stdout)
+            if not Path(out.pop("tree")).is_relative_to(tree.resolve()):
+                raise SystemExit(f"the child imported asyncbatch from outside {tree}")
+            results[key].append(out)
         line = ", ".join(
             f"{name} {results['a'][-1][name]:.0f} / {results['b'][-1][name]:.0f}"
             for name in SETTINGS
