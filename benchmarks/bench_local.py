@@ -106,10 +106,9 @@ def batch_ids(dataset: ab.Dataset, batches: int) -> IdArray:
     return order.sample_ids(0, 0, batches).reshape(batches, BATCH_SIZE)
 
 
-def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) -> float:
-    """Seconds from constructing a Loader to holding its ``batches``-th batch."""
-    start = time.perf_counter()
-    with ab.Loader(
+def bench_loader(dataset: ab.Dataset, dtype: torch.dtype | None = None) -> ab.Loader:
+    """The Loader every line of this script measures (global shuffle, the script's settings)."""
+    return ab.Loader(
         dataset,
         batch_size=BATCH_SIZE,
         seq_len=SEQ_LEN,
@@ -118,7 +117,13 @@ def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) ->
         prefetch=PREFETCH,
         max_inflight=MAX_INFLIGHT,
         dtype=dtype,
-    ) as loader:
+    )
+
+
+def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) -> float:
+    """Seconds from constructing a Loader to holding its ``batches``-th batch."""
+    start = time.perf_counter()
+    with bench_loader(dataset, dtype) as loader:
         for done, _batch in enumerate(loader, 1):
             if done == batches:
                 return time.perf_counter() - start
@@ -128,15 +133,7 @@ def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) ->
 def loader_latency(dataset: ab.Dataset, samples: int, settle: float) -> tuple[float, list[float]]:
     """Time to first batch (s) and consumer-side ``next()`` times (s) with a full queue."""
     start = time.perf_counter()
-    with ab.Loader(
-        dataset,
-        batch_size=BATCH_SIZE,
-        seq_len=SEQ_LEN,
-        shuffle=True,
-        seed=SEED,
-        prefetch=PREFETCH,
-        max_inflight=MAX_INFLIGHT,
-    ) as loader:
+    with bench_loader(dataset) as loader:
         iterator = iter(loader)
         next(iterator)
         first = time.perf_counter() - start

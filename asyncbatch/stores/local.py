@@ -94,7 +94,8 @@ class LocalStore:
     """Store for local paths and ``file://`` URLs."""
 
     # A read syscall costs about as much as copying ~10 KB from the page cache: merging
-    # neighbours further apart than that moves more bytes than it saves in calls.
+    # neighbours further apart than that moves more bytes than it saves in calls. Mapped
+    # copies make no call to save; gap 0 measured the same as this gap there (so kept).
     coalesce_gap = 16 * 1024
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
