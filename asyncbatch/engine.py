@@ -39,6 +39,7 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Store
+from .stores.counting import ReadCounts
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 
@@ -70,9 +71,12 @@ class Engine:
         unit: int = 1,
         retry: RetryPolicy | None = None,
         verify: str = DEFAULT_VERIFY,
+        counts: ReadCounts | None = None,
     ) -> None:
         self.source = source
         self.retry = retry
+        #: Where the stores count their byte-range reads (kept across runs by the loader).
+        self.counts = counts
         #: What to check of each shard, and which shards passed (kept across runs).
         self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
@@ -115,6 +119,7 @@ class Engine:
                             dataset.storage_options,
                             max_inflight=self.max_inflight,
                             retry=self.retry,
+                            counts=self.counts,
                         )
                     )
                 of_dataset.append(index[key])
@@ -188,21 +193,23 @@ class Engine:
     ) -> bool:
         """Read a group, wait for the group before it, then queue it; False once failed."""
         held = [0]  # bytes counted in the queue for this group until its batches are put
+        stored: list[int] = []
         try:
             try:
-                items: list[Batch | Final] = list(
-                    await self._read_group(reader, decoder, gap, epoch, batches, queue, held)
+                group, stored = await self._read_group(
+                    reader, decoder, gap, epoch, batches, queue, held
                 )
+                items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
                 raise
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
                 queue.add_bytes(-held[0])
                 held[0] = 0
-                items = [Final(exc)]
+                items, stored = [Final(exc)], [0]
             if previous is not None and not await previous:
                 return False
             # The queue counts the batches' own bytes from here, in place of what was held.
-            queue.put_many(items, release=held[0])
+            queue.put_many(items, release=held[0], stored=stored)
             held[0] = 0
             return not isinstance(items[-1], Final)
         finally:
@@ -218,8 +225,9 @@ class Engine:
         batches: range,
         queue: BatchQueue,
         held: list[int],
-    ) -> list[Batch]:
-        """The group's batches; counts the bytes it holds in ``queue`` and ``held[0]``."""
+    ) -> tuple[list[Batch], list[int]]:
+        """The group's batches and the bytes each holds in the store (its share of the
+        group's planned bytes); counts the bytes it holds in ``queue`` and ``held[0]``."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
         lengths = [order.batch_length(b) for b in batches]
@@ -233,8 +241,11 @@ class Engine:
                 return work()
             return await asyncio.get_running_loop().run_in_executor(decoder, work)
 
+        planned = [0]
+
         async def read(plan: ReadPlan) -> npt.NDArray[np.uint8]:
             # A group holds its buffers, and their scratch while they are read.
+            planned[0] += plan.nbytes
             scratch = scratch_bytes(plan)
             _hold(queue, held, plan.nbytes + scratch)
             buffer = await reader.read_plan(plan)
@@ -246,12 +257,15 @@ class Engine:
         names = list(fields)
         columns = [split_rows(fields[name], lengths) for name in names]
         cuts = list(itertools.accumulate(lengths, initial=0))
-        return [
+        group = [
             Batch(
                 ids[a:b], dict(zip(names, parts, strict=True)), schema, {"epoch": epoch, "batch": n}
             )
             for n, a, b, *parts in zip(batches, cuts[:-1], cuts[1:], *columns, strict=True)
         ]
+        # Each batch's share of the stored bytes, by its samples (exact for equal samples).
+        shares = [planned[0] * cut // max(1, cuts[-1]) for cut in cuts]
+        return group, [b - a for a, b in itertools.pairwise(shares)]
 
 
 def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:

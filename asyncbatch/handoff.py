@@ -37,6 +37,32 @@ class QueueStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class LoaderStatistics(QueueStatistics):
+    """The prefetch queue of the current (or last) run, and counts over the loader's life.
+
+    ``requests`` and ``bytes_fetched`` are the byte ranges the storage itself was asked for
+    (below any cache); ``bytes_delivered`` is what the batches taken hold as stored (before a
+    ``dtype`` conversion), so ``bytes_fetched / bytes_delivered`` is the read amplification.
+    """
+
+    batches: int = 0
+    requests: int = 0
+    bytes_fetched: int = 0
+    bytes_delivered: int = 0
+    #: Blocks served by, or fetched into, the node-local cache (0 without ``cache=``).
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+@dataclass(slots=True)
+class DeliveryCounts:
+    """Batches taken by the consumer, and their bytes as stored; written by the consumer."""
+
+    batches: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Final:
     """The last item of a run: the end of the epoch, or the error that stopped it."""
 
@@ -46,10 +72,17 @@ class Final:
 class BatchQueue:
     """Bounded hand-off of batches from one event loop to one consumer."""
 
-    def __init__(self, capacity: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        loop: asyncio.AbstractEventLoop,
+        delivered: DeliveryCounts | None = None,
+    ) -> None:
         self.capacity = capacity
         self._loop = loop
-        self._items: deque[tuple[Any, int]] = deque()
+        #: Counts of the batches taken, kept by the caller across runs.
+        self.delivered = delivered if delivered is not None else DeliveryCounts()
+        self._items: deque[tuple[Any, int, int]] = deque()
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._reserved = 0
@@ -87,15 +120,20 @@ class BatchQueue:
         """Append a batch (holding a reserved slot) or a :class:`Final` (engine side)."""
         self.put_many((item,))
 
-    def put_many(self, items: Iterable[Any], release: int = 0) -> None:
+    def put_many(
+        self, items: Iterable[Any], release: int = 0, stored: Iterable[int] | None = None
+    ) -> None:
         """Append several items at once, waking the consumer once (engine side).
 
         The batches' bytes are counted from now on, and ``release`` bytes the engine counted
-        while reading them (:meth:`add_bytes`) no longer are.
+        while reading them (:meth:`add_bytes`) no longer are. ``stored[i]`` is what item
+        ``i`` held in the store, counted as delivered when it is taken.
         """
+        items = list(items)
+        stored = [0] * len(items) if stored is None else list(stored)
         # Each item is queued with its bytes, counted once here rather than again when taken.
-        sized = [(item, item_bytes(item)) for item in items]
-        nbytes = sum(size for _, size in sized) - release
+        sized = [(item, item_bytes(item), kept) for item, kept in zip(items, stored, strict=True)]
+        nbytes = sum(size for _, size, _ in sized) - release
         with self._lock:
             self._items.extend(sized)
             self._bytes += nbytes
@@ -107,10 +145,12 @@ class BatchQueue:
 
     def _pop(self) -> Any:
         """Pop the head (lock held) and free its slot."""
-        item, nbytes = self._items.popleft()
+        item, nbytes, stored = self._items.popleft()
         if not isinstance(item, Final):
             self._reserved -= 1
             self._bytes -= nbytes
+            self.delivered.batches += 1
+            self.delivered.bytes += stored
         # Wake the producer only once it can take the whole group it waits for.
         waiter = self._space_waiter
         if waiter is not None and self._reserved + self._space_wanted <= self.capacity:
@@ -145,7 +185,7 @@ class BatchQueue:
 
     def statistics(self) -> QueueStatistics:
         with self._lock:
-            ready = sum(1 for item, _ in self._items if not isinstance(item, Final))
+            ready = sum(1 for item, _, _ in self._items if not isinstance(item, Final))
             return QueueStatistics(
                 self.capacity, self._reserved, ready, self._peak, self._bytes, self._peak_bytes
             )

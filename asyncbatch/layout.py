@@ -4,7 +4,8 @@ Elements of a dataset are numbered across the concatenation of its shards. A bat
 spans of elements (``starts[i]``, ``lengths[i]``) laid out one after another in the batch
 buffer. :class:`ShardMap` turns them into reads with ``np.searchsorted`` on the cumulative
 element counts, splits spans at shard ends, and merges neighbouring spans of one shard when
-the gap between them is below the store's threshold. No Python loop runs over the spans.
+the gap between them costs less than one more request and is no longer than the span it
+joins. No Python loop runs over the spans.
 """
 
 from __future__ import annotations
@@ -106,8 +107,12 @@ class ShardMap:
             piece_end[order],
             piece_dest[order],
         )
+        # The cost model: a gap is worth fetching when it costs less than one more request
+        # (``gap_bytes``, the store's request cost in bytes), and only up to the length of the
+        # piece it joins, so a plan never fetches more than twice the bytes it needs, however
+        # sparse or dense its pieces are (a random 1/W of a shard's windows, say).
         reach = np.maximum.accumulate(piece_end)
-        gap = gap_bytes // self.itemsize
+        gap = np.minimum(gap_bytes // self.itemsize, piece_end[1:] - piece_start[1:])
         new_read = np.ones(shard.size, dtype=bool)
         new_read[1:] = (shard[1:] != shard[:-1]) | (piece_start[1:] - reach[:-1] > gap)
         read_of_piece = np.cumsum(new_read) - 1

@@ -34,7 +34,7 @@ from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats import Source, make_source
-from .handoff import BatchQueue, Final, QueueStatistics
+from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .integrity import DEFAULT_VERIFY, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
@@ -46,6 +46,7 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
+from .stores.counting import ReadCounts
 from .stores.retry import RetryPolicy
 
 STATE_VERSION = 2
@@ -207,6 +208,11 @@ class _LoaderBase:
         self._epoch = 0
         self._position = 0  # batches of the current epoch handed to the caller
         self._queue: BatchQueue | None = None
+        #: The queue of the latest run, kept for statistics() after the run ended.
+        self._last_queue: BatchQueue | None = None
+        #: Counts over the loader's life, across runs and epochs.
+        self._read_counts = ReadCounts()
+        self._delivered = DeliveryCounts()
         self._closed = False
 
     def _build(self, data: Dataset | Mixture) -> Engine:
@@ -264,6 +270,7 @@ class _LoaderBase:
             unit=max(1, want),
             retry=self.retry,
             verify=self.verify,
+            counts=self._read_counts,
         )
         return self._engine
 
@@ -311,9 +318,29 @@ class _LoaderBase:
         self._discard_run()
         self._epoch, self._position = epoch, 0
 
-    def statistics(self) -> QueueStatistics | None:
-        """The prefetch queue's statistics of the current run, if one is running."""
-        return self._queue.statistics() if self._queue is not None else None
+    def statistics(self) -> LoaderStatistics:
+        """The prefetch queue of the current run (or of the last one, once it ended), and
+        what the loader fetched and delivered over its whole life."""
+        queue = self._queue or self._last_queue
+        now = queue.statistics() if queue is not None else None
+        counts, delivered = self._read_counts, self._delivered
+        return LoaderStatistics(
+            capacity=now.capacity if now else 0,
+            reserved=now.reserved if now else 0,
+            ready=now.ready if now else 0,
+            peak_reserved=now.peak_reserved if now else 0,
+            bytes=now.bytes if now else 0,
+            peak_bytes=now.peak_bytes if now else 0,
+            batches=delivered.batches,
+            requests=counts.requests,
+            bytes_fetched=counts.bytes_fetched,
+            bytes_delivered=delivered.bytes,
+        )
+
+    def _new_queue(self, loop: asyncio.AbstractEventLoop) -> BatchQueue:
+        """The prefetch queue of a new run."""
+        self._queue = self._last_queue = BatchQueue(self.prefetch, loop, self._delivered)
+        return self._queue
 
     def state_dict(self) -> dict[str, Any]:
         """A few plain values that let ``load_state_dict`` resume after the last batch taken."""
@@ -438,7 +465,7 @@ class Loader(_LoaderBase):
     def _start(self) -> None:
         assert self._engine is not None
         loop = asyncio.new_event_loop()
-        queue = BatchQueue(self.prefetch, loop)
+        queue = self._new_queue(loop)
         task = loop.create_task(
             self._engine.run(queue, self._epoch, self._position, infinite=self.infinite)
         )
@@ -555,14 +582,15 @@ class AsyncLoader(_LoaderBase):
         self._check_open()
         if self._engine is None:
             await self.open()
-        if self._queue is None:
+        queue = self._queue
+        if queue is None:
             assert self._engine is not None
-            self._queue = BatchQueue(self.prefetch, asyncio.get_running_loop())
+            queue = self._new_queue(asyncio.get_running_loop())
             self._task = asyncio.create_task(
-                self._engine.run(self._queue, self._epoch, self._position, infinite=self.infinite),
+                self._engine.run(queue, self._epoch, self._position, infinite=self.infinite),
                 name="asyncbatch-engine",
             )
-        batch = self._take(await self._queue.aget())
+        batch = self._take(await queue.aget())
         if batch is None:
             raise StopAsyncIteration
         return batch

@@ -58,3 +58,40 @@ def test_plan_reassembles_spans(
         mine = plan.read_shard == shard
         order = np.argsort(plan.read_start[mine])
         assert np.all(plan.read_start[mine][order][1:] >= plan.read_end[mine][order][:-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(1, 5000),
+    length=st.integers(1, 64),
+    density=st.floats(0.001, 1.0),
+    gap=st.sampled_from([0, 64, 4096, 128 * 1024, 10**9]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_plan_fetches_at_most_twice_what_it_needs(
+    total: int, length: int, density: float, gap: int, seed: int
+) -> None:
+    """The cost model fetches a gap only up to the length of the piece it joins: a random
+    subset of windows of any density (a rank's share of a shuffled group) costs at most twice
+    its bytes, whatever the store's request cost."""
+    windows = max(1, (total + length - 1) // length)
+    rng = np.random.default_rng(seed)
+    picked = np.flatnonzero(rng.random(windows) < density)
+    if not picked.size:
+        picked = np.array([0])
+    starts = np.minimum(picked * length, total - length if total > length else 0)
+    size = min(length, total)
+    plan = ShardMap([total // 2, total - total // 2], 2).plan(rng.permutation(starts), size, gap)
+    fetched = int((plan.read_end - plan.read_start).sum())
+    assert fetched <= 2 * plan.nbytes
+
+
+def test_plan_merges_neighbours_cheaper_than_a_request() -> None:
+    """Windows one element apart are one read per shard when the gap costs less than a
+    request, and one read each when a request is cheaper than any gap."""
+    shard_map = ShardMap([1000, 1000], 4)
+    starts = np.arange(0, 2000, 10)
+    merged = shard_map.plan(starts, 9, gap_bytes=4096)
+    assert merged.num_reads == 2
+    apart = shard_map.plan(starts, 9, gap_bytes=0)
+    assert apart.num_reads == starts.size

@@ -259,3 +259,32 @@ def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
         assert wide.prefetch == 51
     with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
         assert chosen.prefetch == 3
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+def test_statistics_count_what_the_server_served_over_the_loader_life(
+    tokens: npt.NDArray[np.uint16], http_root: tuple[Path, Any], shuffle: bool | str
+) -> None:
+    """``statistics()`` counts every GET the server answered, the bytes delivered, and goes
+    on counting across epochs; it can still be read after an epoch ended."""
+    root, server = http_root
+    name = f"stats-{shuffle}"
+    ab.write_tokens(str(root / name), tokens, shard_size=8192)
+    batch_size, seq_len = 4, 16
+    with ab.Loader(
+        f"{server.url}/{name}", batch_size=batch_size, seq_len=seq_len, shuffle=shuffle
+    ) as loader:
+        empty = loader.statistics()
+        assert (empty.batches, empty.requests, empty.bytes_fetched) == (0, 0, 0)
+        before = server.requests
+        batches = sum(1 for _ in loader)
+        stats = loader.statistics()
+        assert stats.batches == batches == len(loader)
+        assert stats.bytes_delivered == batches * batch_size * seq_len * tokens.itemsize
+        assert stats.requests == server.requests - before > 0
+        assert stats.bytes_delivered <= stats.bytes_fetched <= 2 * stats.bytes_delivered
+        assert sum(1 for _ in loader) == batches
+        again = loader.statistics()
+        assert again.batches == 2 * batches
+        assert again.bytes_delivered == 2 * stats.bytes_delivered
+        assert again.requests == server.requests - before

@@ -1,0 +1,78 @@
+"""A store wrapper that counts what reaches the store below it: requests and bytes.
+
+It sits right above the transport (below a cache, when there is one), so ``requests`` and
+``bytes_fetched`` are what the object store or filesystem was asked for, whatever the layers
+above serve from elsewhere. A request is one byte range; a store's retries are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .base import Buffer, Store
+
+
+@dataclass
+class ReadCounts:
+    """Cumulative counts of one loader's reads; each field is written by one thread only."""
+
+    requests: int = 0
+    bytes_fetched: int = 0
+
+
+class CountingStore:
+    """Forwards every call to ``inner`` and counts its byte-range reads in ``counts``."""
+
+    def __init__(self, inner: Store, counts: ReadCounts) -> None:
+        self.inner = inner
+        self.counts = counts
+        self.coalesce_gap = inner.coalesce_gap
+
+    async def size(self, url: str) -> int:
+        return await self.inner.size(url)
+
+    async def list(self, url: str) -> list[str]:
+        return await self.inner.list(url)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        self.counts.requests += len(starts)
+        self.counts.bytes_fetched += sum(ends) - sum(starts)
+        await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        await self.inner.write(url, data)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class CountingBufferStore(CountingStore):
+    """A :class:`CountingStore` over a store that also reads into one caller's buffer."""
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        self.counts.requests += int(starts.size)
+        self.counts.bytes_fetched += int(ends.sum() - starts.sum())
+        read_into: Any = self.inner.read_into  # type: ignore[attr-defined]
+        await read_into(urls, which, starts, ends, dest, dest_offsets)
+
+
+def counting(store: Store, counts: ReadCounts) -> Store:
+    """``store`` with its reads counted in ``counts``, keeping its ``read_into`` if it has one."""
+    if callable(getattr(store, "read_into", None)):
+        return CountingBufferStore(store, counts)
+    return CountingStore(store, counts)
