@@ -4,8 +4,8 @@ Elements of a dataset are numbered across the concatenation of its shards. A bat
 spans of elements (``starts[i]``, ``lengths[i]``) laid out one after another in the batch
 buffer. :class:`ShardMap` turns them into reads with ``np.searchsorted`` on the cumulative
 element counts, splits spans at shard ends, and merges neighbouring spans of one shard when
-the gap between them costs less than one more request and is no longer than the span it
-joins. No Python loop runs over the spans.
+the gap between them costs less than one more request, within a budget of wasted bytes. No
+Python loop runs over the spans.
 """
 
 from __future__ import annotations
@@ -108,13 +108,23 @@ class ShardMap:
             piece_dest[order],
         )
         # The cost model: a gap is worth fetching when it costs less than one more request
-        # (``gap_bytes``, the store's request cost in bytes), and only up to the length of the
-        # piece it joins, so a plan never fetches more than twice the bytes it needs, however
-        # sparse or dense its pieces are (a random 1/W of a shard's windows, say).
+        # (``gap_bytes``: the store's request cost in bytes). Gaps are bridged smallest first,
+        # and only while they add up to no more than the plan's own bytes or one request's
+        # cost, whichever is more: a plan of any order and density (a rank's random share of a
+        # shuffled group, say) fetches at most twice what it delivers, small plans aside.
         reach = np.maximum.accumulate(piece_end)
-        gap = np.minimum(gap_bytes // self.itemsize, piece_end[1:] - piece_start[1:])
+        gaps = piece_start[1:] - reach[:-1]
+        same_shard = shard[1:] == shard[:-1]
+        gap = gap_bytes // self.itemsize  # negative: not even touching pieces merge
+        merge = same_shard & (gaps <= min(0, gap))  # overlapping or touching: free
+        candidate = np.flatnonzero(same_shard & (gaps > 0) & (gaps <= gap))
+        if candidate.size:
+            budget = max(int((piece_end - piece_start).sum()), gap)
+            by_cost = candidate[np.argsort(gaps[candidate], kind="stable")]
+            affordable = np.cumsum(gaps[by_cost]) <= budget
+            merge[by_cost[affordable]] = True
         new_read = np.ones(shard.size, dtype=bool)
-        new_read[1:] = (shard[1:] != shard[:-1]) | (piece_start[1:] - reach[:-1] > gap)
+        new_read[1:] = ~merge
         read_of_piece = np.cumsum(new_read) - 1
         heads = np.flatnonzero(new_read)
         read_shard = shard[heads]

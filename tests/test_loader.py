@@ -266,13 +266,18 @@ def test_statistics_count_what_the_server_served_over_the_loader_life(
     tokens: npt.NDArray[np.uint16], http_root: tuple[Path, Any], shuffle: bool | str
 ) -> None:
     """``statistics()`` counts every GET the server answered, the bytes delivered, and goes
-    on counting across epochs; it can still be read after an epoch ended."""
+    on counting across epochs; it can still be read after an epoch ended. Plans of at least
+    one request's cost (``coalesce_gap``) fetch at most twice what they deliver."""
     root, server = http_root
     name = f"stats-{shuffle}"
     ab.write_tokens(str(root / name), tokens, shard_size=8192)
-    batch_size, seq_len = 4, 16
+    batch_size, seq_len = 8, 256
     with ab.Loader(
-        f"{server.url}/{name}", batch_size=batch_size, seq_len=seq_len, shuffle=shuffle
+        f"{server.url}/{name}",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        shuffle=shuffle,
+        coalesce_gap=batch_size * seq_len * tokens.itemsize,
     ) as loader:
         empty = loader.statistics()
         assert (empty.batches, empty.requests, empty.bytes_fetched) == (0, 0, 0)
