@@ -37,6 +37,7 @@ from .integrity import (
 )
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
+from .sampling.windows import History
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.registry import scheme_of
@@ -88,10 +89,19 @@ class Engine:
         self.stride = stride
 
     async def run(
-        self, queue: BatchQueue, epoch: int, first_batch: int, *, infinite: bool = False
+        self,
+        queue: BatchQueue,
+        epoch: int,
+        first_batch: int,
+        *,
+        infinite: bool = False,
+        history: History = (),
     ) -> None:
         """Deliver this engine's batches from ``first_batch`` of ``epoch`` on, then a
-        :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
+        :class:`Final` (``infinite``: go on through the next epochs instead); never raises.
+
+        ``history``: the world sizes ``epoch`` ran on before (the next epochs start afresh).
+        """
         tasks: set[asyncio.Task[bool]] = set()
         stores: list[Store] = []
         final: Final | None = None
@@ -130,12 +140,14 @@ class Engine:
                 # Slot i is batch start + i * stride of the epoch.
                 start = first_batch + (self.worker - done) % self.stride
                 stop = max(0, -(-(per_epoch - start) // self.stride))
+                origin = self.order.first_batch(history)
                 slot = 0
                 while slot < stop:
                     # Groups grow 1, 2, 4, ... units up to the full size (the first batch only
                     # waits for the reads of its unit), and end on multiples of the group size
-                    # counted from the epoch's start, so that each covers whole shuffle windows.
-                    at = start // self.stride + slot
+                    # counted from where the rank's windows start, so that each covers whole
+                    # shuffle windows.
+                    at = (start - origin) // self.stride + slot
                     count = min(size, stop - slot, self.group - at % self.group)
                     size = min(self.group, size * 2)
                     await queue.reserve(count)
@@ -145,7 +157,9 @@ class Engine:
                         self.stride,
                     )
                     previous = asyncio.create_task(
-                        self._deliver(reader, decoder, gap, epoch, batches, previous, queue)
+                        self._deliver(
+                            reader, decoder, gap, epoch, history, batches, previous, queue
+                        )
                     )
                     tasks.add(previous)
                     previous.add_done_callback(tasks.discard)
@@ -153,7 +167,7 @@ class Engine:
                 if not infinite or per_epoch == 0:
                     break
                 done += max(0, per_epoch - first_batch)
-                epoch, first_batch = epoch + 1, 0
+                epoch, first_batch, history = epoch + 1, 0, ()
             if previous is None or await previous:
                 final = Final()
         except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
@@ -182,6 +196,7 @@ class Engine:
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
+        history: History,
         batches: range,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
@@ -191,7 +206,9 @@ class Engine:
         try:
             try:
                 items: list[Batch | Final] = list(
-                    await self._read_group(reader, decoder, gap, epoch, batches, queue, held)
+                    await self._read_group(
+                        reader, decoder, gap, epoch, history, batches, queue, held
+                    )
                 )
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
                 raise
@@ -215,13 +232,14 @@ class Engine:
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
+        history: History,
         batches: range,
         queue: BatchQueue,
         held: list[int],
     ) -> list[Batch]:
         """The group's batches; counts the bytes it holds in ``queue`` and ``held[0]``."""
         order = self.order
-        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
+        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
         lengths = [order.batch_length(b) for b in batches]
         if batches.step > 1:  # a DataLoader worker's share: every stride-th batch
             size = order.batch_size
