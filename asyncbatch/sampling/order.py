@@ -10,7 +10,9 @@ and resuming anywhere costs nothing:
 - :class:`EpochOrder` cuts an epoch into ranks and batches. Global position ``q`` belongs to
   rank ``q % W`` (rank ``r`` takes ``r, r + W, r + 2W, …``), so global batch ``g`` — the
   positions ``[g·B·W, (g+1)·B·W)`` — holds the same samples whatever ``W`` is, as long as the
-  global batch ``B·W`` is the same: a run can resume on another world size exactly.
+  global batch ``B·W`` is the same: a run can resume on another world size exactly. The
+  block shuffle of one dataset instead gives each rank whole windows of blocks
+  (:mod:`asyncbatch.sampling.windows`), so that a rank's reads cover only its own samples.
 
 The tail: every rank yields the same number of batches (an uneven count hangs DDP).
 ``tail="drop"`` leaves out the last positions that do not fill a global batch (with
