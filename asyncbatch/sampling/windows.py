@@ -180,7 +180,8 @@ class RankWindows:
         segments = history or ((self.world_size, 0),)
 
         def split_of(index: int, world: int, first: int) -> WindowSplit:
-            size = self.positions_for(world) - first * self.global_batch
+            # (Only drop_last=False with tail="drop" makes the epoch's length depend on W.)
+            size = max(0, self.positions_for(world) - first * self.global_batch)
             # The first segment keeps the epoch's own keys; each later one gets its own.
             segment_key = key if not index else derive_key(key, 16 + index)
             return WindowSplit(size, world, self.order.window_samples, segment_key)
