@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +37,7 @@ from .integrity import (
 )
 from .layout import ReadPlan
 from .sampling.order import EpochOrder
+from .sampling.windows import History
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.counting import ReadCounts
@@ -92,10 +93,19 @@ class Engine:
         self.stride = stride
 
     async def run(
-        self, queue: BatchQueue, epoch: int, first_batch: int, *, infinite: bool = False
+        self,
+        queue: BatchQueue,
+        epoch: int,
+        first_batch: int,
+        *,
+        infinite: bool = False,
+        history: History = (),
     ) -> None:
         """Deliver this engine's batches from ``first_batch`` of ``epoch`` on, then a
-        :class:`Final` (``infinite``: go on through the next epochs instead); never raises."""
+        :class:`Final` (``infinite``: go on through the next epochs instead); never raises.
+
+        ``history``: the world sizes ``epoch`` ran on before (the next epochs start afresh).
+        """
         tasks: set[asyncio.Task[bool]] = set()
         stores: list[Store] = []
         final: Final | None = None
@@ -128,37 +138,23 @@ class Engine:
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
-            size = self.unit
             per_epoch = self.order.batches_per_epoch
             done = 0  # batches of the run (all workers) in the epochs before this one
+            first_size = self.unit
             while True:
-                # Slot i is batch start + i * stride of the epoch.
-                start = first_batch + (self.worker - done) % self.stride
-                stop = max(0, -(-(per_epoch - start) // self.stride))
-                slot = 0
-                while slot < stop:
-                    # Groups grow 1, 2, 4, ... units up to the full size (the first batch only
-                    # waits for the reads of its unit), and end on multiples of the group size
-                    # counted from the epoch's start, so that each covers whole shuffle windows.
-                    at = start // self.stride + slot
-                    count = min(size, stop - slot, self.group - at % self.group)
-                    size = min(self.group, size * 2)
-                    await queue.reserve(count)
-                    batches = range(
-                        start + slot * self.stride,
-                        start + (slot + count) * self.stride,
-                        self.stride,
-                    )
+                for batches in self.groups(first_batch, done, history, first_size):
+                    await queue.reserve(len(batches))
                     previous = asyncio.create_task(
-                        self._deliver(reader, decoder, gap, epoch, batches, previous, queue)
+                        self._deliver(
+                            reader, decoder, gap, epoch, history, batches, previous, queue
+                        )
                     )
                     tasks.add(previous)
                     previous.add_done_callback(tasks.discard)
-                    slot += count
                 if not infinite or per_epoch == 0:
                     break
                 done += max(0, per_epoch - first_batch)
-                epoch, first_batch = epoch + 1, 0
+                epoch, first_batch, history, first_size = epoch + 1, 0, (), self.group
             if previous is None or await previous:
                 final = Final()
         except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
@@ -181,12 +177,38 @@ class Engine:
             if final is not None:
                 queue.put(final)
 
+    def groups(
+        self, first_batch: int, done: int = 0, history: History = (), first_size: int = 0
+    ) -> Iterator[range]:
+        """The batches of an epoch this engine reads together, group by group, from
+        ``first_batch`` on, when the run delivered ``done`` batches before this epoch.
+
+        Groups grow ``first_size`` (default: one unit), 2x, 4x, ... up to the full size (the
+        first batch only waits for the reads of its unit), and end on multiples of the group
+        size counted from where the rank's windows start, so that each covers whole shuffle
+        windows. A worker's group holds every ``stride``-th batch.
+        """
+        stride = self.stride
+        # Slot i is batch start + i * stride of the epoch.
+        start = first_batch + (self.worker - done) % stride
+        stop = max(0, -(-(self.order.batches_per_epoch - start) // stride))
+        origin = self.order.first_batch(history)
+        size = first_size or self.unit
+        slot = 0
+        while slot < stop:
+            at = (start - origin) // stride + slot
+            count = min(size, stop - slot, self.group - at % self.group)
+            size = min(self.group, size * 2)
+            yield range(start + slot * stride, start + (slot + count) * stride, stride)
+            slot += count
+
     async def _deliver(
         self,
         reader: Reader,
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
+        history: History,
         batches: range,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
@@ -197,7 +219,7 @@ class Engine:
         try:
             try:
                 group, stored = await self._read_group(
-                    reader, decoder, gap, epoch, batches, queue, held
+                    reader, decoder, gap, epoch, history, batches, queue, held
                 )
                 items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
@@ -222,6 +244,7 @@ class Engine:
         decoder: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
+        history: History,
         batches: range,
         queue: BatchQueue,
         held: list[int],
@@ -229,7 +252,7 @@ class Engine:
         """The group's batches and the bytes each holds in the store (its share of the
         group's planned bytes); counts the bytes it holds in ``queue`` and ``held[0]``."""
         order = self.order
-        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1)
+        ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
         lengths = [order.batch_length(b) for b in batches]
         if batches.step > 1:  # a DataLoader worker's share: every stride-th batch
             size = order.batch_size

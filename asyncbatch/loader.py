@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import threading
 import warnings
@@ -46,10 +47,11 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
+from .sampling.windows import History, Segment, extend_history
 from .stores.counting import ReadCounts
 from .stores.retry import RetryPolicy
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 #: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
 #: or two shuffle windows' worth with ``shuffle="block"``).
 PREFETCH_BYTES = 64 * 2**20
@@ -57,10 +59,13 @@ MAX_DEFAULT_PREFETCH = 128
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it).
 INTERRUPT_JOIN_TIMEOUT = 0.5
-#: With ``shuffle="block"``: the default block holds this many bytes of samples, and a
-#: window this many blocks.
+#: With ``shuffle="block"``: the default block holds about this many bytes of samples, and
+#: a window this many blocks.
 BLOCK_BYTES = 2**20
 DEFAULT_WINDOW = 8
+#: The default block grows at most this many times past ``BLOCK_BYTES`` to make a window a
+#: whole number of batches.
+MAX_BLOCK_GROWTH = 4
 #: Settings a saved state must share with the loader resuming it. The rank, world size and
 #: per-rank batch size may change, as long as the global batch (their product) does not.
 MUST_MATCH = (
@@ -102,9 +107,24 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int, int]:
-    """``(epoch, batches_done)`` of ``state`` if a loader whose state is ``mine`` can resume
-    it; a ResumeStateError naming the first setting that differs otherwise."""
+def default_block_size(sample_bytes: int, window: int, global_batch: int, batch_size: int) -> int:
+    """About ``BLOCK_BYTES`` of samples, rounded so that a rank's window (``window`` blocks)
+    is a whole number of global batches, hence of batches at every world size with this
+    global batch (so a state resumes elastically), else of this rank's batches; as is when
+    either would grow the block more than ``MAX_BLOCK_GROWTH`` times."""
+    base = max(1, BLOCK_BYTES // sample_bytes)
+    for multiple in (global_batch, batch_size):
+        step = multiple // math.gcd(multiple, window)
+        size = max(1, round(base / step)) * step
+        if size <= MAX_BLOCK_GROWTH * base:
+            return size
+    return base
+
+
+def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int, int, History]:
+    """``(epoch, batches_done, history)`` of ``state`` if a loader whose state is ``mine``
+    can resume it, the history extended to ``mine``'s world size; a ResumeStateError naming
+    the first setting that differs otherwise."""
     if state.get("version") != STATE_VERSION:
         raise ResumeStateError(f"unsupported loader state version {state.get('version')!r}")
     for key in MUST_MATCH:
@@ -127,7 +147,31 @@ def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int,
         or done < 0
     ):
         raise ResumeStateError(f"invalid position in state: epoch={epoch!r}, batches_done={done!r}")
-    return epoch, done
+    segments = _segments(state.get("segments"), mine["global_batch_size"], done)
+    if segments is None:
+        raise ResumeStateError(
+            f"invalid world-size history in state: segments={state.get('segments')!r}"
+        )
+    return epoch, done, extend_history(segments, mine["world_size"], done)
+
+
+def _segments(value: Any, global_batch: int, done: int) -> list[Segment] | None:
+    """``value`` as segments if it is pairs ``[world_size, first batch]``, the first at batch
+    0, the starts rising up to ``done``, each world size dividing the global batch."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    segments: list[Segment] = []
+    for segment in value:
+        if not isinstance(segment, list | tuple) or len(segment) != 2:
+            return None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in segment):
+            return None
+        world, first = segment
+        start = segments[-1][1] if segments else -1
+        if world < 1 or global_batch % world or first <= start or first > done:
+            return None
+        segments.append((world, first))
+    return segments if segments[0][1] == 0 else None
 
 
 class _LoaderBase:
@@ -207,6 +251,8 @@ class _LoaderBase:
         self._data: Dataset | Mixture | None = None
         self._epoch = 0
         self._position = 0  # batches of the current epoch handed to the caller
+        #: The world sizes the current epoch ran on before this loader's (block shuffle).
+        self._history: History = ()
         self._queue: BatchQueue | None = None
         #: The queue of the latest run, kept for statistics() after the run ended.
         self._last_queue: BatchQueue | None = None
@@ -226,9 +272,15 @@ class _LoaderBase:
         )
         sample_bytes = source.sample_bytes
         if self.shuffle == "block":
+            assert self.window is not None
             # A format may say which block suits its layout (LLMBATCH: one batch slot).
-            default = getattr(source, "default_block_size", None)
-            self.block_size = self._block_size_arg or default or max(1, BLOCK_BYTES // sample_bytes)
+            self.block_size = (
+                self._block_size_arg
+                or getattr(source, "default_block_size", None)
+                or default_block_size(
+                    sample_bytes, self.window, self.batch_size * self.world_size, self.batch_size
+                )
+            )
         samples: SampleOrder | None = None
         num_samples = source.num_samples
         if isinstance(data, Mixture):
@@ -250,12 +302,11 @@ class _LoaderBase:
         self._data = data
         batch_bytes = self.batch_size * sample_bytes
         worker, stride = self._worker
-        # A block shuffle reads best a whole window at a time: this rank's (or worker's)
-        # share of one is this many batches.
+        # A block shuffle reads best a whole window at a time: each rank reads windows of
+        # its own, this many batches (a DataLoader worker: this many of its batches span one).
         want = 0
         if self.block_size is not None and self.window is not None:
-            per_batch = self.batch_size * self.world_size * stride
-            want = -(-self.block_size * self.window // per_batch)
+            want = -(-self.block_size * self.window // (self.batch_size * stride))
         if self._prefetch_arg is None:
             default = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
             self.prefetch = max(default, 2 * want)
@@ -316,7 +367,7 @@ class _LoaderBase:
         if epoch == self._epoch:
             return
         self._discard_run()
-        self._epoch, self._position = epoch, 0
+        self._epoch, self._position, self._history = epoch, 0, ()
 
     def statistics(self) -> LoaderStatistics:
         """The prefetch queue of the current run (or of the last one, once it ended), and
@@ -349,6 +400,9 @@ class _LoaderBase:
             "version": STATE_VERSION,
             "epoch": self._epoch,
             "batches_done": self._position,
+            # [world_size, first global batch] of each stretch of the epoch: the block shuffle
+            # deals rank windows by world size, so a change of it mid-epoch is replayed.
+            "segments": [list(s) for s in self._history] or [[self.world_size, 0]],
             "seed": self.seed,
             "shuffle": self.shuffle,
             "block_size": self.block_size,
@@ -368,23 +422,25 @@ class _LoaderBase:
         """Continue from ``state``; a state saved under other settings is a ResumeStateError.
 
         The state of any rank resumes every rank, on the same world size or another one with
-        the same global batch size (``batch_size * world_size``): the remaining global
-        batches hold the same samples, none skipped or repeated.
+        the same global batch size (``batch_size * world_size``): the rest of the epoch
+        holds exactly the samples not yet delivered, none skipped or repeated.
         """
-        epoch, done = check_state(state, self.state_dict())
+        epoch, done, history = check_state(state, self.state_dict())
         self._discard_run()
-        self._epoch, self._position = epoch, done
+        self._epoch, self._position, self._history = epoch, done, history
 
     def _take(self, item: Any) -> Batch | None:
         """The batch to hand over, or None at the end of the epoch; raises the run's error."""
         if isinstance(item, Batch):
+            if item.extra["epoch"] != self._epoch:  # an infinite run went on to the next
+                self._history = ()
             self._epoch, self._position = item.extra["epoch"], item.extra["batch"] + 1
             return item
         assert isinstance(item, Final)
         self._run_finished()
         if item.error is not None:
             raise item.error
-        self._epoch, self._position = self._epoch + 1, 0
+        self._epoch, self._position, self._history = self._epoch + 1, 0, ()
         return None
 
     def __len__(self) -> int:
@@ -397,7 +453,7 @@ class _LoaderBase:
         """Pickles as its arguments and position, never its thread, loop or stores (spawn)."""
         dataset = self._data if self._data is not None else self._dataset_arg
         args = getattr(self, "_args", {})
-        state = (self._epoch, self._position, self._closed)
+        state = (self._epoch, self._position, self._history, self._closed)
         return (_restore, (type(self), dataset, args, state))
 
     def _check_open(self) -> None:
@@ -415,10 +471,10 @@ def _restore(
     cls: type[_LoaderBase],
     dataset: Dataset | Mixture | str,
     args: dict[str, Any],
-    state: tuple[int, int, bool],
+    state: tuple[int, int, History, bool],
 ) -> _LoaderBase:
     loader = cls(dataset, **args)
-    loader._epoch, loader._position, loader._closed = state
+    loader._epoch, loader._position, loader._history, loader._closed = state
     return loader
 
 
@@ -467,7 +523,9 @@ class Loader(_LoaderBase):
         loop = asyncio.new_event_loop()
         queue = self._new_queue(loop)
         task = loop.create_task(
-            self._engine.run(queue, self._epoch, self._position, infinite=self.infinite)
+            self._engine.run(
+                queue, self._epoch, self._position, infinite=self.infinite, history=self._history
+            )
         )
         thread = threading.Thread(
             target=_run_loop, args=(loop, task), name="asyncbatch-loader", daemon=True
@@ -587,7 +645,13 @@ class AsyncLoader(_LoaderBase):
             assert self._engine is not None
             queue = self._new_queue(asyncio.get_running_loop())
             self._task = asyncio.create_task(
-                self._engine.run(queue, self._epoch, self._position, infinite=self.infinite),
+                self._engine.run(
+                    queue,
+                    self._epoch,
+                    self._position,
+                    infinite=self.infinite,
+                    history=self._history,
+                ),
                 name="asyncbatch-engine",
             )
         batch = self._take(await queue.aget())

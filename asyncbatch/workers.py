@@ -21,6 +21,7 @@ from .dataset import Dataset, open_dataset
 from .errors import ConfigError
 from .loader import Loader, check_state, resolve_rank
 from .mixture import Mixture
+from .sampling.windows import History
 
 
 def keep_batch(batch: Batch) -> Batch:
@@ -55,6 +56,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         probe.close()
         self._epoch = 0
         self._position = 0
+        self._history: History = ()  # as Loader's: the epoch's earlier world sizes
 
     @property
     def epoch(self) -> int:
@@ -65,7 +67,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
         if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
+            self._epoch, self._position, self._history = epoch, 0, ()
 
     def state_dict(self, last: Batch | None = None) -> dict[str, Any]:
         """The loader state after ``last`` (a batch this dataset yielded), or at the start."""
@@ -74,12 +76,14 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
             state["epoch"], state["batches_done"] = self._epoch, self._position
         else:
             state["epoch"], state["batches_done"] = last.extra["epoch"], last.extra["batch"] + 1
+        if state["epoch"] == self._epoch and self._history:
+            state["segments"] = [list(s) for s in self._history]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Start the next iteration after the batch ``state`` was saved at (any rank's state,
         on any world size with the same global batch size)."""
-        self._epoch, self._position = check_state(state, self._settings)
+        self._epoch, self._position, self._history = check_state(state, self._settings)
 
     def __len__(self) -> int:
         """Batches per epoch of this rank (all workers together)."""
@@ -95,7 +99,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
             yield from loader
             # An epoch ended: the next iteration (the parent's with num_workers=0, or a
             # persistent worker's) starts the next epoch.
-            self._epoch, self._position = loader.epoch, 0
+            self._epoch, self._position, self._history = loader.epoch, 0, ()
 
     def dataloader(self, **kwargs: Any) -> torch.utils.data.DataLoader[Batch]:
         """A ``DataLoader`` over this dataset; ``kwargs`` go to it (e.g. ``num_workers``)."""

@@ -72,6 +72,8 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        with self.server.lock:
+            self.server.bytes_served += len(body)
         self.wfile.write(body)
 
 
@@ -85,6 +87,7 @@ class RangeHTTPServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root = root.resolve()
         self.requests = 0  # GET requests served
+        self.bytes_served = 0  # bytes of their bodies
         self.lock = threading.Lock()
 
     @property

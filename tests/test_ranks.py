@@ -120,11 +120,74 @@ def run_elastic_case(
 
 @pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 1), (1, 3), (4, 2), (3, 4)])
 @pytest.mark.parametrize("shuffle", SHUFFLES)
-@pytest.mark.parametrize(("stop", "prefetch"), [(0, 4), (3, 1), (20, 16)])
+# Stop at the start, mid-window, and (81) in the block shuffle's remainder slices.
+@pytest.mark.parametrize(("stop", "prefetch"), [(0, 4), (3, 1), (20, 16), (81, 4)])
 def test_elastic_resume_neither_skips_nor_repeats(
     dataset: ab.Dataset, stop: int, prefetch: int, shuffle: Any, before: int, after: int
 ) -> None:
     run_elastic_case(dataset, stop, shuffle, before, after, prefetch)
+
+
+@pytest.mark.parametrize("shuffle", SHUFFLES)
+def test_repeated_world_size_changes_in_one_epoch(dataset: ab.Dataset, shuffle: Any) -> None:
+    """4 ranks, then 2 (twice), then 1, each resumed from the state the last one saved:
+    together exactly one epoch, and the state stays a few plain values."""
+    common = dict(seq_len=SEQ_LEN, seed=3, **shuffle_args(shuffle))
+    with ab.Loader(dataset, batch_size=12, **common) as one:
+        whole = ids(take(one))
+    delivered: list[int] = []
+    state: dict[str, Any] = {}
+    segments = []
+    for world, stop in [(4, 10), (2, 30), (2, 41), (1, None)]:
+        for rank in range(world):
+            with ab.Loader(
+                dataset, batch_size=12 // world, rank=rank, world_size=world, **common
+            ) as loader:
+                if state:
+                    loader.load_state_dict(state)
+                done = loader.state_dict()["batches_done"]
+                delivered += ids(take(loader, None if stop is None else stop - done))
+                saved = loader.state_dict()
+        state = saved
+        segments.append(state["segments"])
+    assert sorted(delivered) == sorted(whole)
+    # Resuming on the same world size adds nothing; a new epoch starts afresh.
+    assert segments == [[[4, 0]], [[4, 0], [2, 10]], [[4, 0], [2, 10]], [[1, 0]]]
+    assert state["epoch"] == 1 and len(repr(state)) < 1024
+
+
+def test_loader_dataset_resumes_on_another_world_size(dataset: ab.Dataset) -> None:
+    """A block-shuffle state from 2 ranks resumes in a DataLoader with workers on 1 rank,
+    and the workers' own states keep the world-size history."""
+    args: dict[str, Any] = dict(seq_len=SEQ_LEN, seed=1, **shuffle_args("block"))
+    with ab.Loader(dataset, batch_size=12, **args) as one:
+        whole = ids(take(one))
+    delivered: list[int] = []
+    for rank in range(2):
+        with ab.Loader(dataset, batch_size=6, rank=rank, world_size=2, **args) as loader:
+            delivered += ids(take(loader, 13))
+            state = loader.state_dict()
+    source = ab.LoaderDataset(dataset, batch_size=12, **args)
+    source.load_state_dict(state)
+    batches = take(source.dataloader(num_workers=2))
+    assert source.state_dict(batches[3])["segments"] == [[2, 0], [1, 13]]
+    assert sorted(delivered + ids(batches)) == sorted(whole)
+
+
+def test_states_of_another_version_or_history_are_refused(dataset: ab.Dataset) -> None:
+    with ab.Loader(dataset, batch_size=6, seq_len=SEQ_LEN, rank=0, world_size=2) as loader:
+        take(loader, 2)
+        state = loader.state_dict()
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"version": 2}, "version 2"),
+            ({"segments": [[2, 0], [5, 1]]}, "segments"),  # 5 does not divide 12
+            ({"segments": [[2, 0], [1, 5]]}, "segments"),  # starts after batches_done
+            ({"segments": [[2, 1]]}, "segments"),
+            ({"segments": None}, "segments"),
+        ]
+        for bad, match in cases:
+            with pytest.raises(ResumeStateError, match=match):
+                loader.load_state_dict({**state, **bad})
 
 
 def test_resume_needs_the_same_global_batch(dataset: ab.Dataset) -> None:
@@ -171,6 +234,35 @@ def test_block_shuffle_cuts_requests_per_sample(
     # apart from the first groups (1, 2, 4, 8 batches) and blocks cut by the epoch's offset.
     assert counts["block"] <= 2 * blocks + 40, counts
     assert counts["global"] / counts["block"] > 10, counts
+
+
+@pytest.mark.parametrize("world_size", [1, 4, 16])
+def test_each_rank_is_served_only_its_own_bytes(
+    tmp_path: Path, request: pytest.FixtureRequest, world_size: int
+) -> None:
+    """Counted at a real HTTP server, which the store coalesces for (gaps up to 128 KiB):
+    under the block shuffle each rank is sent its own samples' bytes and hardly more."""
+    root, server = request.getfixturevalue("http_root")
+    seq_len = 1024  # 2 KiB samples; blocks of 128 (256 KiB), windows of 2 blocks
+    data = np.random.default_rng(1).integers(0, 60_000, 4096 * seq_len, dtype=np.uint16)
+    name = f"served-{world_size}"
+    ab.write_tokens(str(root / name), data, shard_size=2**20)
+    manifest = (root / name / "manifest.json").stat().st_size
+    args: dict[str, Any] = dict(seq_len=seq_len, shuffle="block", block_size=128, window=2)
+    delivered_all: list[int] = []
+    for rank in range(world_size):
+        with server.lock:
+            server.bytes_served = 0
+        with ab.Loader(
+            f"{server.url}/{name}", batch_size=8, rank=rank, world_size=world_size, **args
+        ) as loader:
+            batches = take(loader)
+        delivered = sum(b["tokens"].numel() * 2 for b in batches)
+        assert delivered == 4096 // world_size * seq_len * 2
+        served = server.bytes_served - manifest
+        assert served / delivered <= 1.1, (rank, served / delivered)
+        delivered_all += ids(batches)
+    assert sorted(delivered_all) == list(range(4096))
 
 
 def test_wrap_tail_fills_the_last_global_batch(

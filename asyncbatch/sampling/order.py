@@ -10,7 +10,9 @@ and resuming anywhere costs nothing:
 - :class:`EpochOrder` cuts an epoch into ranks and batches. Global position ``q`` belongs to
   rank ``q % W`` (rank ``r`` takes ``r, r + W, r + 2W, …``), so global batch ``g`` — the
   positions ``[g·B·W, (g+1)·B·W)`` — holds the same samples whatever ``W`` is, as long as the
-  global batch ``B·W`` is the same: a run can resume on another world size exactly.
+  global batch ``B·W`` is the same: a run can resume on another world size exactly. The
+  block shuffle of one dataset instead gives each rank whole windows of blocks
+  (:mod:`asyncbatch.sampling.windows`), so that a rank's reads cover only its own samples.
 
 The tail: every rank yields the same number of batches (an uneven count hangs DDP).
 ``tail="drop"`` leaves out the last positions that do not fill a global batch (with
@@ -27,7 +29,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError
-from .feistel import FeistelPermutation, _splitmix64
+from .feistel import FeistelPermutation
+from .keys import derive_key as derive_key
+from .keys import epoch_key as epoch_key
+from .keys import mix64
+from .windows import History, RankWindows
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -36,8 +42,6 @@ TAILS = ("drop", "wrap")
 
 #: Positions whose sample ids are computed (and cached) together.
 ID_BLOCK = 16384
-
-_MASK64 = (1 << 64) - 1
 
 
 def normalize_shuffle(shuffle: bool | str) -> str:
@@ -49,18 +53,6 @@ def normalize_shuffle(shuffle: bool | str) -> str:
     if shuffle not in SHUFFLES:
         raise ConfigError(f"shuffle={shuffle!r}: expected True, False or one of {SHUFFLES}")
     return shuffle
-
-
-def epoch_key(seed: int, epoch: int) -> int:
-    """The permutation key of one epoch: a hash of (seed, epoch)."""
-    _, key = _splitmix64((seed * 0x9E3779B97F4A7C15 + epoch) & _MASK64)
-    return key
-
-
-def derive_key(key: int, tag: int) -> int:
-    """An independent key for part ``tag`` of something keyed by ``key``."""
-    _, out = _splitmix64((key ^ ((tag + 1) * 0xD1B54A32D192ED03)) & _MASK64)
-    return out
 
 
 class SampleOrder(Protocol):
@@ -152,7 +144,7 @@ class BlockShuffle:
         in_full = windows < self.full_windows
         if full is not None:
             picked = np.flatnonzero(in_full)
-            rotation = _mix64(windows[picked].astype(np.uint64) ^ rotation_key)
+            rotation = mix64(windows[picked].astype(np.uint64) ^ rotation_key)
             rotation %= np.uint64(self.window_samples)
             shifted = inside[picked] + rotation.astype(np.int64)
             shifted %= self.window_samples
@@ -161,8 +153,15 @@ class BlockShuffle:
             picked = np.flatnonzero(~in_full)
             if picked.size:
                 inside[picked] = last(inside[picked])
-        block_of = windows * self.window + inside // self.block_size
-        within = inside % self.block_size
+        return self.layout(epoch, windows * self.window_samples + inside)
+
+    def layout(self, epoch: int, positions: Int64Array) -> Int64Array:
+        """The blocks in their epoch's order, unshuffled inside windows: position ``p`` is
+        sample ``p - block_size·b`` of the ``b``-th block. Positions from ``N`` on wrap
+        around (``tail="wrap"``)."""
+        positions = positions % self.num_samples
+        block_of = positions // self.block_size
+        within = positions - block_of * self.block_size
         permutation, offset = self._blocks(epoch)
         if permutation is not None:
             full_block = block_of < self.full_blocks
@@ -170,16 +169,6 @@ class BlockShuffle:
         samples: Int64Array = block_of * self.block_size + within + offset
         samples %= self.num_samples
         return samples
-
-
-def _mix64(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser on an array (multiplication wraps modulo 2**64 by design)."""
-    z = z ^ (z >> np.uint64(30))
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return z
 
 
 def make_sample_order(
@@ -193,8 +182,22 @@ def make_sample_order(
     return Sequential(num_samples)
 
 
+def positions_per_epoch(
+    num_samples: int, batch_size: int, world_size: int, drop_last: bool, tail: str
+) -> int:
+    """Global positions of an epoch: ``num_samples`` less the dropped or plus the wrapped tail."""
+    unit = batch_size * world_size if drop_last else world_size
+    if tail == "drop":
+        return num_samples // unit * unit
+    return -(-num_samples // unit) * unit if num_samples else 0
+
+
 class EpochOrder:
-    """Which global samples rank ``rank`` reads, batch by batch, in each epoch."""
+    """Which global samples rank ``rank`` reads, batch by batch, in each epoch.
+
+    A block shuffle of one dataset (``samples`` not given) deals whole rank windows out
+    (:mod:`asyncbatch.sampling.windows`); every other order splits positions ``q % W``.
+    """
 
     def __init__(
         self,
@@ -224,26 +227,46 @@ class EpochOrder:
         self.samples = samples or make_sample_order(
             num_samples, self.shuffle, seed, block_size, window
         )
-        unit = batch_size * world_size if drop_last else world_size
-        if tail == "drop":
-            positions = num_samples // unit * unit
-        else:
-            positions = -(-num_samples // unit) * unit if num_samples else 0
         #: Global positions per epoch: num_samples minus the dropped or plus the wrapped tail.
-        self.positions_per_epoch = positions
-        self.samples_per_rank = positions // world_size
+        self.positions_per_epoch = positions_per_epoch(
+            num_samples, batch_size, world_size, drop_last, tail
+        )
+        self.samples_per_rank = self.positions_per_epoch // world_size
         self.batches_per_epoch = -(-self.samples_per_rank // batch_size)
+        global_batch = batch_size * world_size
+        #: The rank-window split of a block shuffle; None for the position split.
+        self.windows: RankWindows | None = None
+        if samples is None and isinstance(self.samples, BlockShuffle) and num_samples:
+            self.windows = RankWindows(
+                self.samples,
+                rank=rank,
+                world_size=world_size,
+                global_batch=global_batch,
+                positions_for=lambda world: positions_per_epoch(
+                    num_samples, global_batch // world, world, drop_last, tail
+                ),
+            )
         self._block = lru_cache(maxsize=4)(self._make_block)
 
-    def _make_block(self, epoch: int, block: int) -> Int64Array:
+    def first_batch(self, history: History) -> int:
+        """The batch where the current stretch of ``history`` starts: the rank windows
+        start there (0 for the position split, whose batches never depend on ``W``)."""
+        return history[-1][1] if history and self.windows is not None else 0
+
+    def _make_block(self, epoch: int, history: History, block: int) -> Int64Array:
+        """Ids of ``ID_BLOCK`` stream indexes, counted from :meth:`first_batch`."""
+        origin = self.first_batch(history) * self.batch_size
         start = block * ID_BLOCK
-        stop = min(start + ID_BLOCK, self.samples_per_rank)
+        stop = min(start + ID_BLOCK, self.samples_per_rank - origin)
         positions = np.arange(start, stop, dtype=np.int64)
-        positions *= self.world_size
-        positions += self.rank
-        if self.tail == "wrap":
-            np.remainder(positions, self.num_samples, out=positions)
-        ids = self.samples(epoch, positions)
+        if self.windows is not None:
+            ids = self.windows(epoch, history, positions)
+        else:
+            positions *= self.world_size
+            positions += self.rank
+            if self.tail == "wrap":
+                np.remainder(positions, self.num_samples, out=positions)
+            ids = self.samples(epoch, positions)
         ids.flags.writeable = False
         return ids
 
@@ -251,10 +274,20 @@ class EpochOrder:
         """Samples in batch ``batch`` (only the last one of an epoch may be short)."""
         return min(self.batch_size, self.samples_per_rank - batch * self.batch_size)
 
-    def sample_ids(self, epoch: int, first_batch: int, stop_batch: int) -> Int64Array:
-        """Global sample ids of batches ``[first_batch, stop_batch)``, concatenated."""
-        start = first_batch * self.batch_size
-        stop = min(stop_batch * self.batch_size, self.samples_per_rank)
+    def sample_ids(
+        self, epoch: int, first_batch: int, stop_batch: int, history: History = ()
+    ) -> Int64Array:
+        """Global sample ids of batches ``[first_batch, stop_batch)``, concatenated.
+
+        ``history`` is the epoch's world sizes so far (:func:`~asyncbatch.sampling.windows.
+        extend_history`); the batches asked for must lie in its last stretch.
+        """
+        origin = self.first_batch(history) * self.batch_size
+        if first_batch * self.batch_size < origin:
+            raise ValueError(f"batch {first_batch} precedes the history's last stretch")
+        history = history if self.windows is not None else ()
+        start = first_batch * self.batch_size - origin
+        stop = min(stop_batch * self.batch_size, self.samples_per_rank) - origin
         if stop <= start:
             return np.empty(0, dtype=np.int64)
         # Ids are computed a block at a time: a vectorised call has a fixed cost (about 55
@@ -263,7 +296,7 @@ class EpochOrder:
         first, last = start // ID_BLOCK, (stop - 1) // ID_BLOCK
         if first == last:
             offset = first * ID_BLOCK
-            return self._block(epoch, first)[start - offset : stop - offset]
-        parts = [self._block(epoch, b) for b in range(first, last + 1)]
+            return self._block(epoch, history, first)[start - offset : stop - offset]
+        parts = [self._block(epoch, history, b) for b in range(first, last + 1)]
         joined = np.concatenate(parts)
         return joined[start - first * ID_BLOCK : stop - first * ID_BLOCK]
