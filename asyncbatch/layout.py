@@ -72,8 +72,18 @@ class ShardMap:
         """Index of the shard holding each global element index."""
         return np.searchsorted(self.ends, elements, side="right").astype(np.int64)
 
-    def plan(self, starts: npt.ArrayLike, lengths: npt.ArrayLike, gap_bytes: int = 0) -> ReadPlan:
-        """Reads for spans ``[starts[i], starts[i] + lengths[i])`` packed in order into a buffer."""
+    def plan(
+        self,
+        starts: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        gap_bytes: int = 0,
+        extra_waste_bytes: int = 0,
+    ) -> ReadPlan:
+        """Reads for spans ``[starts[i], starts[i] + lengths[i])`` packed in order into a buffer.
+
+        Gaps of up to ``gap_bytes`` (one request's cost) are read across, smallest first,
+        while they add up to at most the spans' own bytes plus ``extra_waste_bytes``.
+        """
         starts = np.asarray(starts, dtype=np.int64)
         lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), starts.shape)
         dest = np.cumsum(lengths) - lengths  # element offset of each span in the buffer
@@ -109,9 +119,9 @@ class ShardMap:
         )
         # The cost model: a gap is worth fetching when it costs less than one more request
         # (``gap_bytes``: the store's request cost in bytes). Gaps are bridged smallest first,
-        # and only while they add up to no more than the plan's own bytes or one request's
-        # cost, whichever is more: a plan of any order and density (a rank's random share of a
-        # shuffled group, say) fetches at most twice what it delivers, small plans aside.
+        # and only while they add up to no more than the plan's own bytes: a plan of any order
+        # and density (a rank's random share of a shuffled group, say) fetches at most twice
+        # what it delivers.
         reach = np.maximum.accumulate(piece_end)
         gaps = piece_start[1:] - reach[:-1]
         same_shard = shard[1:] == shard[:-1]
@@ -119,7 +129,7 @@ class ShardMap:
         merge = same_shard & (gaps <= min(0, gap))  # overlapping or touching: free
         candidate = np.flatnonzero(same_shard & (gaps > 0) & (gaps <= gap))
         if candidate.size:
-            budget = max(int((piece_end - piece_start).sum()), gap)
+            budget = int((piece_end - piece_start).sum()) + extra_waste_bytes // self.itemsize
             by_cost = candidate[np.argsort(gaps[candidate], kind="stable")]
             affordable = np.cumsum(gaps[by_cost]) <= budget
             merge[by_cost[affordable]] = True

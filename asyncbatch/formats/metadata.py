@@ -471,7 +471,11 @@ class MetadataWindows(TokenWindows):
             gap = NEVER_MERGE
         count = hi - lo + 1
         entry_at = np.cumsum(count + 1) - (count + 1)
-        plan = self.index_map.plan(self.index_map.starts[shard] + lo, count + 1, gap)
+        # Index and value reads are small beside the tokens: they may bridge one request's
+        # worth of gaps beyond their own bytes, so neighbouring windows share one read per file.
+        plan = self.index_map.plan(
+            self.index_map.starts[shard] + lo, count + 1, gap, extra_waste_bytes=max(0, gap)
+        )
         plan = replace(plan, read_shard=plan.read_shard + self.num_shards)
         return plan, Groups(shard, lo, count, entry_at, group_of_span, gap)
 
@@ -508,7 +512,12 @@ class MetadataWindows(TokenWindows):
         keep = np.ones(offsets.size, dtype=bool)
         keep[(entry_at + count)[:-1]] = False
         offsets = offsets[keep] if offsets.size else np.zeros(1, dtype=np.int64)
-        plan = self.data_map.plan(self.data_map.starts[shard] + firsts, lengths, groups.gap)
+        plan = self.data_map.plan(
+            self.data_map.starts[shard] + firsts,
+            lengths,
+            groups.gap,
+            extra_waste_bytes=max(0, groups.gap),
+        )
         plan = replace(plan, read_shard=plan.read_shard + 2 * self.num_shards)
         return plan, offsets
 
