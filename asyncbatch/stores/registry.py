@@ -25,6 +25,7 @@ import fsspec
 from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .validate import check_url
 
 StoreFactory = Callable[..., Store]
 
@@ -123,7 +124,11 @@ def open_store(
     max_inflight: int = 64,
     retry: RetryPolicy | None = None,
 ) -> Store:
-    """A new store for ``url``'s scheme, to be used (and closed) in the current event loop."""
+    """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
+
+    Every URL a dataset, loader or writer opens passes here, so this is where a malformed
+    one (``S3://b/k``, ``s3:/b/k``) is refused, before any request."""
+    check_url(url, _registry)
     scheme = scheme_of(url)
     factory = store_factory(scheme)
     options = dict(storage_options or {})
