@@ -9,7 +9,7 @@ because only the message survives a process boundary such as a DataLoader worker
     ├── StoreError(OSError)                a read or write against a store failed
     │   ├── NotFoundError(FileNotFoundError)          404, no such key or file
     │   ├── PermissionDeniedError(PermissionError)    403, EACCES
-    │   │   └── CredentialsError           no credentials, or a key the store rejects
+    │   │   └── CredentialsError           401, no credentials, or a key the store rejects
     │   ├── EndpointError(ConnectionError)            host name unresolvable, TLS not trusted
     │   ├── ThrottledError                 429, 503 SlowDown (retried; carries Retry-After)
     │   ├── StoreTimeoutError(TimeoutError)           no connection, first byte or progress in time
@@ -71,7 +71,8 @@ class PermissionDeniedError(StoreError, PermissionError):
 
 
 class CredentialsError(PermissionDeniedError):
-    """No credentials were found, or the store rejected them (invalid key, bad signature)."""
+    """No credentials were found, or the store rejected them (invalid key, bad signature,
+    HTTP 401)."""
 
 
 class EndpointError(StoreError, ConnectionError):

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import asyncbatch as ab
 from asyncbatch.errors import (
     ConfigError,
+    CredentialsError,
     NotFoundError,
     PermissionDeniedError,
     RangeNotSupportedError,
@@ -227,6 +228,7 @@ def test_deadline_stops_retrying(remote: Remote) -> None:
 # -- faults that are not -----------------------------------------------------------------
 
 NOT_RETRIED: dict[str, tuple[Fault, type[StoreError]]] = {
+    "401": (Fault(status=401), CredentialsError),
     "403": (Fault(status=403), PermissionDeniedError),
     "404": (Fault(status=404), NotFoundError),
     "ignored-range": (Fault(ignore_range=True), RangeNotSupportedError),

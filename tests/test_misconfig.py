@@ -169,6 +169,11 @@ def test_malformed_urls_are_refused_with_the_fix(entry: Entry, url: str, fixed: 
     assert url in str(error) and f"use {fixed}" in str(error)
 
 
+def test_unknown_scheme_suggests_the_closest() -> None:
+    error = fails(ab.UnknownSchemeError, lambda: ab.open_dataset("s4://bucket/tokens"), AT_ONCE)
+    assert "'s4' (did you mean 's3'?)" in str(error)
+
+
 def test_writers_refuse_malformed_urls(tmp_path: Path) -> None:
     with pytest.raises(ab.ConfigError, match="use s3://bucket/tokens"):
         ab.write_tokens("s3:/bucket/tokens", TOKENS)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
+    CredentialsError,
     EndpointError,
     NotFoundError,
     PermissionDeniedError,
@@ -81,7 +82,11 @@ def status_error(
     detail = f"HTTP {status} {reason if reason != str(status) else ''}".rstrip()
     if status == 404:
         return fail(NotFoundError, f"not found ({detail})", url, start, end)
-    if status in (401, 403):
+    if status == 401:
+        detail = f"the server wants credentials ({detail}): check those given (S3: key, secret"
+        detail += " and profile; HTTP: storage_options headers, e.g. Authorization)"
+        return fail(CredentialsError, detail, url, start, end)
+    if status == 403:
         return fail(PermissionDeniedError, f"permission denied ({detail})", url, start, end)
     if status in (429, 503) or "SlowDown" in reason:
         return fail(ThrottledError, detail, url, start, end, retry_after=retry_after)

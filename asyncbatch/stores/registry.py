@@ -12,6 +12,7 @@ so factories written before it existed keep working.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -109,8 +110,11 @@ def store_factory(scheme: str) -> StoreFactory:
         target = "asyncbatch.stores.fsspec_store:fsspec_store"
     if target is None:
         known = ", ".join(sorted(_registry))
+        # Schemes are short: one wrong letter of two ("s4") is still a likely typo.
+        close = difflib.get_close_matches(scheme, sorted(_registry), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownSchemeError(
-            f"no store for URL scheme {scheme!r}; registered: {known}; add one with"
+            f"no store for URL scheme {scheme!r}{hint}; registered: {known}; add one with"
             " asyncbatch.register_store or the 'asyncbatch.stores' entry-point group",
             scheme,
         )

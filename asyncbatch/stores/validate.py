@@ -35,7 +35,8 @@ def check_url(url: str, schemes: Collection[str]) -> None:
     if match is None:
         return
     scheme, slash, rest = match.group(1).lower(), match.group(2), match.group(3)
-    if scheme in schemes or scheme in fsspec.available_protocols():
+    # fsspec's own schemes only with a slash: some take none (data:text/plain,...).
+    if scheme in schemes or (slash and scheme in fsspec.available_protocols()):
         # file: keeps the path's own slash (file:/tmp/x is file:///tmp/x).
         fixed = f"{scheme}://{slash + rest if scheme == 'file' else rest}"
         raise ConfigError(f"URL {url!r} needs two slashes after '{match.group(1)}:': use {fixed}")
@@ -49,7 +50,7 @@ def check_options(store: str, options: Mapping[str, Any], known: Collection[str]
         return
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, known, n=1)
+        close = difflib.get_close_matches(name, sorted(known), n=1)
         if close:
             hints.append(f"did you mean {close[0]!r} for {name!r}?")
     hint = f" ({' '.join(hints)})" if hints else ""
