@@ -8,6 +8,7 @@ connections retried for a few seconds at most), not speed figures.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import subprocess
@@ -23,6 +24,7 @@ from conftest import BUCKET, s3_options
 from servers import RangeHTTPServer, free_port, http_server, moto_server, self_signed_certificate
 
 import asyncbatch as ab
+from asyncbatch.stores import open_store
 
 #: Errors that no retry can fix: the first attempt's error, well within this.
 AT_ONCE = 2.0
@@ -148,6 +150,22 @@ def test_rejected_credentials_are_not_retried(
     error = fails(ab.CredentialsError, lambda: entry(url, options), AT_ONCE)
     message = str(error)
     assert url in message and code in message and "check key, secret and profile" in message
+
+
+def test_missing_s3_object_says_its_status_once(s3_endpoint: str) -> None:
+    # A HEAD's error has no body: botocore's code is the status again ("HTTP 404 404").
+    url = f"s3://{BUCKET}/misconfig/missing"
+
+    async def size() -> int:
+        store = open_store(url, s3_options(s3_endpoint))
+        try:
+            return await store.size(url)
+        finally:
+            await store.close()
+
+    with pytest.raises(ab.NotFoundError) as caught:
+        asyncio.run(size())
+    assert str(caught.value) == f"not found (HTTP 404): {url}"
 
 
 # -- URLs and options ----------------------------------------------------------------------
