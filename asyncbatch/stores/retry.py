@@ -169,13 +169,13 @@ async def with_retries(
             await asyncio.sleep(delay)
             continue
         error = RetriesExhaustedError(
-            f"{what} failed after {why}{_causes(failures)}", url, start, end
+            f"{what} failed after {why}{_summary(failures)}", url, start, end
         )
         error.attempts = failures  # type: ignore[attr-defined]
         raise error from last
 
 
-def _causes(failures: list[str]) -> str:
+def _summary(failures: list[str]) -> str:
     """The failures for a message: one cause said once when every attempt shared it."""
     if len(set(failures)) == 1:
         return f": {failures[0]}" if len(failures) == 1 else f", each: {failures[0]}"

@@ -139,6 +139,7 @@ class S3Store(FsspecStore):
             if code in _BAD_CREDENTIALS:
                 detail = (
                     f"{endpoint} rejected the credentials ({code}): check key, secret and profile"
+                    " (and token)"
                 )
                 return fail(CredentialsError, detail, url, start, end)
             if code == "InvalidBucketName":
@@ -217,8 +218,9 @@ class S3Store(FsspecStore):
                     head = await self._call_client(
                         "head_object", url, None, None, **self._where(fs, url)
                     )
-                except PermissionDeniedError:
-                    await self._explain_forbidden(fs, url)
+                except PermissionDeniedError as exc:
+                    if not isinstance(exc, CredentialsError):
+                        await self._explain_forbidden(fs, url)
                     raise
             self.pins.check(url, head.get("ETag"))
             return int(head["ContentLength"])
