@@ -297,9 +297,8 @@ def test_connection_refused_gives_up_within_seconds(entry: Entry, kind: str) -> 
     error = fails(ab.RetriesExhaustedError, lambda: entry(url, options), REFUSED_BUDGET)
     message = str(error)
     assert url in message and message.count("connection refused by") == 1
-    assert ", each: connection refused by" in message
     assert dead.split("//")[1] in message.split("refused by")[1]  # the endpoint
-    assert "refused connections" in message
+    assert "(refused connections are retried for 3 s), each: connection refused by" in message
     attempts: list[str] = error.attempts  # type: ignore[attr-defined]
     assert len(attempts) >= 2 and len(set(attempts)) == 1
 

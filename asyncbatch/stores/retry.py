@@ -164,7 +164,7 @@ async def with_retries(
         elif spent > policy.deadline:
             why = f"the {policy.deadline:g} s deadline ({tries})"
         elif all_refused and spent > policy.refused_deadline:
-            why = f"{tries} in the {policy.refused_deadline:g} s allowed for refused connections"
+            why = f"{tries} (refused connections are retried for {policy.refused_deadline:g} s)"
         else:
             await asyncio.sleep(delay)
             continue
