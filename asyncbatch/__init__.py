@@ -29,6 +29,8 @@ from .dataset import open_dataset_async as open_dataset_async
 from .errors import AsyncBatchError as AsyncBatchError
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
+from .errors import CredentialsError as CredentialsError
+from .errors import EndpointError as EndpointError
 from .errors import FormatError as FormatError
 from .errors import LoaderClosedError as LoaderClosedError
 from .errors import ManifestError as ManifestError
@@ -68,7 +70,9 @@ __all__ = [
     "Batch",
     "ChecksumError",
     "ConfigError",
+    "CredentialsError",
     "Dataset",
+    "EndpointError",
     "FieldSchema",
     "FormatError",
     "Jagged",

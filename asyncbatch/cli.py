@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect as introspect
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ import numpy.typing as npt
 from .dataset import open_dataset
 from .errors import AsyncBatchError, NotFoundError
 from .integrity import verify_dataset
-from .loader import Loader
+from .loader import PREFETCH_BYTES, Loader
 from .progress import Progress
 from .writer import write_tokens
 
@@ -56,6 +57,16 @@ def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
         write_tokens(str(root), counted(), dtype=np.uint16, shard_size=64 * 2**20)
         bar.close()
     return str(root)
+
+
+def loader_default(name: str) -> Any:
+    """The default of a ``Loader`` argument: the CLI's defaults are the library's own."""
+    for cls in Loader.__mro__:
+        init = vars(cls).get("__init__")
+        parameter = None if init is None else introspect.signature(init).parameters.get(name)
+        if parameter is not None and parameter.default is not parameter.empty:
+            return parameter.default
+    raise LookupError(f"Loader has no argument {name!r} with a default")
 
 
 def _options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -101,6 +112,7 @@ def demo(args: argparse.Namespace) -> int:
     order = "sequential" if args.no_shuffle else "global shuffle"
     print(f"dataset         {url}")
     print(f"batches         {steps} x {args.batch_size} x {args.seq_len} tokens ({order})")
+    print(f"read ahead      {loader.prefetch} batches, {loader.max_inflight} requests in flight")
     print(f"time to first   {first_batch * 1e3:.1f} ms (including opening the dataset)")
     print(f"throughput      {tokens / elapsed / 1e6:.1f} M tokens/s ({elapsed:.2f} s)")
     return 0
@@ -163,49 +175,79 @@ def verify(args: argparse.Namespace) -> int:
     return VERIFY_CLEAN
 
 
+#: Every option's help says its default (``%(default)s``, or in words where it is computed).
+_OPTION_HELP = "storage option (JSON values allowed), repeatable (default: none)"
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="asyncbatch", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("demo", help="stream a dataset (by default a local demo one)")
-    run.add_argument("--url", help="dataset URL (default: a demo dataset created on first run)")
-    run.add_argument("--batch-size", type=int, default=16)
-    run.add_argument("--seq-len", type=int, default=2048)
-    run.add_argument("--steps", type=int, default=0, help="stop after N batches (0: one epoch)")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--prefetch", type=int, default=8)
-    run.add_argument("--max-inflight", type=int, default=64)
-    run.add_argument("--no-shuffle", action="store_true", help="sequential order")
-    run.add_argument("--tokens", type=int, default=DEMO_TOKENS, help="demo dataset size")
     run.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="storage option (JSON values allowed), repeatable",
+        "--url", help="dataset URL (default: a local demo dataset, created on first run)"
+    )
+    run.add_argument(
+        "--batch-size", type=int, default=16, help="samples per batch (default: %(default)s)"
+    )
+    run.add_argument(
+        "--seq-len", type=int, default=2048, help="tokens per sample (default: %(default)s)"
+    )
+    run.add_argument(
+        "--steps", type=int, default=0, help="stop after N batches (default: 0, one epoch)"
+    )
+    run.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
+    run.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="batches read ahead (default: the loader's, as many as fit in"
+        f" {PREFETCH_BYTES >> 20} MiB, 2 to 128)",
+    )
+    run.add_argument(
+        "--max-inflight",
+        type=int,
+        default=loader_default("max_inflight"),
+        help="requests in flight (default: the loader's, %(default)s)",
+    )
+    run.add_argument("--no-shuffle", action="store_true", help="sequential order (default: off)")
+    run.add_argument(
+        "--tokens",
+        type=int,
+        default=DEMO_TOKENS,
+        help="tokens in the demo dataset (default: %(default)s)",
+    )
+    run.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )
     run.set_defaults(func=demo)
 
     look = commands.add_parser("inspect", help="print a dataset's manifest summary")
-    look.add_argument("url")
-    look.add_argument("--shards", type=int, default=5, help="shards to list")
-    look.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    look.add_argument("url", help="dataset URL or path")
+    look.add_argument("--shards", type=int, default=5, help="shards to list (default: %(default)s)")
+    look.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
+    )
     look.set_defaults(func=inspect)
 
     check = commands.add_parser(
         "verify",
         help="check every shard's size and checksums; exit 0 clean, 1 bad, 3 no checksums",
     )
-    check.add_argument("url")
+    check.add_argument("url", help="dataset URL or path")
     check.add_argument(
         "--level",
         choices=("block", "full"),
         default=None,
-        help="block: every block and whole shard (default when blocks are recorded);"
-        " full: whole shards only",
+        help="block: every block and whole shard; full: whole shards only (default: block"
+        " when the manifest records blocks, else full)",
     )
-    check.add_argument("--concurrency", type=int, default=8, help="shards read at once")
-    check.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument(
+        "--concurrency", type=int, default=8, help="shards read at once (default: %(default)s)"
+    )
+    check.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
+    )
     check.set_defaults(func=verify)
     return root
 

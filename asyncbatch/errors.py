@@ -4,11 +4,13 @@ Every error names what went wrong and where (URL, byte range, field and value) i
 because only the message survives a process boundary such as a DataLoader worker::
 
     AsyncBatchError
-    ├── ConfigError(ValueError)            a bad argument, caught before any thread starts
+    ├── ConfigError(ValueError)            a bad argument, URL or storage option; no retry can help
     │   └── ResumeStateError               a state_dict this loader cannot honour
     ├── StoreError(OSError)                a read or write against a store failed
     │   ├── NotFoundError(FileNotFoundError)          404, no such key or file
     │   ├── PermissionDeniedError(PermissionError)    403, EACCES
+    │   │   └── CredentialsError           401, no credentials, or a key the store rejects
+    │   ├── EndpointError(ConnectionError)            host name unresolvable, TLS not trusted
     │   ├── ThrottledError                 429, 503 SlowDown (retried; carries Retry-After)
     │   ├── StoreTimeoutError(TimeoutError)           no connection, first byte or progress in time
     │   ├── RetriesExhaustedError          every attempt failed; lists them, chains the last
@@ -22,8 +24,9 @@ because only the message survives a process boundary such as a DataLoader worker
     └── LoaderClosedError(RuntimeError)    the loader was used after close()
 
 Retried by the stores' retry policy: ThrottledError, StoreTimeoutError, ShortReadError from a
-broken body, and 5xx or connection errors; never NotFoundError, PermissionDeniedError,
-RangeNotSupportedError, ShardChangedError, ChecksumError or a FormatError.
+broken body, and 5xx or connection errors (refused connections only briefly); never
+NotFoundError, PermissionDeniedError (CredentialsError), EndpointError, RangeNotSupportedError,
+ShardChangedError, ChecksumError, a ConfigError or a FormatError.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ class NotFoundError(StoreError, FileNotFoundError):
 
 class PermissionDeniedError(StoreError, PermissionError):
     """The store refused access (HTTP 403, EACCES)."""
+
+
+class CredentialsError(PermissionDeniedError):
+    """No credentials were found, or the store rejected them (invalid key, bad signature,
+    HTTP 401)."""
+
+
+class EndpointError(StoreError, ConnectionError):
+    """The endpoint cannot be reached as configured: its host name does not resolve, or its
+    TLS certificate fails verification."""
 
 
 class ThrottledError(StoreError):

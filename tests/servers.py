@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -102,8 +103,15 @@ class RangeHTTPServer(ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def http_server(root: Path) -> Iterator[RangeHTTPServer]:
+def http_server(root: Path, tls: tuple[Path, Path] | None = None) -> Iterator[RangeHTTPServer]:
+    """The Range server on a free port; over TLS with ``tls`` = (certificate, key) PEM files
+    (its ``url`` then still says http)."""
     server = RangeHTTPServer(root)
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        # Handshakes run in accept(); one the client aborts is an OSError the server skips.
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, name="test-http-server", daemon=True)
     thread.start()
     try:
@@ -114,6 +122,46 @@ def http_server(root: Path) -> Iterator[RangeHTTPServer]:
         thread.join(5)
 
 
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate, key) PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -122,11 +170,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server in its own process (server mode, as s3fs's tests use); its URL."""
+def moto_server(**settings: str) -> Iterator[str]:
+    """moto's S3 server in its own process (server mode, as s3fs's tests use); its URL.
+    ``settings`` are moto's environment variables (``INITIAL_NO_AUTH_ACTION_COUNT``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    env.update(settings)
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

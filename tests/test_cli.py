@@ -43,3 +43,20 @@ def test_inspect_and_errors(tmp_path: Path) -> None:
     missing = run("inspect", str(tmp_path / "nope"), cache=tmp_path)
     assert missing.returncode == 1
     assert "not found" in missing.stderr
+
+
+def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
+    import argparse
+
+    from asyncbatch.cli import loader_default, parser
+
+    root = parser()
+    (commands,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and "default" in action.help, (name, action.dest)
+        assert "default: " in command.format_help(), name
+    args = root.parse_args(["demo"])
+    assert args.prefetch is None  # the loader sizes its own read-ahead
+    assert args.max_inflight == loader_default("max_inflight") == 64

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import asyncbatch as ab
 from asyncbatch.errors import (
     ConfigError,
+    CredentialsError,
     NotFoundError,
     PermissionDeniedError,
     RangeNotSupportedError,
@@ -186,9 +187,23 @@ def test_persistent_503_costs_exactly_max_attempts(remote: Remote, attempts: int
     assert remote.server.count("GET", path_of(url)) == attempts
     message = str(caught.value)
     assert url in message and "bytes [10, 20010)" in message
-    assert message.count("503") == attempts and f"#{attempts} " in message
+    # The cause every attempt shared is said once, with the count.
+    assert message.count("503") == 1
+    assert f"after {attempts} attempts, each: HTTP 503" in message or attempts == 1
+    assert len(set(caught.value.attempts)) == 1  # type: ignore[attr-defined]
     assert isinstance(caught.value.__cause__, ThrottledError)
     assert len(caught.value.attempts) == attempts  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(30)
+def test_different_causes_are_listed_per_attempt(remote: Remote) -> None:
+    url = remote.put(DATA)
+    remote.server.inject(Fault(status=503), default=Fault(status=500))
+    policy = ab.RetryPolicy(max_attempts=2, base_delay=0.001, max_delay=0.002)
+    with pytest.raises(RetriesExhaustedError) as caught:
+        read(remote, url, 0, 100, policy=policy)
+    message = str(caught.value)
+    assert "after 2 attempts: #1 HTTP 503" in message and "; #2 HTTP 500" in message
 
 
 @pytest.mark.timeout(30)
@@ -215,6 +230,7 @@ def test_deadline_stops_retrying(remote: Remote) -> None:
 # -- faults that are not -----------------------------------------------------------------
 
 NOT_RETRIED: dict[str, tuple[Fault, type[StoreError]]] = {
+    "401": (Fault(status=401), CredentialsError),
     "403": (Fault(status=403), PermissionDeniedError),
     "404": (Fault(status=404), NotFoundError),
     "ignored-range": (Fault(ignore_range=True), RangeNotSupportedError),
@@ -277,7 +293,8 @@ def test_connection_refused_is_retried_and_typed(remote: Remote) -> None:
     else:
         url = f"s3://{BUCKET}/faults/none"
         store = open_store(url, s3_options(dead), retry=FAST)
-    with pytest.raises(RetriesExhaustedError, match="after 4 attempts") as caught:
+    refused = "after 4 attempts, each: connection refused"
+    with pytest.raises(RetriesExhaustedError, match=refused) as caught:
         asyncio.run(_read(store, url, 5, 10))
     assert url in str(caught.value) and "bytes [5, 10)" in str(caught.value)
     assert isinstance(caught.value.__cause__, StoreError)
@@ -452,6 +469,7 @@ def test_http_listing_reads_index_pages(files_server: FaultServer) -> None:
         ("connect_timeout", 0),
         ("first_byte_timeout", "1"),
         ("idle_timeout", True),
+        ("refused_deadline", 0),
     ],
 )
 def test_bad_policy_names_the_field(field: str, value: Any) -> None:

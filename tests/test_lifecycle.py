@@ -447,6 +447,8 @@ BAD = [
     ({"storage_options": {"max_open_filez": 9}}, ConfigError, "max_open_filez"),
     ({"dataset": 42}, ConfigError, "dataset.*42"),
     ({"dataset": "nope://bucket/ds"}, UnknownSchemeError, "'nope'"),
+    ({"dataset": "s3:/bucket/ds"}, ConfigError, "use s3://bucket/ds"),
+    ({"dataset": "S3://bucket/ds"}, ConfigError, "use s3://bucket/ds"),
 ]
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
+from ..errors import StoreError, StoreTimeoutError, describe_range
 from .base import Buffer
 from .fsspec_store import FsspecStore
 from .ranged import (
@@ -24,6 +25,7 @@ from .ranged import (
     Pins,
     Progress,
     changed,
+    connection_error,
     expected_length,
     fail,
     fill,
@@ -32,9 +34,13 @@ from .ranged import (
     status_error,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+from .validate import check_options
 
 #: Bytes asked of the socket per read of a body.
 CHUNK = 1 << 20
+
+#: How to trust another certificate: aiohttp verifies against OpenSSL's default paths.
+_TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 
 
 class HttpStore:
@@ -54,11 +60,8 @@ class HttpStore:
         retry: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
         options = dict(storage_options or {})
+        check_options("HTTP", options, ("headers",))
         self._headers = dict(options.pop("headers", None) or {})
-        if options:
-            raise ConfigError(
-                f"unknown storage_options for HTTP: {sorted(options)} (known: headers)"
-            )
         self.max_inflight = max_inflight
         self.retry = retry
         self.pins = Pins()
@@ -106,8 +109,8 @@ class HttpStore:
                 StoreTimeoutError, f"no response headers within {wait:g} s", url, start, end
             ) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            detail = f"request failed: {type(exc).__name__}: {exc}"
-            raise fail(StoreError, detail, url, start, end, retryable=True) from exc
+            endpoint = urlsplit(url).netloc
+            raise connection_error(exc, endpoint, url, start, end, tls_hint=_TLS_HINT) from exc
         if response.status >= 400:
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
             status, reason = response.status, response.reason or ""

@@ -49,6 +49,7 @@ from ..errors import (
 )
 from .base import Buffer, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .validate import check_options
 
 #: What pins a local file: (inode, size, mtime in ns).
 Version = tuple[int, int, int]
@@ -400,12 +401,11 @@ def local_store(
     ``mmap`` (default True: copy from mappings; False: ``pread``).
 
     ``retry`` is accepted for a uniform signature; local reads are not retried."""
+    check_options("local files", storage_options, ("max_threads", "max_open_files", "mmap"))
     options = dict(storage_options)
     threads = int(options.pop("max_threads", min(max_inflight, 8)))
     max_open = int(options.pop("max_open_files", 128))
     mmap = options.pop("mmap", True)
     if not isinstance(mmap, bool):
         raise ConfigError(f"storage_options mmap must be True or False, got {mmap!r}")
-    if options:
-        raise ConfigError(f"unknown storage_options for local files: {sorted(options)}")
     return LocalStore(max_threads=threads, max_open_files=max_open, mmap=mmap)

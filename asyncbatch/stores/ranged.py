@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable, Iterable
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
+    CredentialsError,
+    EndpointError,
     NotFoundError,
     PermissionDeniedError,
     RangeNotSupportedError,
@@ -29,6 +33,7 @@ from ..errors import (
     describe_range,
 )
 from .base import Buffer
+from .retry import refused
 
 #: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
 #: request costs about RTT / in-flight ≈ 10 ms / 64 ≈ 150 µs ≈ 150 KB at 1 GB/s: merging
@@ -73,16 +78,80 @@ def status_error(
     retry_after: float | None = None,
 ) -> StoreError:
     """The typed error for an HTTP error status (S3's too: they are the same codes)."""
-    detail = f"HTTP {status} {reason}".rstrip()
+    # S3 answers HEADs without a body, so botocore's error code is the status again.
+    detail = f"HTTP {status} {reason if reason != str(status) else ''}".rstrip()
     if status == 404:
         return fail(NotFoundError, f"not found ({detail})", url, start, end)
-    if status in (401, 403):
+    if status == 401:
+        detail = f"the server wants credentials ({detail}): check those given (S3: key, secret"
+        detail += " and profile; HTTP: storage_options headers, e.g. Authorization)"
+        return fail(CredentialsError, detail, url, start, end)
+    if status == 403:
         return fail(PermissionDeniedError, f"permission denied ({detail})", url, start, end)
     if status in (429, 503) or "SlowDown" in reason:
         return fail(ThrottledError, detail, url, start, end, retry_after=retry_after)
     if status == 416:
         return fail(ShortReadError, f"range past the end of the object ({detail})", url, start, end)
     return fail(StoreError, detail, url, start, end, retryable=status >= 500)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps: chained causes, aiohttp's ``os_error`` and
+    ``certificate_error``, botocore's ``error`` keyword."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cause = todo.pop()
+        if cause is None or id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        yield cause
+        kwargs = getattr(cause, "kwargs", None)
+        wrapped = kwargs.get("error") if isinstance(kwargs, dict) else None
+        todo += [cause.__cause__, cause.__context__]
+        todo += [getattr(cause, name, None) for name in ("os_error", "certificate_error")]
+        if isinstance(wrapped, BaseException):
+            todo.append(wrapped)
+
+
+def connection_error(
+    exc: BaseException,
+    endpoint: str,
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    *,
+    tls_hint: str,
+) -> StoreError:
+    """The typed error for a request that got no response from ``endpoint`` (host:port).
+
+    A host name that does not resolve and a certificate that fails verification are
+    :class:`EndpointError`: no retry can fix them. A refused connection is retried briefly
+    (a server restarting); anything else (a reset, a broken pipe) under the full policy.
+    ``tls_hint`` says how this store is given another CA bundle.
+    """
+    causes = list(_causes(exc))
+    for cause in causes:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            # aiohttp's wrapper is one too, without the reason OpenSSL gave.
+            reasons = [getattr(c, "verify_message", None) for c in causes]
+            reason = next((r for r in reasons if r), str(cause))
+            detail = (
+                f"the TLS certificate of {endpoint} failed verification ({reason}): use an"
+                f" https endpoint with a trusted certificate, or {tls_hint}"
+            )
+            return fail(EndpointError, detail, url, start, end)
+        if isinstance(cause, socket.gaierror) and cause.errno != socket.EAI_AGAIN:
+            detail = (
+                f"the host name of {endpoint} does not resolve ({cause.strerror}):"
+                " check the endpoint's spelling"
+            )
+            return fail(EndpointError, detail, url, start, end)
+        if isinstance(cause, ConnectionRefusedError):
+            detail = f"connection refused by {endpoint}: is the server running on that port?"
+            return refused(fail(StoreError, detail, url, start, end))
+    detail = f"request failed: {type(exc).__name__}: {exc}"
+    return fail(StoreError, detail, url, start, end, retryable=True)
 
 
 def parse_retry_after(value: str | None) -> float | None:

@@ -12,6 +12,7 @@ so factories written before it existed keep working.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
 from .counting import ReadCounts, counting
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .validate import check_url
 
 StoreFactory = Callable[..., Store]
 
@@ -109,8 +111,11 @@ def store_factory(scheme: str) -> StoreFactory:
         target = "asyncbatch.stores.fsspec_store:fsspec_store"
     if target is None:
         known = ", ".join(sorted(_registry))
+        # Schemes are short: one wrong letter of two ("s4") is still a likely typo.
+        close = difflib.get_close_matches(scheme, sorted(_registry), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownSchemeError(
-            f"no store for URL scheme {scheme!r}; registered: {known}; add one with"
+            f"no store for URL scheme {scheme!r}{hint}; registered: {known}; add one with"
             " asyncbatch.register_store or the 'asyncbatch.stores' entry-point group",
             scheme,
         )
@@ -127,8 +132,11 @@ def open_store(
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
-    With ``counts``, the transport's byte-range reads are counted there.
+    Every URL a dataset, loader or writer opens passes here, so this is where a malformed
+    one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. With ``counts``, the
+    transport's byte-range reads are counted there.
     """
+    check_url(url, _registry)
     scheme = scheme_of(url)
     factory = store_factory(scheme)
     options = dict(storage_options or {})

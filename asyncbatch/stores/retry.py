@@ -4,10 +4,14 @@ A store runs each operation (one byte range, one HEAD) as a series of *attempts*
 :func:`with_retries`. An attempt fails with a typed :class:`~asyncbatch.errors.StoreError`;
 :func:`is_retryable` decides whether another attempt may help: throttling (429, 503
 SlowDown), timeouts, 5xx, refused or reset connections and broken bodies are retried; 403,
-404, 412 (the object changed), 416, a server ignoring ``Range`` and format errors are not.
-When every attempt failed, :class:`~asyncbatch.errors.RetriesExhaustedError` lists them all
-and chains the last. An attempt may keep state across calls (the bytes of a range already
-received), so a broken body re-requests only its missing tail.
+404, 412 (the object changed), 416, a server ignoring ``Range``, misconfiguration (no
+credentials, a host name that does not resolve, an untrusted certificate, a bad URL or
+option) and format errors are not. Refused connections are retried only briefly
+(``refused_deadline``): a server restarting comes back within seconds, a wrong endpoint
+never does. When every attempt failed, :class:`~asyncbatch.errors.RetriesExhaustedError`
+lists them (a cause shared by all of them once) and chains the last. An attempt may keep
+state across calls (the bytes of a range already received), so a broken body re-requests
+only its missing tail.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class RetryPolicy:
     ``connect_timeout`` bounds opening a connection; the response headers must follow within
     ``first_byte_timeout`` more; ``idle_timeout`` bounds any pause while the body arrives,
     so a slow transfer that keeps moving never times out and a stalled one always does.
+    While every attempt so far had its connection refused, no attempt starts after
+    ``refused_deadline`` seconds from the first.
     """
 
     max_attempts: int = 10
@@ -52,6 +58,7 @@ class RetryPolicy:
     connect_timeout: float = 10.0
     first_byte_timeout: float = 30.0
     idle_timeout: float = 30.0
+    refused_deadline: float = 3.0
 
     def __post_init__(self) -> None:
         attempts = self.max_attempts
@@ -98,6 +105,12 @@ def transient(error: StoreError) -> StoreError:
     return error
 
 
+def refused(error: StoreError) -> StoreError:
+    """Mark ``error`` as a refused connection: retried, within ``refused_deadline``."""
+    error.refused = True  # type: ignore[attr-defined]
+    return transient(error)
+
+
 def is_retryable(error: BaseException) -> bool:
     """Whether another attempt may succeed where ``error`` failed."""
     if not isinstance(error, StoreError):
@@ -130,6 +143,7 @@ async def with_retries(
     """
     began = time.monotonic()
     failures: list[str] = []
+    all_refused = True
     number = 0
     while True:
         number += 1
@@ -139,18 +153,30 @@ async def with_retries(
             if not is_retryable(exc):
                 raise
             failures.append(describe_attempt(exc))
+            all_refused = all_refused and getattr(exc, "refused", False)
             last: StoreError = exc
         retry_after = getattr(last, "retry_after", None)
         delay = policy.backoff(number, retry_after)
-        out_of_time = time.monotonic() + delay - began > policy.deadline
-        if number >= policy.max_attempts or out_of_time:
-            why = (
-                f"{number} attempts"
-                if number >= policy.max_attempts
-                else f"the {policy.deadline:g} s deadline ({number} attempts)"
-            )
-            listed = "; ".join(f"#{i} {text}" for i, text in enumerate(failures, 1))
-            error = RetriesExhaustedError(f"{what} failed after {why}: {listed}", url, start, end)
-            error.attempts = failures  # type: ignore[attr-defined]
-            raise error from last
-        await asyncio.sleep(delay)
+        spent = time.monotonic() + delay - began
+        tries = f"{number} attempt{'s' if number > 1 else ''}"
+        if number >= policy.max_attempts:
+            why = tries
+        elif spent > policy.deadline:
+            why = f"the {policy.deadline:g} s deadline ({tries})"
+        elif all_refused and spent > policy.refused_deadline:
+            why = f"{tries} (refused connections are retried for {policy.refused_deadline:g} s)"
+        else:
+            await asyncio.sleep(delay)
+            continue
+        error = RetriesExhaustedError(
+            f"{what} failed after {why}{_summary(failures)}", url, start, end
+        )
+        error.attempts = failures  # type: ignore[attr-defined]
+        raise error from last
+
+
+def _summary(failures: list[str]) -> str:
+    """The failures for a message: one cause said once when every attempt shared it."""
+    if len(set(failures)) == 1:
+        return f": {failures[0]}" if len(failures) == 1 else f", each: {failures[0]}"
+    return ": " + "; ".join(f"#{i} {text}" for i, text in enumerate(failures, 1))

@@ -12,18 +12,28 @@ naming the key and range; none escapes raw.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Mapping, Sequence
+from functools import cache
 from typing import Any
 
 import aiohttp
 
-from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
+from ..errors import (
+    ConfigError,
+    CredentialsError,
+    PermissionDeniedError,
+    StoreError,
+    StoreTimeoutError,
+    describe_range,
+)
 from .base import Buffer
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
     Progress,
     changed,
+    connection_error,
     expected_length,
     fail,
     fill,
@@ -32,12 +42,39 @@ from .ranged import (
     status_error,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+from .validate import check_options
 
 #: Bytes asked of the socket per read of a body.
 CHUNK = 1 << 20
 
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+
+_NO_CREDENTIALS = (
+    "no AWS credentials found: pass storage_options key= and secret= (or profile=), set"
+    " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or anon=True for a public bucket"
+)
+_TLS_HINT = (
+    "pass its CA bundle as storage_options client_kwargs={'verify': '/path/to/ca.pem'}"
+    " (or set AWS_CA_BUNDLE)"
+)
+
+
+@cache
+def storage_option_names() -> frozenset[str]:
+    """The ``storage_options`` this store takes: s3fs's own, fsspec's listing cache ones,
+    and aiobotocore's session ones (s3fs passes the rest there)."""
+    from aiobotocore.session import AioSession
+    from s3fs import S3FileSystem
+
+    names = {"use_listings_cache", "listings_expiry_time", "max_paths"}
+    for function in (S3FileSystem.__init__, AioSession.__init__):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                names.add(parameter.name)
+    # The store sets these itself.
+    return frozenset(names - {"self", "asynchronous", "loop"})
 
 
 class _Changed(Exception):
@@ -55,6 +92,7 @@ class S3Store(FsspecStore):
         max_inflight: int = 64,
         retry: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
+        check_options("S3", storage_options, storage_option_names())
         options = dict(storage_options)
         config = dict(options.get("config_kwargs") or {})
         # aiobotocore pools 10 connections by default: as many as we keep in flight.
@@ -73,17 +111,39 @@ class S3Store(FsspecStore):
         return await fs.set_session(), self._limit, fs
 
     def _error(
-        self, exc: BaseException, url: str, start: int | None, end: int | None
+        self, exc: BaseException, endpoint: str, url: str, start: int | None, end: int | None
     ) -> BaseException:
         """The typed error for anything botocore or aiohttp raised."""
-        from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectTimeoutError,
+            NoCredentialsError,
+            ParamValidationError,
+            PartialCredentialsError,
+        )
 
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            return fail(CredentialsError, _NO_CREDENTIALS, url, start, end)
+        if isinstance(exc, ParamValidationError):  # checked before sending
+            if "Invalid bucket name" in str(exc):
+                return self._bad_bucket(url)
+            problem = " ".join(str(exc).split()).removeprefix("Parameter validation failed: ")
+            return ConfigError(f"{problem}: {url}")
         if isinstance(exc, ClientError):
             meta = exc.response.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode") or 0)
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if status == 412 or code == "PreconditionFailed":
                 return _Changed()
+            if code in _BAD_CREDENTIALS:
+                detail = (
+                    f"{endpoint} rejected the credentials ({code}): check key, secret and profile"
+                    " (and token)"
+                )
+                return fail(CredentialsError, detail, url, start, end)
+            if code == "InvalidBucketName":
+                return self._bad_bucket(url)
             if code in _NOT_FOUND:
                 status = 404
             elif code in _THROTTLED:
@@ -98,9 +158,15 @@ class S3Store(FsspecStore):
         if isinstance(exc, TimeoutError):  # botocore's read timeout is one too
             return fail(StoreTimeoutError, f"timed out: {exc}", url, start, end)
         if isinstance(exc, BotoCoreError | aiohttp.ClientError | OSError):
-            detail = f"request failed: {type(exc).__name__}: {exc}"
-            return fail(StoreError, detail, url, start, end, retryable=True)
+            return connection_error(exc, endpoint, url, start, end, tls_hint=_TLS_HINT)
         return fail(StoreError, f"request failed: {type(exc).__name__}: {exc}", url, start, end)
+
+    def _bad_bucket(self, url: str) -> ConfigError:
+        bucket = self._fs.split_path(url)[0] if self._fs is not None else "?"
+        return ConfigError(
+            f"invalid bucket name {bucket!r} in {url}: bucket names are 3 to 63 lower-case"
+            " letters, digits, dots and hyphens"
+        )
 
     async def _call_client(
         self, method: str, url: str, start: int | None, end: int | None, **kwargs: Any
@@ -117,7 +183,7 @@ class S3Store(FsspecStore):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = self._error(exc, url, start, end)
+            error = self._error(exc, client.meta.endpoint_url, url, start, end)
             if isinstance(error, _Changed):
                 now = await self._current_version(url)
                 raise changed(url, self.pins.get(url) or "?", now) from exc
@@ -148,13 +214,32 @@ class S3Store(FsspecStore):
         async def attempt() -> int:
             _, limit, fs = await self._client()
             async with limit:
-                head = await self._call_client(
-                    "head_object", url, None, None, **self._where(fs, url)
-                )
+                try:
+                    head = await self._call_client(
+                        "head_object", url, None, None, **self._where(fs, url)
+                    )
+                except PermissionDeniedError as exc:
+                    if not isinstance(exc, CredentialsError):
+                        await self._explain_forbidden(fs, url)
+                    raise
             self.pins.check(url, head.get("ETag"))
             return int(head["ContentLength"])
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def _explain_forbidden(self, fs: Any, url: str) -> None:
+        """Raise the GET's error for a key whose HEAD was refused, if it is a
+        :class:`CredentialsError`: a HEAD's 403 has no body, so it cannot tell a rejected
+        key (``InvalidAccessKeyId``, ``SignatureDoesNotMatch``) from missing permission."""
+        try:
+            response = await self._call_client(
+                "get_object", url, None, None, Range="bytes=0-0", **self._where(fs, url)
+            )
+        except CredentialsError:
+            raise
+        except StoreError:
+            return
+        response["Body"].close()  # allowed after all: the HEAD's own error stands
 
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
