@@ -38,6 +38,11 @@ class RangeHandler(BaseHTTPRequestHandler):
             return None
         return path
 
+    def _etag(self, path: Path) -> None:
+        """An ETag as nginx makes one (mtime and size): a rewritten file gets another."""
+        stat = path.stat()
+        self.send_header("ETag", f'"{stat.st_mtime_ns:x}-{stat.st_size:x}"')
+
     def do_HEAD(self) -> None:
         path = self._file()
         if path is None:
@@ -45,6 +50,7 @@ class RangeHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(path.stat().st_size))
         self.send_header("Accept-Ranges", "bytes")
+        self._etag(path)
         self.end_headers()
 
     def do_GET(self) -> None:
@@ -71,6 +77,7 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
+        self._etag(path)
         self.end_headers()
         self.wfile.write(body)
 

@@ -24,6 +24,7 @@ import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
+from .cache import CachedStore, DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
 
 StoreFactory = Callable[..., Store]
@@ -122,11 +123,15 @@ def open_store(
     *,
     max_inflight: int = 64,
     retry: RetryPolicy | None = None,
+    cache: DiskCache | None = None,
 ) -> Store:
-    """A new store for ``url``'s scheme, to be used (and closed) in the current event loop."""
+    """A new store for ``url``'s scheme, to be used (and closed) in the current event loop;
+    with ``cache``, read through that node-local cache."""
     scheme = scheme_of(url)
     factory = store_factory(scheme)
     options = dict(storage_options or {})
     if _accepts_retry(factory):
-        return factory(scheme, options, max_inflight=max_inflight, retry=retry or DEFAULT_POLICY)
-    return factory(scheme, options, max_inflight=max_inflight)
+        store = factory(scheme, options, max_inflight=max_inflight, retry=retry or DEFAULT_POLICY)
+    else:
+        store = factory(scheme, options, max_inflight=max_inflight)
+    return store if cache is None else CachedStore(store, cache)

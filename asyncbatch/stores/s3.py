@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from ..errors import ConfigError, StoreError, StoreTimeoutError, describe_range
-from .base import Buffer
+from .base import Buffer, ObjectInfo
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
@@ -144,15 +144,20 @@ class S3Store(FsspecStore):
 
     async def size(self, url: str) -> int:
         """Size from a HEAD; pins the key's ETag."""
+        return (await self.stat(url)).size
 
-        async def attempt() -> int:
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and ETag from a HEAD; pins the ETag."""
+
+        async def attempt() -> ObjectInfo:
             _, limit, fs = await self._client()
             async with limit:
                 head = await self._call_client(
                     "head_object", url, None, None, **self._where(fs, url)
                 )
-            self.pins.check(url, head.get("ETag"))
-            return int(head["ContentLength"])
+            etag = head.get("ETag")
+            self.pins.check(url, etag)
+            return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
 

@@ -1,0 +1,519 @@
+"""The node-local cache: fixed-size blocks of remote objects kept on a local disk.
+
+:class:`DiskCache` is the cache on disk, shared by every process of a node; :class:`CachedStore`
+wraps any store with it and implements the same protocol. Layout under the cache's path::
+
+    cache.json                      {"max_bytes": ..., "block_size": ...} (for ``cache info``)
+    objects/<key>/<n>               block n of one object version: bytes [n*B, (n+1)*B)
+    objects/<key>/<n>.tmp-<...>     a block being written (never read)
+
+``<key>`` hashes the object's URL, its version (the ETag or file identity its store pins)
+and the block size ``B``: a new version of an object is a new key, never a stale hit.
+
+Processes coordinate only through the filesystem. A block is written to a temporary file in
+its directory and renamed into place (``os.replace`` is atomic), so a reader sees a whole
+entry or none, and a process killed mid-write leaves only a temporary file, which readers
+ignore and scans delete once it is older than :data:`STALE_TEMP_SECONDS`. A read checks
+the entry's length against the block's; a wrong one is deleted and counts as a miss. Every
+hit touches the entry's mtime, and eviction (when ``max_bytes`` is set) deletes the entries
+with the oldest mtimes; a file another process removed meanwhile is simply a miss.
+
+The cache never fails a read: the first failure to write (a full disk, an unwritable or
+deleted directory) warns once with :class:`~asyncbatch.errors.CacheWarning` and stops
+writing for the life of the :class:`DiskCache`; reads go on from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CacheWarning, ConfigError
+from .base import Buffer, ObjectInfo, Store, Versioned
+
+#: Bytes per cached block unless the cache says otherwise.
+DEFAULT_BLOCK_SIZE = 4 * 2**20
+#: A temporary file older than this (seconds) belongs to a writer that died: scans delete it.
+STALE_TEMP_SECONDS = 600.0
+#: Eviction brings the cache down to this share of ``max_bytes``, so that it does not run
+#: again after every block.
+LOW_WATER = 0.9
+#: A process looks at the whole cache again after writing this share of ``max_bytes``:
+#: other processes fill it too, and only a scan sees their entries.
+RESCAN_SHARE = 1 / 16
+
+_META = "cache.json"
+_OBJECTS = "objects"
+_TEMP = ".tmp-"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class DiskCache:
+    """A node-local cache of remote bytes at ``path``, shared by every process that opens it.
+
+    ``max_bytes``: evict least recently used blocks to stay under it (None: no limit but the
+    disk's). ``block_size``: bytes per entry; a read fetches whole blocks, so it may fetch a
+    little more than asked. Counters (``hits``, ``misses`` in blocks; ``hit_bytes``;
+    ``fetched_bytes`` read from the store below) add up over this object's life in this
+    process. Pickles as its arguments.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+            raise ConfigError(f"cache path must be a non-empty str or os.PathLike, got {path!r}")
+        self.block_size = _positive_int("block_size", block_size)
+        if max_bytes is not None:
+            max_bytes = _positive_int("max_bytes", max_bytes)
+            if max_bytes < block_size:
+                raise ConfigError(
+                    f"max_bytes={max_bytes} holds not even one block of block_size={block_size}"
+                )
+        self.max_bytes = max_bytes
+        self.path = os.path.abspath(os.fspath(path))
+        self.hits = 0
+        self.misses = 0
+        self.hit_bytes = 0
+        self.fetched_bytes = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Per-process state (a forked child starts its own)."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._ready = False
+        self._writable = True
+        self._warned: set[str] = set()
+        self._used = 0  # bytes in the cache at the last scan, plus those written since
+        self._written = 0  # bytes written since the last scan
+        self._names = itertools.count()
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()
+
+    @classmethod
+    def of(cls, value: DiskCache | str | os.PathLike[str] | None) -> DiskCache | None:
+        """``value`` as a cache: a path opens one with the defaults; None is no cache."""
+        if value is None or isinstance(value, DiskCache):
+            return value
+        if isinstance(value, str | os.PathLike):
+            return cls(value)
+        raise ConfigError(f"cache must be a path or an asyncbatch.DiskCache, got {value!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (self.path, self.max_bytes, self.block_size))
+
+    def __repr__(self) -> str:
+        return f"DiskCache({self.path!r}, max_bytes={self.max_bytes}, block_size={self.block_size})"
+
+    def statistics(self) -> dict[str, int]:
+        """The counters, as one dict."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_bytes": self.hit_bytes,
+            "fetched_bytes": self.fetched_bytes,
+        }
+
+    def count(
+        self, *, hits: int = 0, misses: int = 0, hit_bytes: int = 0, fetched: int = 0
+    ) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self.hit_bytes += hit_bytes
+            self.fetched_bytes += fetched
+
+    def warn_once(self, cause: str, message: str) -> None:
+        """Warn with :class:`CacheWarning` the first time ``cause`` happens in this process."""
+        self._check_pid()
+        with self._lock:
+            if cause in self._warned:
+                return
+            self._warned.add(cause)
+        warnings.warn(message, CacheWarning, stacklevel=3)
+
+    def object_dir(self, url: str, version: str) -> str:
+        """The directory holding the blocks of ``url`` at ``version``."""
+        key = hashlib.sha256(f"{url}\0{version}\0{self.block_size}".encode()).hexdigest()
+        return os.path.join(self.path, _OBJECTS, key[:32])
+
+    # Everything below does blocking file I/O: callers run it in a thread.
+
+    def load(self, directory: str, blocks: Sequence[int], lengths: Sequence[int]) -> list[Any]:
+        """The bytes of each entry of ``blocks`` (``lengths[i]`` long), None for a miss."""
+        return [self._load(directory, b, n) for b, n in zip(blocks, lengths, strict=True)]
+
+    def _load(self, directory: str, block: int, length: int) -> bytearray | None:
+        path = os.path.join(directory, str(block))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # missing (never written, evicted, cleared) or unreadable: a miss
+            return None
+        try:
+            if os.fstat(fd).st_size != length:
+                raise ValueError(path)  # not a block this cache wrote whole: drop it
+            data = bytearray(length)
+            view = memoryview(data)
+            got = 0
+            while got < length:
+                more = os.readv(fd, [view[got:]])
+                if more == 0:
+                    raise ValueError(path)  # shrank under the read
+                got += more
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # recently used: evicted last
+            os.utime(path)
+        return data
+
+    def store(self, directory: str, blocks: dict[int, Buffer]) -> None:
+        """Write each block as an entry of ``directory``; on failure warn once and stop."""
+        self._check_pid()
+        if not self._writable:
+            return
+        for block, data in blocks.items():
+            try:
+                self._prepare()
+                self._make_room(len(data))
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(directory)  # not makedirs: a deleted cache stays deleted
+                self._store(os.path.join(directory, str(block)), data)
+            except OSError as exc:
+                with self._lock:
+                    self._writable = False
+                self.warn_once(
+                    "write",
+                    f"the cache at {self.path} cannot be written ({exc}); reads go on from"
+                    " the store without it",
+                )
+                return
+            with self._lock:
+                self._used += len(data)
+                self._written += len(data)
+
+    def _store(self, path: str, data: Buffer | bytes) -> None:
+        temp = f"{path}{_TEMP}{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                self._write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+
+    def _write(self, fd: int, data: Buffer | bytes) -> None:
+        """Write all of ``data`` to ``fd`` (not fsynced: an entry can be fetched again)."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    def _prepare(self) -> None:
+        """Once per process: create the cache, record its settings, scan it."""
+        with self._lock:
+            if self._ready:
+                return
+            os.makedirs(os.path.join(self.path, _OBJECTS), exist_ok=True)
+            meta = {"max_bytes": self.max_bytes, "block_size": self.block_size}
+            self._store(os.path.join(self.path, _META), json.dumps(meta).encode())
+            self._scan(0)
+            self._ready = True
+
+    def _make_room(self, nbytes: int) -> None:
+        if self.max_bytes is None:
+            return
+        with self._lock:
+            if (
+                self._used + nbytes <= self.max_bytes
+                and self._written < self.max_bytes * RESCAN_SHARE
+            ):
+                return
+            self._scan(nbytes)
+
+    def _scan(self, nbytes: int) -> None:
+        """Count the cache's bytes, delete stale temporary files, and evict the least
+        recently used entries until ``nbytes`` more fit; called with the lock held."""
+        entries, used = scan(self.path, clean=True)
+        if self.max_bytes is not None and used + nbytes > self.max_bytes:
+            target = max(0, min(int(self.max_bytes * LOW_WATER), self.max_bytes - nbytes))
+            entries.sort()
+            for _, size, path in entries:
+                if used <= target:
+                    break
+                with contextlib.suppress(FileNotFoundError):  # another process evicted it
+                    os.unlink(path)
+                used -= size
+        self._used, self._written = used, 0
+
+    def remove(self, directory: str, blocks: Sequence[int]) -> None:
+        """Delete the entries of ``blocks`` (gone already: nothing to do)."""
+        for block in blocks:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, str(block)))
+
+
+def _restore(path: str, max_bytes: int | None, block_size: int) -> DiskCache:
+    return DiskCache(path, max_bytes=max_bytes, block_size=block_size)
+
+
+def scan(path: str, *, clean: bool = False) -> tuple[list[tuple[float, int, str]], int]:
+    """``(mtime, bytes, path)`` of every entry of the cache at ``path``, and the bytes all its
+    files hold; ``clean``: delete temporary files older than :data:`STALE_TEMP_SECONDS`.
+    Files that vanish during the scan (other processes evict too) are skipped."""
+    entries: list[tuple[float, int, str]] = []
+    used = 0
+    stale = time.time() - STALE_TEMP_SECONDS
+    try:
+        objects = list(os.scandir(os.path.join(path, _OBJECTS)))
+    except FileNotFoundError:
+        return entries, 0
+    for folder in objects:
+        try:
+            files = list(os.scandir(folder.path))
+        except (NotADirectoryError, FileNotFoundError):
+            continue
+        for file in files:
+            try:
+                stat = file.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if _TEMP in file.name:
+                if clean and stat.st_mtime < stale:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(file.path)
+                    continue
+            elif file.name.isdigit():
+                entries.append((stat.st_mtime, stat.st_size, file.path))
+            used += stat.st_size
+    return entries, used
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What ``asyncbatch cache info`` reports."""
+
+    path: str
+    entries: int
+    objects: int
+    bytes_used: int
+    max_bytes: int | None
+    block_size: int | None
+
+
+def cache_info(path: str | os.PathLike[str]) -> CacheInfo:
+    """Entries, objects and bytes of the cache at ``path`` (settings as last recorded)."""
+    root = os.path.abspath(os.fspath(path))
+    entries, used = scan(root)
+    try:
+        with open(os.path.join(root, _META), "rb") as file:
+            meta = json.load(file)
+    except (OSError, ValueError):
+        meta = {}
+    objects = len({os.path.dirname(entry[2]) for entry in entries})
+    return CacheInfo(
+        root, len(entries), objects, used, meta.get("max_bytes"), meta.get("block_size")
+    )
+
+
+def clear_cache(path: str | os.PathLike[str]) -> int:
+    """Delete every entry of the cache at ``path``; returns the bytes freed."""
+    root = os.path.abspath(os.fspath(path))
+    _, used = scan(root)
+    shutil.rmtree(os.path.join(root, _OBJECTS), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, _META))
+    return used
+
+
+class _Abandoned(Exception):
+    """The read fetching a block failed or was cancelled: its waiters fetch it themselves."""
+
+
+class CachedStore:
+    """A store that reads whole blocks through a :class:`DiskCache`, over any store.
+
+    Each object is stat'ed once per store (its size and version; the store below pins that
+    version). Blocks are loaded from disk; missing ones are fetched from the store below,
+    neighbours in one range, written to the cache and copied out. Blocks being fetched by one
+    read are waited for, not fetched again, by the others of this store. Objects whose store
+    reports no version are read straight from it (warned once).
+    """
+
+    def __init__(self, inner: Store, cache: DiskCache) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.coalesce_gap = inner.coalesce_gap
+        self._infos: dict[str, asyncio.Future[ObjectInfo]] = {}
+        self._pending: dict[tuple[str, int], asyncio.Future[Buffer]] = {}
+
+    async def stat(self, url: str) -> ObjectInfo:
+        future = self._infos.get(url)
+        if future is None:
+            future = self._infos[url] = asyncio.ensure_future(self._stat(url))
+        try:
+            return await asyncio.shield(future)
+        except BaseException:
+            if future.done() and self._infos.get(url) is future:
+                self._infos.pop(url)  # failed: the next call asks again
+            raise
+
+    async def _stat(self, url: str) -> ObjectInfo:
+        if isinstance(self.inner, Versioned):
+            return await self.inner.stat(url)
+        return ObjectInfo(await self.inner.size(url), None)
+
+    async def size(self, url: str) -> int:
+        return (await self.stat(url)).size
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        self._infos.pop(url, None)
+        await self.inner.write(url, data)
+        self._infos.pop(url, None)  # a new version: stat it again
+
+    async def close(self) -> None:
+        infos, self._infos = list(self._infos.values()), {}
+        for future in infos:
+            future.cancel()
+        await asyncio.gather(*infos, return_exceptions=True)
+        await self.inner.close()
+
+    async def discard(self, url: str, start: int, end: int) -> None:
+        info = await self.stat(url)
+        if info.version is None or end <= start:
+            return
+        size = self.cache.block_size
+        blocks = range(start // size, -(-end // size))
+        directory = self.cache.object_dir(url, info.version)
+        await asyncio.to_thread(self.cache.remove, directory, blocks)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        info = await self.stat(url)
+        if info.version is None:
+            self.cache.warn_once(
+                "version",
+                f"{url}: its store reports no version (ETag), so the cache could not tell a"
+                " changed object from the one it holds; such objects are read without it",
+            )
+        if info.version is None or any(end > info.size for end in ends):
+            # Past the end: the store below raises the error naming the range.
+            await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            return
+        size = self.cache.block_size
+        needed = sorted(
+            {
+                b
+                for s, e in zip(starts, ends, strict=True)
+                if e > s
+                for b in range(s // size, -(-e // size))
+            }
+        )
+        blocks = await self._blocks(url, info, needed)
+        for start, end, buffer in zip(starts, ends, buffers, strict=True):
+            at = start
+            while at < end:
+                block = at // size
+                stop = min(end, (block + 1) * size)
+                offset = at - block * size
+                buffer[at - start : stop - start] = blocks[block][offset : offset + stop - at]
+                at = stop
+
+    async def _blocks(self, url: str, info: ObjectInfo, needed: list[int]) -> dict[int, Buffer]:
+        """The bytes of each block of ``needed``: waited for, loaded, or fetched."""
+        got: dict[int, Buffer] = {}
+        while len(got) < len(needed):
+            todo = [b for b in needed if b not in got]
+            waiting = {b: self._pending[url, b] for b in todo if (url, b) in self._pending}
+            mine = [b for b in todo if b not in waiting]
+            if mine:
+                got.update(await self._load_or_fetch(url, info, mine))
+            for block, future in waiting.items():
+                with contextlib.suppress(_Abandoned):  # left to this loop's next round
+                    got[block] = await asyncio.shield(future)
+        return got
+
+    async def _load_or_fetch(
+        self, url: str, info: ObjectInfo, blocks: list[int]
+    ) -> dict[int, Buffer]:
+        assert info.version is not None
+        cache, size = self.cache, self.cache.block_size
+        loop = asyncio.get_running_loop()
+        futures = {b: loop.create_future() for b in blocks}
+        for block, future in futures.items():
+            self._pending[url, block] = future
+        try:
+            directory = cache.object_dir(url, info.version)
+            lengths = [min(size, info.size - b * size) for b in blocks]
+            loaded = await asyncio.to_thread(cache.load, directory, blocks, lengths)
+            found: dict[int, Buffer] = {
+                b: memoryview(data)
+                for b, data in zip(blocks, loaded, strict=True)
+                if data is not None
+            }
+            for block, data in found.items():
+                futures[block].set_result(data)
+            cache.count(hits=len(found), hit_bytes=sum(len(d) for d in found.values()))
+            missing = [b for b in blocks if b not in found]
+            if not missing:
+                return found
+            # Neighbouring missing blocks are fetched as one range.
+            runs: list[list[int]] = []
+            for block in missing:
+                if runs and runs[-1][-1] == block - 1:
+                    runs[-1].append(block)
+                else:
+                    runs.append([block])
+            starts = [run[0] * size for run in runs]
+            ends = [min(info.size, (run[-1] + 1) * size) for run in runs]
+            buffers = [memoryview(bytearray(e - s)) for s, e in zip(starts, ends, strict=True)]
+            await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            fetched: dict[int, Buffer] = {}
+            for run, buffer in zip(runs, buffers, strict=True):
+                for i, block in enumerate(run):
+                    fetched[block] = buffer[i * size : (i + 1) * size]
+                    futures[block].set_result(fetched[block])
+            cache.count(misses=len(missing), fetched=sum(len(b) for b in buffers))
+            await asyncio.to_thread(cache.store, directory, fetched)
+            return found | fetched
+        finally:
+            for block, future in futures.items():
+                if not future.done():
+                    future.set_exception(_Abandoned())
+                    future.exception()  # retrieved: waiters see it, nobody else need
+                if self._pending.get((url, block)) is future:
+                    del self._pending[url, block]
+
+    # Last: within the class, ``list`` names this method from here on.
+    async def list(self, url: str) -> list[str]:
+        return await self.inner.list(url)
