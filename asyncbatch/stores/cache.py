@@ -107,6 +107,7 @@ class DiskCache:
         self._warned: set[str] = set()
         self._used = 0  # bytes in the cache at the last scan, plus those written since
         self._written = 0  # bytes written since the last scan
+        self._writing = 0  # bytes of writes under way in this process's threads
         self._names = itertools.count()
 
     def _check_pid(self) -> None:
@@ -201,10 +202,14 @@ class DiskCache:
         for block, data in blocks.items():
             try:
                 self._prepare()
-                self._make_room(len(data))
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(directory)  # not makedirs: a deleted cache stays deleted
-                self._store(os.path.join(directory, str(block)), data)
+                self._reserve(len(data))
+                try:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(directory)  # not makedirs: a deleted cache stays deleted
+                    self._store(os.path.join(directory, str(block)), data)
+                finally:
+                    with self._lock:
+                        self._writing -= len(data)
             except OSError as exc:
                 with self._lock:
                     self._writable = False
@@ -214,9 +219,6 @@ class DiskCache:
                     " the store without it",
                 )
                 return
-            with self._lock:
-                self._used += len(data)
-                self._written += len(data)
 
     def _store(self, path: str, data: Buffer | bytes) -> None:
         temp = f"{path}{_TEMP}{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
@@ -249,21 +251,23 @@ class DiskCache:
             self._scan(0)
             self._ready = True
 
-    def _make_room(self, nbytes: int) -> None:
-        if self.max_bytes is None:
-            return
+    def _reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` about to be written, first evicting to make room if needed."""
         with self._lock:
-            if (
-                self._used + nbytes <= self.max_bytes
-                and self._written < self.max_bytes * RESCAN_SHARE
+            limit = self.max_bytes
+            if limit is not None and (
+                self._used + nbytes > limit or self._written >= limit * RESCAN_SHARE
             ):
-                return
-            self._scan(nbytes)
+                self._scan(nbytes)
+            self._used += nbytes
+            self._written += nbytes
+            self._writing += nbytes
 
     def _scan(self, nbytes: int) -> None:
         """Count the cache's bytes, delete stale temporary files, and evict the least
         recently used entries until ``nbytes`` more fit; called with the lock held."""
         entries, used = scan(self.path, clean=True)
+        used += self._writing  # this process's writes under way (not yet, or partly, on disk)
         if self.max_bytes is not None and used + nbytes > self.max_bytes:
             target = max(0, min(int(self.max_bytes * LOW_WATER), self.max_bytes - nbytes))
             entries.sort()
