@@ -190,6 +190,22 @@ def test_loader_dataset_and_open_dataset_read_through_the_cache(
     assert server.requests == before
 
 
+def test_objects_without_a_version_are_read_without_the_cache(
+    tokens: npt.NDArray[np.uint16], tmp_path: Path
+) -> None:
+    url = f"memory://cache-{next(_names)}"  # fsspec's memory filesystem reports no version
+    ab.write_tokens(url, tokens, shard_size=16_000)
+    cache = ab.DiskCache(tmp_path / "cache", block_size=BLOCK)
+    with (
+        pytest.warns(ab.CacheWarning) as record,
+        ab.Loader(url, batch_size=4, seq_len=SEQ, cache=cache) as loader,
+    ):
+        check_epoch(loader, tokens)
+        check_epoch(loader, tokens)
+    assert "no version" in only_cache_warning(record)
+    assert cache.misses == cache.hits == 0 and not entries(tmp_path / "cache")
+
+
 def test_arguments_are_checked_and_survive_pickling(tmp_path: Path) -> None:
     ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
     with pytest.raises(ab.ConfigError, match="cache must be a path"):
