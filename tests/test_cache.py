@@ -246,8 +246,9 @@ def test_two_processes_share_one_cache(
     cache = ab.DiskCache(tmp_path / "cache", block_size=BLOCK)
     assert check_entries(cache, url, folder) > 0
     assert not temporaries(tmp_path / "cache")
-    # Each process keeps the cache under max_bytes; two at once overshoot by a block at most.
-    assert cache_info(tmp_path / "cache").bytes_used <= limit + BLOCK
+    # Each process keeps the cache under max_bytes counting its own writes under way; the
+    # other's, not yet on disk when it looked, may add a block or two.
+    assert cache_info(tmp_path / "cache").bytes_used <= limit + 2 * BLOCK
 
 
 def test_a_writer_killed_mid_write_leaves_no_wrong_entry(
