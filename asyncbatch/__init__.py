@@ -56,7 +56,7 @@ from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
 from .mixture import mix as mix
 from .stores import register_store as register_store
-from .stores.cache import DiskCache as DiskCache
+from .stores.disk_cache import DiskCache as DiskCache
 from .stores.retry import RetryPolicy as RetryPolicy
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens

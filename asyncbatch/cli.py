@@ -21,7 +21,7 @@ from .errors import AsyncBatchError, NotFoundError
 from .integrity import verify_dataset
 from .loader import Loader
 from .progress import Progress
-from .stores.cache import DEFAULT_BLOCK_SIZE, cache_info, clear_cache
+from .stores.disk_cache import DEFAULT_BLOCK_SIZE, cache_info, clear_cache
 from .writer import write_tokens
 
 DEMO_TOKENS = 150_000_000  # 300 MB of uint16

@@ -18,7 +18,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
 from .stores import open_store
 from .stores.base import Store
-from .stores.cache import DiskCache
+from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
 
 

@@ -40,7 +40,7 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .stores import open_store
 from .stores.base import Buffer, Discards, Store
-from .stores.cache import DiskCache
+from .stores.disk_cache import DiskCache
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 

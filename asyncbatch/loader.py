@@ -46,7 +46,7 @@ from .sampling.order import (
     make_sample_order,
     normalize_shuffle,
 )
-from .stores.cache import DiskCache
+from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
 
 STATE_VERSION = 2

@@ -26,7 +26,7 @@ from servers import RangeHTTPServer
 import asyncbatch as ab
 from asyncbatch import cli
 from asyncbatch.stores import open_store
-from asyncbatch.stores.cache import STALE_TEMP_SECONDS, cache_info
+from asyncbatch.stores.disk_cache import STALE_TEMP_SECONDS, cache_info
 
 CHILD = Path(__file__).with_name("cache_child.py")
 SEQ = 16

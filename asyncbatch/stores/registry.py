@@ -24,7 +24,8 @@ import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
-from .cache import CachedStore, DiskCache
+from .cache import CachedStore
+from .disk_cache import DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
 
 StoreFactory = Callable[..., Store]
