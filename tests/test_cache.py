@@ -25,6 +25,7 @@ from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import cli
+from asyncbatch.stores import cache as cached
 from asyncbatch.stores import open_store
 from asyncbatch.stores.disk_cache import STALE_TEMP_SECONDS, cache_info
 
@@ -314,6 +315,39 @@ def read_blocks(cache: ab.DiskCache, url: str, *blocks: int) -> None:
             await store.close()
 
     asyncio.run(main())
+
+
+def test_any_ranges_read_exact_bytes_a_few_blocks_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "object")
+    data = np.random.default_rng(2).bytes(25_500)
+    Path(url).write_bytes(data)
+    monkeypatch.setattr(cached, "CHUNK_BYTES", 3000)  # three blocks held at a time
+    cache = ab.DiskCache(tmp_path / "cache", block_size=1000)
+    rng = np.random.default_rng(3)
+    starts = rng.integers(0, len(data), 40).tolist()  # unsorted, overlapping, some empty
+    ends = [
+        min(len(data), s + int(n)) for s, n in zip(starts, rng.integers(0, 3000, 40), strict=True)
+    ]
+    starts.append(len(data) - 10)  # the short last block
+    ends.append(len(data))
+
+    async def main() -> list[bytes]:
+        store = open_store(url, cache=cache)
+        try:
+            results = []
+            for _ in range(2):  # misses, then hits
+                buffers = [memoryview(bytearray(e - s)) for s, e in zip(starts, ends, strict=True)]
+                await store.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+                results += [bytes(b) for b in buffers]
+            return results
+        finally:
+            await store.close()
+
+    expected = [data[s:e] for s, e in zip(starts, ends, strict=True)]
+    assert asyncio.run(main()) == expected + expected
+    assert cache.misses == len(entries(tmp_path / "cache")) and cache.hits >= cache.misses
 
 
 def test_least_recently_used_blocks_are_evicted_first(tmp_path: Path) -> None:

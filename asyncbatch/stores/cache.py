@@ -17,6 +17,10 @@ from collections.abc import Sequence
 from .base import Buffer, ObjectInfo, Store, Versioned
 from .disk_cache import DiskCache
 
+#: The most bytes of blocks one read holds at once (it fetches, writes and copies them out,
+#: then goes on with the next ones).
+CHUNK_BYTES = 64 * 2**20
+
 
 class _Abandoned(Exception):
     """The read fetching a block failed or was cancelled: its waiters fetch it themselves."""
@@ -94,23 +98,28 @@ class CachedStore:
             await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
             return
         size = self.cache.block_size
-        needed = sorted(
-            {
-                b
-                for s, e in zip(starts, ends, strict=True)
-                if e > s
-                for b in range(s // size, -(-e // size))
-            }
-        )
-        blocks = await self._blocks(url, info, needed)
+        # (block, offset in it, length, buffer, offset in that): the pieces to copy out.
+        pieces: list[tuple[int, int, int, Buffer, int]] = []
         for start, end, buffer in zip(starts, ends, buffers, strict=True):
             at = start
             while at < end:
                 block = at // size
                 stop = min(end, (block + 1) * size)
-                offset = at - block * size
-                buffer[at - start : stop - start] = blocks[block][offset : offset + stop - at]
+                pieces.append((block, at - block * size, stop - at, buffer, at - start))
                 at = stop
+        pieces.sort(key=lambda piece: piece[0])
+        needed = sorted({piece[0] for piece in pieces})
+        # Blocks are held CHUNK_BYTES at a time: a shuffled read touching a thousand blocks
+        # must not hold them all at once.
+        per_chunk = max(1, CHUNK_BYTES // size)
+        next_piece = 0
+        for first in range(0, len(needed), per_chunk):
+            chunk = needed[first : first + per_chunk]
+            blocks = await self._blocks(url, info, chunk)
+            while next_piece < len(pieces) and pieces[next_piece][0] <= chunk[-1]:
+                block, offset, length, buffer, at = pieces[next_piece]
+                buffer[at : at + length] = blocks[block][offset : offset + length]
+                next_piece += 1
 
     async def _blocks(self, url: str, info: ObjectInfo, needed: list[int]) -> dict[int, Buffer]:
         """The bytes of each block of ``needed``: waited for, loaded, or fetched."""
