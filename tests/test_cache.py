@@ -129,6 +129,28 @@ def test_second_epoch_makes_no_get_request(
         assert loader.cache is not None and loader.cache.hits > 0
 
 
+def test_async_loader_reads_through_the_cache(
+    http_dataset: tuple[str, Path, RangeHTTPServer],
+    tokens: npt.NDArray[np.uint16],
+    tmp_path: Path,
+) -> None:
+    url, _, server = http_dataset
+
+    async def main() -> list[int]:
+        gets = []
+        async with ab.AsyncLoader(url, batch_size=4, seq_len=SEQ, cache=tmp_path) as loader:
+            for _ in range(2):
+                before = server.requests
+                async for batch in loader:
+                    expected = expected_windows(tokens, batch.global_indexes, SEQ)
+                    np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+                gets.append(server.requests - before)
+        return gets
+
+    first, second = asyncio.run(main())
+    assert first > 0 and second == 0
+
+
 @pytest.mark.parametrize("store", ["s3"])
 def test_second_epoch_from_s3_fetches_nothing(
     write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16], tmp_path: Path
