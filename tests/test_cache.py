@@ -192,7 +192,7 @@ def test_each_block_is_fetched_once_and_kept_across_caches(
     assert (again.misses, again.fetched_bytes) == (0, 0) and again.hit_bytes >= total
 
 
-def test_loader_dataset_and_open_dataset_read_through_the_cache(
+def test_dataloader_workers_and_open_dataset_read_through_the_cache(
     http_dataset: tuple[str, Path, RangeHTTPServer],
     tokens: npt.NDArray[np.uint16],
     tmp_path: Path,
@@ -202,9 +202,9 @@ def test_loader_dataset_and_open_dataset_read_through_the_cache(
     dataset = ab.open_dataset(url, cache=cache)
     data = ab.LoaderDataset(dataset, batch_size=4, seq_len=SEQ, cache=cache)
     data = pickle.loads(pickle.dumps(data))  # as spawned DataLoader workers get it
-    for _ in range(2):
+    for _ in range(2):  # two worker processes share the cache; the second epoch's, too
         before = server.requests
-        for batch in data.dataloader(num_workers=0):
+        for batch in data.dataloader(num_workers=2):
             expected = expected_windows(tokens, batch.global_indexes, SEQ)
             np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
     assert server.requests == before
