@@ -11,11 +11,10 @@ engine calls when bytes it read fail their checksum, so a corrupt entry is read 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 from .base import Buffer, ObjectInfo, Store, Versioned
-from .disk_cache import DiskCache
+from .disk_cache import DiskCache, Piece
 
 #: The most bytes of blocks one read holds at once (it fetches, writes and copies them out,
 #: then goes on with the next ones).
@@ -30,10 +29,11 @@ class CachedStore:
     """A store that reads whole blocks through a :class:`DiskCache`, over any store.
 
     Each object is stat'ed once per store (its size and version; the store below pins that
-    version). Blocks are loaded from disk; missing ones are fetched from the store below,
-    neighbours in one range, written to the cache and copied out. Blocks being fetched by one
-    read are waited for, not fetched again, by the others of this store. Objects whose store
-    reports no version are read straight from it (warned once).
+    version). From a cached block only the bytes asked for are read, straight into the
+    caller's buffers; missing blocks are fetched whole from the store below, neighbours in
+    one range, written to the cache and copied out. A block one read of this store is
+    fetching is waited for by the others, not fetched again. Objects whose store reports no
+    version are read straight from it (warned once).
     """
 
     def __init__(self, inner: Store, cache: DiskCache) -> None:
@@ -98,46 +98,48 @@ class CachedStore:
             await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
             return
         size = self.cache.block_size
-        # (block, offset in it, length, buffer, offset in that): the pieces to copy out.
-        pieces: list[tuple[int, int, int, Buffer, int]] = []
+        # The pieces of the ranges, by block: (offset in the block, length, buffer, offset in it).
+        pieces: dict[int, list[Piece]] = {}
         for start, end, buffer in zip(starts, ends, buffers, strict=True):
             at = start
             while at < end:
                 block = at // size
                 stop = min(end, (block + 1) * size)
-                pieces.append((block, at - block * size, stop - at, buffer, at - start))
+                pieces.setdefault(block, []).append(
+                    (at - block * size, stop - at, buffer, at - start)
+                )
                 at = stop
-        pieces.sort(key=lambda piece: piece[0])
-        needed = sorted({piece[0] for piece in pieces})
-        # Blocks are held CHUNK_BYTES at a time: a shuffled read touching a thousand blocks
-        # must not hold them all at once.
+        needed = sorted(pieces)
+        # CHUNK_BYTES of blocks at a time: a shuffled read touching a thousand blocks must
+        # not hold them all in memory at once.
         per_chunk = max(1, CHUNK_BYTES // size)
-        next_piece = 0
         for first in range(0, len(needed), per_chunk):
-            chunk = needed[first : first + per_chunk]
-            blocks = await self._blocks(url, info, chunk)
-            while next_piece < len(pieces) and pieces[next_piece][0] <= chunk[-1]:
-                block, offset, length, buffer, at = pieces[next_piece]
-                buffer[at : at + length] = blocks[block][offset : offset + length]
-                next_piece += 1
+            await self._fill(url, info, needed[first : first + per_chunk], pieces)
 
-    async def _blocks(self, url: str, info: ObjectInfo, needed: list[int]) -> dict[int, Buffer]:
-        """The bytes of each block of ``needed``: waited for, loaded, or fetched."""
-        got: dict[int, Buffer] = {}
-        while len(got) < len(needed):
-            todo = [b for b in needed if b not in got]
+    async def _fill(
+        self, url: str, info: ObjectInfo, blocks: list[int], pieces: dict[int, list[Piece]]
+    ) -> None:
+        """Copy the pieces of ``blocks`` out: from the cache's files, from a block another
+        read of this store is fetching, or from the store below."""
+        done: set[int] = set()
+        while len(done) < len(blocks):
+            todo = [b for b in blocks if b not in done]
             waiting = {b: self._pending[url, b] for b in todo if (url, b) in self._pending}
             mine = [b for b in todo if b not in waiting]
             if mine:
-                got.update(await self._load_or_fetch(url, info, mine))
+                await self._read_or_fetch(url, info, mine, pieces)
+                done.update(mine)
             for block, future in waiting.items():
-                with contextlib.suppress(_Abandoned):  # left to this loop's next round
-                    got[block] = await asyncio.shield(future)
-        return got
+                try:
+                    data = await asyncio.shield(future)
+                except _Abandoned:  # found on disk, or failed: this loop's next round
+                    continue
+                _copy_out(data, pieces[block])
+                done.add(block)
 
-    async def _load_or_fetch(
-        self, url: str, info: ObjectInfo, blocks: list[int]
-    ) -> dict[int, Buffer]:
+    async def _read_or_fetch(
+        self, url: str, info: ObjectInfo, blocks: list[int], pieces: dict[int, list[Piece]]
+    ) -> None:
         assert info.version is not None
         cache, size = self.cache, self.cache.block_size
         loop = asyncio.get_running_loop()
@@ -146,20 +148,15 @@ class CachedStore:
             self._pending[url, block] = future
         try:
             directory = cache.object_dir(url, info.version)
-            lengths = [min(size, info.size - b * size) for b in blocks]
-            loaded = await asyncio.to_thread(cache.load, directory, blocks, lengths)
-            found: dict[int, Buffer] = {
-                b: memoryview(data)
-                for b, data in zip(blocks, loaded, strict=True)
-                if data is not None
-            }
-            for block, data in found.items():
-                futures[block].set_result(data)
-            cache.count(hits=len(found), hit_bytes=sum(len(d) for d in found.values()))
-            missing = [b for b in blocks if b not in found]
+            # Hits: only the pieces asked for are read, straight into their buffers.
+            wanted = [(b, min(size, info.size - b * size), pieces[b]) for b in blocks]
+            hits = await asyncio.to_thread(cache.read, directory, wanted)
+            hit_bytes = sum(length for b in hits for _, length, _, _ in pieces[b])
+            cache.count(hits=len(hits), hit_bytes=hit_bytes)
+            missing = [b for b in blocks if b not in hits]
             if not missing:
-                return found
-            # Neighbouring missing blocks are fetched as one range.
+                return
+            # Misses: whole blocks, neighbours in one range, then cached and copied out.
             runs: list[list[int]] = []
             for block in missing:
                 if runs and runs[-1][-1] == block - 1:
@@ -173,11 +170,11 @@ class CachedStore:
             fetched: dict[int, Buffer] = {}
             for run, buffer in zip(runs, buffers, strict=True):
                 for i, block in enumerate(run):
-                    fetched[block] = buffer[i * size : (i + 1) * size]
-                    futures[block].set_result(fetched[block])
+                    fetched[block] = data = buffer[i * size : (i + 1) * size]
+                    futures[block].set_result(data)
+                    _copy_out(data, pieces[block])
             cache.count(misses=len(missing), fetched=sum(len(b) for b in buffers))
             await asyncio.to_thread(cache.store, directory, fetched)
-            return found | fetched
         finally:
             for block, future in futures.items():
                 if not future.done():
@@ -189,3 +186,8 @@ class CachedStore:
     # Last: within the class, ``list`` names this method from here on.
     async def list(self, url: str) -> list[str]:
         return await self.inner.list(url)
+
+
+def _copy_out(block: Buffer, pieces: list[Piece]) -> None:
+    for offset, length, buffer, at in pieces:
+        buffer[at : at + length] = block[offset : offset + length]

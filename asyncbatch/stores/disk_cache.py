@@ -57,6 +57,12 @@ _OBJECTS = "objects"
 _TEMP = ".tmp-"
 
 
+#: A piece of a read inside one block: (offset in the block, length, buffer, offset in it).
+Piece = tuple[int, int, Buffer, int]
+#: What to read of one entry: (block, its length, the pieces).
+Wanted = tuple[int, int, Sequence[Piece]]
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -68,9 +74,9 @@ class DiskCache:
 
     ``max_bytes``: evict least recently used blocks to stay under it (None: no limit but the
     disk's). ``block_size``: bytes per entry; a read fetches whole blocks, so it may fetch a
-    little more than asked. Counters (``hits``, ``misses`` in blocks; ``hit_bytes``;
-    ``fetched_bytes`` read from the store below) add up over this object's life in this
-    process. Pickles as its arguments.
+    little more than asked. Counters (``hits``, ``misses`` in blocks; ``hit_bytes`` read
+    from entries; ``fetched_bytes`` read from the store below) add up over this object's
+    life in this process. Pickles as its arguments.
     """
 
     def __init__(
@@ -162,38 +168,42 @@ class DiskCache:
 
     # Everything below does blocking file I/O: callers run it in a thread.
 
-    def load(
-        self, directory: str, blocks: Sequence[int], lengths: Sequence[int]
-    ) -> list[bytearray | None]:
-        """The bytes of each entry of ``blocks`` (``lengths[i]`` long), None for a miss."""
-        return [self._load(directory, b, n) for b, n in zip(blocks, lengths, strict=True)]
+    def read(self, directory: str, wanted: Sequence[Wanted]) -> set[int]:
+        """For each ``(block, length, pieces)`` of ``wanted`` whose entry holds ``length``
+        bytes, read each piece ``(offset, n, buffer, at)`` of it into ``buffer[at:at + n]``;
+        the blocks read (the others are misses; an entry of the wrong length is deleted)."""
+        return {
+            block
+            for block, length, pieces in wanted
+            if self._read(directory, block, length, pieces)
+        }
 
-    def _load(self, directory: str, block: int, length: int) -> bytearray | None:
+    def _read(self, directory: str, block: int, length: int, pieces: Sequence[Piece]) -> bool:
         path = os.path.join(directory, str(block))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # missing (never written, evicted, cleared) or unreadable: a miss
-            return None
+            return False
         try:
             if os.fstat(fd).st_size != length:
                 raise ValueError(path)  # not a block this cache wrote whole: drop it
-            data = bytearray(length)
-            view = memoryview(data)
-            got = 0
-            while got < length:
-                more = os.readv(fd, [view[got:]])
-                if more == 0:
-                    raise ValueError(path)  # shrank under the read
-                got += more
+            for offset, n, buffer, at in pieces:
+                view = buffer[at : at + n]
+                got = 0
+                while got < n:
+                    more = os.preadv(fd, [view[got:]], offset + got)
+                    if more == 0:
+                        raise ValueError(path)  # shrank under the read
+                    got += more
         except (OSError, ValueError):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            return None
+            return False  # what was read into the buffers is overwritten by the fetch
         finally:
             os.close(fd)
         with contextlib.suppress(OSError):  # recently used: evicted last
             os.utime(path)
-        return data
+        return True
 
     def store(self, directory: str, blocks: dict[int, Buffer]) -> None:
         """Write each block as an entry of ``directory``; on failure warn once and stop."""
