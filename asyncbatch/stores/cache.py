@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from .base import Buffer, ObjectInfo, Store, Versioned
 from .disk_cache import DiskCache, Piece
+from .local import LocalStore
 
 #: The most bytes of blocks one read holds at once (it fetches, writes and copies them out,
 #: then goes on with the next ones).
@@ -39,7 +40,9 @@ class CachedStore:
     def __init__(self, inner: Store, cache: DiskCache) -> None:
         self.inner = inner
         self.cache = cache
-        self.coalesce_gap = inner.coalesce_gap
+        # Merging two reads saves no request here (a miss fetches whole blocks whatever the
+        # reads), only calls: as for local files, merge across small gaps only.
+        self.coalesce_gap = min(inner.coalesce_gap, LocalStore.coalesce_gap)
         self._infos: dict[str, asyncio.Future[ObjectInfo]] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Buffer]] = {}
 
