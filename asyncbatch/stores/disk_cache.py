@@ -15,7 +15,7 @@ its directory and renamed into place (``os.replace`` is atomic), so a reader see
 entry or none, and a process killed mid-write leaves only a temporary file, which readers
 ignore and scans delete once it is older than :data:`STALE_TEMP_SECONDS`. A read checks
 the entry's length against the block's; a wrong one is deleted and counts as a miss. Every
-hit touches the entry's mtime, and eviction (when ``max_bytes`` is set) deletes the entries
+hit touches the entry's mtime (at most once a minute), and eviction (when ``max_bytes`` is set) deletes the entries
 with the oldest mtimes; a file another process removed meanwhile is simply a miss.
 
 The cache never fails a read: the first failure to write (a full disk, an unwritable or
@@ -45,6 +45,9 @@ from .base import Buffer
 DEFAULT_BLOCK_SIZE = 4 * 2**20
 #: A temporary file older than this (seconds) belongs to a writer that died: scans delete it.
 STALE_TEMP_SECONDS = 600.0
+#: A hit marks its entry as used now unless it was marked this recently (seconds): one
+#: metadata write per entry and minute, not one per read, orders the LRU well enough.
+TOUCH_AFTER_SECONDS = 60.0
 #: Eviction brings the cache down to this share of ``max_bytes``, so that it does not run
 #: again after every block.
 LOW_WATER = 0.9
@@ -185,7 +188,8 @@ class DiskCache:
         except OSError:  # missing (never written, evicted, cleared) or unreadable: a miss
             return False
         try:
-            if os.fstat(fd).st_size != length:
+            stat = os.fstat(fd)
+            if stat.st_size != length:
                 raise ValueError(path)  # not a block this cache wrote whole: drop it
             for offset, n, buffer, at in pieces:
                 view = buffer[at : at + n]
@@ -201,8 +205,9 @@ class DiskCache:
             return False  # what was read into the buffers is overwritten by the fetch
         finally:
             os.close(fd)
-        with contextlib.suppress(OSError):  # recently used: evicted last
-            os.utime(path)
+        if stat.st_mtime < time.time() - TOUCH_AFTER_SECONDS:
+            with contextlib.suppress(OSError):  # recently used: evicted last
+                os.utime(path)
         return True
 
     def store(self, directory: str, blocks: dict[int, Buffer]) -> None:
