@@ -15,8 +15,9 @@ its directory and renamed into place (``os.replace`` is atomic), so a reader see
 entry or none, and a process killed mid-write leaves only a temporary file, which readers
 ignore and scans delete once it is older than :data:`STALE_TEMP_SECONDS`. A read checks
 the entry's length against the block's; a wrong one is deleted and counts as a miss. Every
-hit touches the entry's mtime (at most once a minute), and eviction (when ``max_bytes`` is set) deletes the entries
-with the oldest mtimes; a file another process removed meanwhile is simply a miss.
+hit touches the entry's mtime (at most once a minute), and eviction (when ``max_bytes`` is
+set) deletes the entries with the oldest mtimes; a file another process removed meanwhile
+is simply a miss.
 
 The cache never fails a read: the first failure to write (a full disk, an unwritable or
 deleted directory) warns once with :class:`~asyncbatch.errors.CacheWarning` and stops
