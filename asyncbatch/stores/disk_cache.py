@@ -110,7 +110,10 @@ class DiskCache:
     def _reset(self) -> None:
         """Per-process state (a forked child starts its own)."""
         self._pid = os.getpid()
+        # Scans and evictions hold _lock for a while; the event loop's counting must not
+        # wait for them, so counters and warnings have a lock of their own.
         self._lock = threading.Lock()
+        self._counters_lock = threading.Lock()
         self._ready = False
         self._writable = True
         self._warned: set[str] = set()
@@ -150,7 +153,7 @@ class DiskCache:
     def count(
         self, *, hits: int = 0, misses: int = 0, hit_bytes: int = 0, fetched: int = 0
     ) -> None:
-        with self._lock:
+        with self._counters_lock:
             self.hits += hits
             self.misses += misses
             self.hit_bytes += hit_bytes
@@ -159,7 +162,7 @@ class DiskCache:
     def warn_once(self, cause: str, message: str) -> None:
         """Warn with :class:`CacheWarning` the first time ``cause`` happens in this process."""
         self._check_pid()
-        with self._lock:
+        with self._counters_lock:
             if cause in self._warned:
                 return
             self._warned.add(cause)
