@@ -26,7 +26,8 @@ cache, counted at the proxy between its construction and its end:
 
 Per rank: bytes fetched / bytes delivered (the proxy's bytes back / the bytes of the batches
 the rank yielded), requests per sample, tokens/s and time to first batch; per N the max and
-mean over ranks. Bytes do not depend on timing, so the sweep runs once.
+mean over ranks. Bytes do not depend on timing, so the sweep runs once. At most
+``--max-ranks`` ranks (16) of each N are measured, evenly spaced; 0 measures every rank.
 
 **Cached second epoch.** ``ab.Loader(url, shuffle="block", cache=<empty dir>)`` reads two
 epochs; the second epoch's requests at the proxy and its tokens/s, as a ratio to the same
@@ -38,7 +39,7 @@ It prints a table, writes the figures as JSON (``--json``) and plots bytes fetch
 (max over ranks) against N (``--plot``).
 
 Usage: ``.venv/bin/python benchmarks/bench_scale.py [--size-mb 64] [--shard-mb 4]
-[--world-sizes 1,4,16,64] [--global-batches N] [--rounds 3] [--lines ...]``
+[--world-sizes 1,4,16,64] [--max-ranks 16] [--global-batches N] [--rounds 3] [--lines ...]``
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -205,7 +207,7 @@ def sweep_asyncbatch(
     return [
         read_rank(
             rank,
-            lambda rank=rank: make_loader(url, options, shuffle, rank=rank, world_size=world),  # type: ignore[misc]
+            functools.partial(make_loader, url, options, shuffle, rank=rank, world_size=world),
             lambda batch: batch["tokens"],
             proxy.counts,
             batches,
@@ -279,7 +281,7 @@ def child_sweep_litdata(spec: dict[str, Any]) -> dict[str, Any]:
         "aws_access_key_id": KEY,
         "aws_secret_access_key": SECRET,
     }
-    world, ranks = spec["world"], spec["ranks"]
+    world = spec["world"]
 
     @contextlib.contextmanager
     def open_rank(rank: int) -> Iterator[Iterable[Any]]:
@@ -295,14 +297,7 @@ def child_sweep_litdata(spec: dict[str, Any]) -> dict[str, Any]:
             )
             yield StreamingDataLoader(dataset, batch_size=BATCH_SIZE)
 
-    counters = Path(spec["counters"])
-    runs = [
-        read_rank(
-            rank, lambda rank=rank: open_rank(rank), lambda batch: batch, counters_of(counters)
-        )  # type: ignore[misc]
-        for rank in ranks
-    ]
-    return {"runs": [run.as_json() for run in runs]}
+    return sweep_ranks(spec, open_rank, lambda batch: batch)
 
 
 def child_sweep_mosaicml(spec: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +312,7 @@ def child_sweep_mosaicml(spec: dict[str, Any]) -> dict[str, Any]:
     # (after the index download, around its shared memory); the simulated ranks run one after
     # another, so such a rendezvous would wait for ranks that never come.
     streaming.base.dataset.maybe_init_dist = lambda: False
-    world, ranks = spec["world"], spec["ranks"]
+    world = spec["world"]
 
     @contextlib.contextmanager
     def open_rank(rank: int) -> Iterator[Iterable[Any]]:
@@ -330,23 +325,24 @@ def child_sweep_mosaicml(spec: dict[str, Any]) -> dict[str, Any]:
                 remote=spec["url"], local=local, shuffle=True, batch_size=BATCH_SIZE
             )
             yield torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE)
-            del dataset  # releases its shared memory before the next rank makes its own
 
+    return sweep_ranks(spec, open_rank, lambda batch: batch["tokens"])
+
+
+def sweep_ranks(
+    spec: dict[str, Any],
+    open_rank: Callable[[int], contextlib.AbstractContextManager[Iterable[Any]]],
+    tokens_of: Callable[[Any], torch.Tensor],
+) -> dict[str, Any]:
+    """``read_rank`` for each of ``spec["ranks"]``, counted by the proxy's counter file."""
     counters = Path(spec["counters"])
     runs = [
         read_rank(
-            rank,
-            lambda rank=rank: open_rank(rank),  # type: ignore[misc]
-            lambda batch: batch["tokens"],
-            counters_of(counters),
+            rank, functools.partial(open_rank, rank), tokens_of, lambda: read_counts(counters)
         )
-        for rank in ranks
+        for rank in spec["ranks"]
     ]
     return {"runs": [run.as_json() for run in runs]}
-
-
-def counters_of(path: Path) -> Callable[[], Counts]:
-    return lambda: read_counts(path)
 
 
 def child_main(text: str) -> None:
@@ -494,9 +490,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str, scra
     lines: dict[str, str | None] = {}  # line -> why it is not measured (None: it is)
     for shuffle in ("block", "global"):
         if shuffle in args.lines:
-            lines[shuffle] = loader_error(
-                lambda shuffle=shuffle: make_loader(ab_url, delayed, shuffle)
-            )  # type: ignore[misc]
+            lines[shuffle] = loader_error(functools.partial(make_loader, ab_url, delayed, shuffle))
     lit = litdata_version()
     if "litdata" in args.lines:
         lines["litdata"] = None if lit else "litdata not installed (scripts/bench-setup)"
