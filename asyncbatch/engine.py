@@ -40,9 +40,10 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
-from .stores.base import Buffer, Discards, Store
+from .stores.base import Buffer, Discards, ObjectInfo, Store
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
+from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 
@@ -83,8 +84,10 @@ class Engine:
         self.retry = retry
         #: Where the stores count their byte-range reads (kept across runs by the loader).
         self.counts = counts
-        #: The node-local cache every store of a run reads through (None: none).
+        #: The node-local cache every store of a run reads through (None: none), and the
+        #: objects it has stat'ed, kept across runs so later epochs read hits without a HEAD.
         self.cache = cache
+        self.seen: dict[str, ObjectInfo] = {}
         #: What to check of each shard, and which shards passed (kept across runs).
         self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
@@ -138,6 +141,7 @@ class Engine:
                             retry=self.retry,
                             counts=self.counts,
                             cache=self.cache,
+                            seen=self.seen,
                         )
                     )
                 of_dataset.append(index[key])
@@ -365,7 +369,7 @@ class Reader:
         to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
         if d.size:
             to_buffer = self._read_all(shards[d], starts[d], ends[d], buffer, plan.read_dest[d])
-            await asyncio.gather(to_buffer, to_scratch)
+            await run_all((to_buffer, to_scratch))
         else:
             await to_scratch
         if plan.piece_read.size:
@@ -392,12 +396,10 @@ class Reader:
             return
         store_of_read = self.shard_store[shards]
         picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
-        await asyncio.gather(
-            *(
-                self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
-                for store, p in zip(self.stores, picks, strict=True)
-                if p.size
-            )
+        await run_all(
+            self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+            for store, p in zip(self.stores, picks, strict=True)
+            if p.size
         )
 
     async def _read(
@@ -567,9 +569,9 @@ async def _read_ranges(
         entry[0].append(start)
         entry[1].append(end)
         entry[2].append(view[at : at + end - start])
-    await asyncio.gather(
-        *(
-            store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
-            for shard, (s, e, b) in by_shard.items()
-        )
+    # On the first failure the other reads are cancelled and awaited, never left running
+    # against a buffer nobody wants (or past the loop's end).
+    await run_all(
+        store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
+        for shard, (s, e, b) in by_shard.items()
     )

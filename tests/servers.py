@@ -48,6 +48,8 @@ class RangeHandler(BaseHTTPRequestHandler):
         path = self._file()
         if path is None:
             return
+        with self.server.lock:
+            self.server.heads += 1
         self.send_response(200)
         self.send_header("Content-Length", str(path.stat().st_size))
         self.send_header("Accept-Ranges", "bytes")
@@ -95,6 +97,7 @@ class RangeHTTPServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root = root.resolve()
         self.requests = 0  # GET requests served
+        self.heads = 0  # HEAD requests served
         self.bytes_served = 0  # bytes of their bodies
         self.lock = threading.Lock()
 

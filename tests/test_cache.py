@@ -25,6 +25,7 @@ from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import cli
+from asyncbatch.errors import ShardChangedError
 from asyncbatch.stores import cache as cached
 from asyncbatch.stores import open_store
 from asyncbatch.stores.disk_cache import STALE_TEMP_SECONDS, cache_info
@@ -133,6 +134,10 @@ def test_second_epoch_makes_no_get_request(
         # blocks this loader found in the cache.
         second = loader.statistics()
         assert (second.requests, second.bytes_fetched) == (first.requests, first.bytes_fetched)
+        # Nor a HEAD: the loader remembers each object's size and version across epochs.
+        heads = server.heads
+        check_epoch(loader, tokens)
+        assert server.heads == heads
         assert second.cache_hits > first.cache_hits
         assert second.cache_misses == first.cache_misses
         assert second.bytes_delivered == 2 * first.bytes_delivered
@@ -572,3 +577,24 @@ def test_cli_info_and_clear(
     with pytest.raises(SystemExit):
         cli.main(["cache", "--help"])
     assert "4194304 bytes" in capsys.readouterr().out
+
+
+def test_an_object_changed_under_a_loader_is_refused_at_its_next_miss(
+    http_dataset: tuple[str, Path, RangeHTTPServer],
+    tokens: npt.NDArray[np.uint16],
+    tmp_path: Path,
+) -> None:
+    """A loader reads one version of each object: the cache serves the version it first
+    saw, and when a block must be fetched again (evicted here, the cache holding only two)
+    from an object that changed meanwhile, the run fails with ShardChangedError instead of
+    caching the new bytes under the old version."""
+    url, folder, _ = http_dataset
+    cache = ab.DiskCache(tmp_path / "cache", max_bytes=2 * BLOCK, block_size=BLOCK)
+    with ab.Loader(url, batch_size=4, seq_len=SEQ, cache=cache) as loader:
+        check_epoch(loader, tokens)
+        shard = folder / "shard-00000.bin"
+        changed = np.fromfile(shard, dtype=np.uint8) ^ 0xFF
+        changed.tofile(shard)
+        os.utime(shard, ns=(1, 1))  # another ETag, as any rewrite gives
+        with pytest.raises(ShardChangedError, match="shard-00000.bin"):
+            check_epoch(loader, tokens)

@@ -4,8 +4,12 @@ protocol, so it stacks over any transport (``open_store(..., cache=)`` puts it t
 
 It knows nothing of the store below but the protocol: ``stat`` (size and pinned version, see
 :class:`~asyncbatch.stores.base.Versioned`) keys the entries, ``read_ranges`` fetches the
-missing blocks. It offers ``discard`` (:class:`~asyncbatch.stores.base.Discards`), which the
-engine calls when bytes it read fail their checksum, so a corrupt entry is read again.
+missing blocks. A loader's stores share what they have stat'ed (``seen``), so a later run
+(the next epoch) reads its hits without asking the store anything; an object is stat'ed
+again only when a block of it must be fetched, and a version other than the one first seen
+is then a :class:`~asyncbatch.errors.ShardChangedError`: one loader reads one version.
+It offers ``discard`` (:class:`~asyncbatch.stores.base.Discards`), which the engine calls
+when bytes it read fail their checksum, so a corrupt entry is read again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from .base import Buffer, ObjectInfo, Store, Versioned
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
 from .local import LocalStore
+from .ranged import changed
 
 #: The most bytes of blocks one read holds at once (it fetches, writes and copies them out,
 #: then goes on with the next ones).
@@ -38,11 +43,19 @@ class CachedStore:
     version are read straight from it (warned once).
     """
 
-    def __init__(self, inner: Store, cache: DiskCache, counts: ReadCounts | None = None) -> None:
+    def __init__(
+        self,
+        inner: Store,
+        cache: DiskCache,
+        counts: ReadCounts | None = None,
+        seen: dict[str, ObjectInfo] | None = None,
+    ) -> None:
         self.inner = inner
         self.cache = cache
         #: A loader's own count of the blocks it found in the cache and missed.
         self.counts = counts
+        #: Size and version of every object the loader has stat'ed, kept across its runs.
+        self.seen = {} if seen is None else seen
         # Merging two reads saves no request here (a miss fetches whole blocks whatever the
         # reads), only calls: as for local files, merge across small gaps only.
         self.coalesce_gap = min(inner.coalesce_gap, LocalStore.coalesce_gap)
@@ -50,6 +63,14 @@ class CachedStore:
         self._pending: dict[tuple[str, int], asyncio.Future[Buffer]] = {}
 
     async def stat(self, url: str) -> ObjectInfo:
+        """What the loader first saw of ``url``; asks the store only the first time."""
+        info = self.seen.get(url)
+        if info is None:
+            info = self.seen[url] = await self._stat_now(url)
+        return info
+
+    async def _stat_now(self, url: str) -> ObjectInfo:
+        """The store's answer for ``url``, asked once per store (every caller waits for it)."""
         future = self._infos.get(url)
         if future is None:
             future = self._infos[url] = asyncio.ensure_future(self._stat(url))
@@ -70,8 +91,10 @@ class CachedStore:
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         self._infos.pop(url, None)
+        self.seen.pop(url, None)
         await self.inner.write(url, data)
         self._infos.pop(url, None)  # a new version: stat it again
+        self.seen.pop(url, None)
 
     async def close(self) -> None:
         infos, self._infos = list(self._infos.values()), {}
@@ -164,6 +187,11 @@ class CachedStore:
             missing = [b for b in blocks if b not in hits]
             if not missing:
                 return
+            # Fetching: the store must still hold the version the entries are keyed by (and
+            # is pinned to it from here on).
+            now = await self._stat_now(url)
+            if now.version != info.version:
+                raise changed(url, info.version, now.version)
             # Misses: whole blocks, neighbours in one range, then cached and copied out.
             runs: list[list[int]] = []
             for block in missing:

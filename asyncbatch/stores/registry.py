@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
-from .base import Store
+from .base import ObjectInfo, Store
 from .cache import CachedStore
 from .counting import ReadCounts, counting
 from .disk_cache import DiskCache
@@ -132,12 +132,14 @@ def open_store(
     retry: RetryPolicy | None = None,
     counts: ReadCounts | None = None,
     cache: DiskCache | None = None,
+    seen: dict[str, ObjectInfo] | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
     Every URL a dataset, loader or writer opens passes here, so this is where a malformed
     one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. The stack, from the
-    top: the node-local ``cache`` (if any), a counter of the transport's byte-range reads
+    top: the node-local ``cache`` (if any; ``seen`` keeps what it stat'ed across a loader's
+    stores), a counter of the transport's byte-range reads
     (with ``counts``), the transport.
     """
     check_url(url, _registry)
@@ -150,4 +152,4 @@ def open_store(
         store = factory(scheme, options, max_inflight=max_inflight)
     if counts is not None:
         store = counting(store, counts)
-    return store if cache is None else CachedStore(store, cache, counts)
+    return store if cache is None else CachedStore(store, cache, counts, seen)

@@ -77,6 +77,34 @@ def storage_option_names() -> frozenset[str]:
     return frozenset(names - {"self", "asynchronous", "loop"})
 
 
+@cache
+def _session_option_names() -> frozenset[str]:
+    """Options that s3fs passes to the aiobotocore session it creates, and ``session``."""
+    from aiobotocore.session import AioSession
+
+    names = set(inspect.signature(AioSession.__init__).parameters) - {"self"}
+    return frozenset(names | {"session"})
+
+
+@cache
+def _service_data() -> Any:
+    """One botocore data loader for the process: it parses the S3 service model (0.3-1 s of
+    JSON) once and keeps it, where every new session would parse it again, at every epoch."""
+    from botocore.loaders import create_loader
+
+    return create_loader()
+
+
+def _new_session() -> Any:
+    """An aiobotocore session of its own (sessions are not shared across threads), reading
+    the service model from :func:`_service_data`."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register_component("data_loader", _service_data())
+    return session
+
+
 class _Changed(Exception):
     """A 412 to an ``IfMatch``: turned into ShardChangedError once the new ETag is known."""
 
@@ -102,6 +130,8 @@ class S3Store(FsspecStore):
         config.setdefault("read_timeout", max(retry.first_byte_timeout, retry.idle_timeout))
         config["retries"] = {"total_max_attempts": 1, "mode": "standard"}
         options["config_kwargs"] = config
+        if not options.keys() & _session_option_names():
+            options["session"] = _new_session()
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
         self.pins = Pins()
 
