@@ -11,7 +11,7 @@ batch serialises as one small header plus one buffer per field (two for a jagged
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,8 +111,13 @@ class Jagged:
 
 
 @dataclass(eq=False, slots=True)
-class Batch(Mapping[str, Any]):
-    """``batch["tokens"]`` is a field; ``batch.global_indexes`` names the samples."""
+class Batch(MutableMapping[str, Any]):
+    """``batch["tokens"]`` is a field; ``batch.global_indexes`` names the samples.
+
+    A mutable mapping whose shallow copy is a ``Batch``: torch's ``default_convert`` (the
+    collate function of ``DataLoader(batch_size=None)``) copies it and replaces its fields,
+    so a Batch stays a Batch there.
+    """
 
     global_indexes: npt.NDArray[np.int64]
     fields: dict[str, Any]
@@ -121,6 +126,20 @@ class Batch(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Replace the values of field ``name`` (a new field needs its ``schema`` entry first)."""
+        if name not in self.schema:
+            raise KeyError(f"no field {name!r} in the schema: add schema[{name!r}] first")
+        self.fields[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.fields[name]
+        self.schema.pop(name, None)
+
+    def __copy__(self) -> Batch:
+        """A new batch holding the same arrays (not a copy of their bytes)."""
+        return Batch(self.global_indexes, dict(self.fields), dict(self.schema), dict(self.extra))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.fields)

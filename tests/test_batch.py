@@ -278,3 +278,19 @@ def test_dataloader_with_pin_memory_yields_batches(tmp_path: Path) -> None:
         pinned = mixed_batch().pin_memory()
         assert pinned["tokens"].is_pinned() and pinned["docs"].values.is_pinned()
         assert pinned["docs"].offsets.is_pinned() and pinned.extra["batch"] == 7
+
+
+def test_default_convert_keeps_a_batch() -> None:
+    # DataLoader(batch_size=None) and StatefulDataLoader pass each item through it.
+    from torch.utils.data._utils.collate import default_convert
+
+    batch = mixed_batch()
+    converted = default_convert(batch)
+    assert isinstance(converted, Batch) and converted is not batch
+    assert np.array_equal(converted.global_indexes, batch.global_indexes)
+    assert converted.extra == batch.extra and converted.schema == batch.schema
+    assert converted["tokens"] is batch["tokens"] and converted["docs"] is batch["docs"]
+    assert torch.equal(converted["index"], torch.arange(4))  # numbers become tensors
+    assert list(batch) == list(converted) and isinstance(batch["index"], np.ndarray)
+    with pytest.raises(KeyError, match="schema"):
+        batch["new"] = torch.zeros(4)
