@@ -299,6 +299,8 @@ class _LoaderBase:
             window=self.window or 1,
             samples=samples,
         )
+        if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
+            raise ConfigError(self._nothing_to_read(data, num_samples))
         self._data = data
         batch_bytes = self.batch_size * sample_bytes
         worker, stride = self._worker
@@ -324,6 +326,22 @@ class _LoaderBase:
             counts=self._read_counts,
         )
         return self._engine
+
+    def _nothing_to_read(self, data: Dataset | Mixture, num_samples: int) -> str:
+        """Why a loader over ``num_samples`` samples has no batch, with the sizes."""
+        if isinstance(data, Dataset):
+            what = f"{data.url} holds {data.manifest.total_elements} elements:"
+        else:
+            what = f"the mixture of {len(data.datasets)} datasets holds"
+        window = "" if self.seq_len is None else f" of seq_len={self.seq_len}"
+        need = self.batch_size * self.world_size
+        cut = f"batch_size x world_size = {self.batch_size} x {self.world_size} = {need}"
+        if not self.drop_last:
+            need, cut = self.world_size, f"one per rank, world_size={self.world_size}"
+        return (
+            f"nothing to read: {what} {num_samples} samples{window}, fewer than the {need}"
+            f" one batch on every rank needs ({cut})"
+        )
 
     def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
         sizes = source.sizes.tolist()

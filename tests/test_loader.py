@@ -250,12 +250,15 @@ def _open_fds() -> dict[str, str]:
 def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
         assert small.prefetch == 128
-    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2.
-    with ab.Loader(dataset, batch_size=4096, seq_len=10_000) as big:
+    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
+    # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
+    with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:
         assert big.prefetch == 2
     # 16 × 2048 × (2 stored + 8 as int64) bytes = 320 KiB per batch: 204 fit, capped at 128;
     # 64 × 2048 × 10 bytes = 1.25 MiB: 51 fit.
-    with ab.Loader(dataset, batch_size=64, seq_len=2048, dtype=torch.int64) as wide:
+    with ab.Loader(
+        dataset, batch_size=64, seq_len=2048, dtype=torch.int64, drop_last=False
+    ) as wide:
         assert wide.prefetch == 51
     with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
         assert chosen.prefetch == 3
@@ -293,3 +296,39 @@ def test_statistics_count_what_the_server_served_over_the_loader_life(
         assert again.batches == 2 * batches
         assert again.bytes_delivered == 2 * stats.bytes_delivered
         assert again.requests == server.requests - before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "sizes"),
+    [
+        ({"seq_len": 2048}, "1000 elements: 0 samples of seq_len=2048, fewer than the 4"),
+        (
+            {"batch_size": 64, "rank": 1, "world_size": 2},
+            "100 samples of seq_len=10, fewer than the 128 .* 64 x 2 = 128",
+        ),
+        ({"infinite": True, "seq_len": 999}, "1 samples of seq_len=999, fewer than the 4"),
+        ({"drop_last": False, "rank": 0, "world_size": 200}, "100 samples .* world_size=200"),
+    ],
+)
+def test_a_loader_with_nothing_to_read_fails_at_construction(
+    tmp_path: Path, kwargs: dict[str, Any], sizes: str
+) -> None:
+    url = str(tmp_path / "small")
+    ab.write_tokens(url, np.arange(1000, dtype=np.uint16))
+    args: dict[str, Any] = {"batch_size": 4, "seq_len": 10, **kwargs}
+    match = f"nothing to read: {url} holds .*{sizes}"
+    with pytest.raises(ConfigError, match=match):
+        ab.Loader(url, **args)
+    with pytest.raises(ConfigError, match=match):
+        ab.LoaderDataset(url, **args)
+    with pytest.raises(ConfigError, match=match):
+        ab.AsyncLoader(ab.open_dataset(url), **args)
+
+    async def main() -> None:
+        loader = ab.AsyncLoader(url, **args)  # a URL is opened on entry
+        with pytest.raises(ConfigError, match=match):
+            async with loader:
+                pass
+
+    asyncio.run(main())
+    assert asyncbatch_threads() == []
