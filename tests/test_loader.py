@@ -332,3 +332,32 @@ def test_a_loader_with_nothing_to_read_fails_at_construction(
 
     asyncio.run(main())
     assert asyncbatch_threads() == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "refused", "accepted"),
+    [
+        (np.uint16, [torch.int16, torch.int8, torch.float16, torch.uint8], [torch.int32, "f4"]),
+        (np.uint32, [torch.int32, torch.float32], [torch.int64, np.float64]),
+    ],
+)
+def test_a_lossy_output_dtype_is_refused(
+    tmp_path: Path, stored: Any, refused: list[Any], accepted: list[Any]
+) -> None:
+    # Ids above 32767 (uint16) or 2**31 (uint32): a narrower dtype would wrap or round them.
+    top = np.iinfo(stored).max
+    tokens = np.array([0, 1, 40_000, top] * 50, dtype=stored)
+    url = str(tmp_path / "ds")
+    ab.write_tokens(url, tokens)
+    docs = ab.write_documents(str(tmp_path / "docs"), [tokens[:7], tokens[7:20]], dtype=stored)
+    for dtype in refused:
+        with pytest.raises(ConfigError, match=f"dtype={dtype!r} cannot hold every .* of {url}"):
+            ab.Loader(url, batch_size=2, seq_len=8, dtype=dtype)
+        with pytest.raises(ConfigError, match="cannot hold every"):
+            ab.Loader(docs, batch_size=2, dtype=dtype)
+    for dtype in accepted:
+        with ab.Loader(url, batch_size=2, seq_len=8, shuffle=False, dtype=dtype) as loader:
+            batch = next(loader)
+        assert batch["tokens"][0, :4].tolist() == [0, 1, 40_000, top]
+    with pytest.raises(ConfigError, match="bfloat16 has no numpy equivalent"):
+        ab.Loader(url, batch_size=2, seq_len=8, dtype=torch.bfloat16)
