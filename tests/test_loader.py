@@ -361,3 +361,23 @@ def test_a_lossy_output_dtype_is_refused(
         assert batch["tokens"][0, :4].tolist() == [0, 1, 40_000, top]
     with pytest.raises(ConfigError, match="bfloat16 has no numpy equivalent"):
         ab.Loader(url, batch_size=2, seq_len=8, dtype=torch.bfloat16)
+
+
+def test_a_state_from_other_bytes_of_the_same_shape_is_refused(
+    tmp_path: Path, tokens: npt.NDArray[np.uint16]
+) -> None:
+    # write_tokens records shard checksums: they are the dataset's content identity.
+    first = ab.write_tokens(str(tmp_path / "a"), tokens, shard_size=2222)
+    other = ab.write_tokens(str(tmp_path / "b"), tokens[::-1].copy(), shard_size=2222)
+    copy = ab.write_tokens(str(tmp_path / "c"), tokens, shard_size=2222)
+    with ab.Loader(first, batch_size=4, seq_len=16) as loader:
+        next(loader)
+        state = loader.state_dict()
+    with (
+        ab.Loader(other, batch_size=4, seq_len=16) as resumed,
+        pytest.raises(ResumeStateError, match="the state is for dataset .*xxh3_64="),
+    ):
+        resumed.load_state_dict(state)
+    with ab.Loader(copy, batch_size=4, seq_len=16) as resumed:  # the same bytes elsewhere
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["batches_done"] == 1
