@@ -33,7 +33,7 @@ from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
-from .errors import ConfigError, LoaderClosedError, ResumeStateError
+from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats import Source, make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .integrity import DEFAULT_VERIFY, check_level
@@ -260,6 +260,8 @@ class _LoaderBase:
         self._read_counts = ReadCounts()
         self._delivered = DeliveryCounts()
         self._closed = False
+        #: Set once a run found the data changed under it: every later run raises it too.
+        self._changed: ShardChangedError | None = None
 
     def _build(self, data: Dataset | Mixture) -> Engine:
         datasets = data.datasets if isinstance(data, Mixture) else (data,)
@@ -456,6 +458,12 @@ class _LoaderBase:
             return item
         assert isinstance(item, Final)
         self._run_finished()
+        if isinstance(item.error, ShardChangedError) and self._changed is None:
+            item.error.add_note(
+                "Later runs of this loader raise it again (a new run would pin the new bytes:"
+                " two versions in one epoch); open the dataset again to read the new data."
+            )
+            self._changed = item.error
         if item.error is not None:
             raise item.error
         self._epoch, self._position, self._history = self._epoch + 1, 0, ()
@@ -477,6 +485,11 @@ class _LoaderBase:
     def _check_open(self) -> None:
         if self._closed:
             raise LoaderClosedError(f"{type(self).__name__} used after close()")
+
+    def _check_unchanged(self) -> None:
+        """Before a new run: the ShardChangedError an earlier run of this loader met, if any."""
+        if self._changed is not None:
+            raise self._changed.with_traceback(None)
 
     def _discard_run(self) -> None:
         raise NotImplementedError
@@ -521,6 +534,7 @@ class Loader(_LoaderBase):
         if self._pid != os.getpid():
             self._forget_run()  # the engine thread stayed in the parent process
         if self._queue is None:
+            self._check_unchanged()
             self._start()
         assert self._queue is not None
         assert self._thread is not None
@@ -660,6 +674,7 @@ class AsyncLoader(_LoaderBase):
             await self.open()
         queue = self._queue
         if queue is None:
+            self._check_unchanged()
             assert self._engine is not None
             queue = self._new_queue(asyncio.get_running_loop())
             self._task = asyncio.create_task(

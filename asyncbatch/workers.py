@@ -18,7 +18,7 @@ import torch.utils.data
 
 from .batch import Batch
 from .dataset import Dataset, open_dataset
-from .errors import ConfigError
+from .errors import ConfigError, ShardChangedError
 from .loader import Loader, check_state, resolve_rank
 from .mixture import Mixture
 from .sampling.windows import History
@@ -61,6 +61,8 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         self._epoch = 0
         self._position = 0
         self._history: History = ()  # as Loader's: the epoch's earlier world sizes
+        #: As Loader's: once the data changed under an iteration, every later one raises it.
+        self._changed: ShardChangedError | None = None
 
     @property
     def epoch(self) -> int:
@@ -99,17 +101,23 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     def __iter__(self) -> Iterator[Batch]:
         info = torch.utils.data.get_worker_info()
         worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self._changed is not None:
+            raise self._changed.with_traceback(None)
         with Loader(self.dataset, **self.loader_args, _worker=worker) as loader:
             loader.load_state_dict(self.state_dict())
-            for batch in loader:
-                # This object's state follows what it yields, so torchdata's
-                # StatefulDataLoader (which calls state_dict() right after each batch, in
-                # the process that yields it) resumes right after it. A worker's copy holds
-                # its own next batch b + K: a run from position p gives worker k batch p + k.
-                index, stride = worker
-                self._epoch = batch.extra["epoch"]
-                self._position = batch.extra["batch"] + stride - index
-                yield batch
+            try:
+                for batch in loader:
+                    # This object's state follows what it yields, so torchdata's
+                    # StatefulDataLoader (which calls state_dict() right after each batch, in
+                    # the process that yields it) resumes right after it. A worker's copy holds
+                    # its own next batch b + K: a run from position p gives worker k batch p + k.
+                    index, stride = worker
+                    self._epoch = batch.extra["epoch"]
+                    self._position = batch.extra["batch"] + stride - index
+                    yield batch
+            except ShardChangedError as exc:
+                self._changed = exc
+                raise
             # An epoch ended: the next iteration (the parent's with num_workers=0, or a
             # persistent worker's) starts the next epoch.
             self._epoch, self._position, self._history = loader.epoch, 0, ()
