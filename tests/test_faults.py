@@ -387,24 +387,38 @@ def _changed_data_stays_refused(
         batch_size=4, seq_len=16, prefetch=2, storage_options=options, **loader_args
     )
     source = ab.LoaderDataset(url, **args)
-    with ab.Loader(url, **args) as loader:
+    runner = asyncio.Runner()  # one loop across the steps, as an evaluation job has
+
+    async def drain(loader: ab.AsyncLoader) -> None:
+        async for _ in loader:
+            pass
+
+    with ab.Loader(url, **args) as loader, runner:
         first = next(loader)
         batches = iter(source)
         next(batches)
+        async_loader = runner.run(ab.AsyncLoader(url, **args).open())
+        runner.run(anext(async_loader))
         replace_shards()
-        for run in (loader, batches):
+        for run in (loader, batches, async_loader):
             with pytest.raises(ShardChangedError, match="open the dataset again") as caught:
-                for _ in run:
-                    pass
+                if isinstance(run, ab.AsyncLoader):
+                    runner.run(drain(run))
+                else:
+                    for _ in run:
+                        pass
             assert caught.value.url.startswith(url)
         # Before, a new run pinned the new bytes and delivered them in the same epoch.
         with pytest.raises(ShardChangedError):
             next(loader)
         with pytest.raises(ShardChangedError):
             next(iter(source))
+        with pytest.raises(ShardChangedError):
+            runner.run(anext(async_loader))
         loader.set_epoch(1)
         with pytest.raises(ShardChangedError):
             next(loader)
+        runner.run(async_loader.aclose())
     with ab.Loader(ab.open_dataset(url, options), **args) as again:
         batch = next(again)
     assert batch.global_indexes.tolist() == first.global_indexes.tolist()
