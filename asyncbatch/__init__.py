@@ -3,7 +3,7 @@
 The layers, from the bytes up::
 
     stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
-                filesystem; one RetryPolicy for them all
+                filesystem; one RetryPolicy for them all; DiskCache, the node-local cache
     manifest    the one file read to open a dataset; dataset: opening it
     layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
     sampling/   the order of samples: Feistel permutation, global and block shuffles,
@@ -27,6 +27,7 @@ from .dataset import Dataset as Dataset
 from .dataset import open_dataset as open_dataset
 from .dataset import open_dataset_async as open_dataset_async
 from .errors import AsyncBatchError as AsyncBatchError
+from .errors import CacheWarning as CacheWarning
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import CredentialsError as CredentialsError
@@ -57,6 +58,7 @@ from .loader import Loader as Loader
 from .mixture import Mixture as Mixture
 from .mixture import mix as mix
 from .stores import register_store as register_store
+from .stores.disk_cache import DiskCache as DiskCache
 from .stores.retry import RetryPolicy as RetryPolicy
 from .workers import LoaderDataset as LoaderDataset
 from .writer import write_tokens as write_tokens
@@ -68,10 +70,12 @@ __all__ = [
     "AsyncBatchError",
     "AsyncLoader",
     "Batch",
+    "CacheWarning",
     "ChecksumError",
     "ConfigError",
     "CredentialsError",
     "Dataset",
+    "DiskCache",
     "EndpointError",
     "FieldSchema",
     "FormatError",

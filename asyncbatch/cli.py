@@ -1,5 +1,6 @@
 """The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one,
-``verify`` checks one against its manifest's sizes and checksums."""
+``verify`` checks one against its manifest's sizes and checksums, ``cache info`` and
+``cache clear`` show and empty a node-local cache."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .errors import AsyncBatchError, NotFoundError
 from .integrity import verify_dataset
 from .loader import PREFETCH_BYTES, Loader
 from .progress import Progress
+from .stores.disk_cache import DEFAULT_BLOCK_SIZE, cache_info, clear_cache
 from .writer import write_tokens
 
 DEMO_TOKENS = 150_000_000  # 300 MB of uint16
@@ -94,6 +96,7 @@ def demo(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         max_inflight=args.max_inflight,
         storage_options=_options(args.option),
+        cache=args.cache,
     )
     with loader:
         steps = min(len(loader), args.steps) if args.steps else len(loader)
@@ -175,6 +178,31 @@ def verify(args: argparse.Namespace) -> int:
     return VERIFY_CLEAN
 
 
+def cache_info_command(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.path):
+        print(f"asyncbatch: error: no cache at {args.path}", file=sys.stderr)
+        return 1
+    info = cache_info(args.path)
+    limit = "none" if info.max_bytes is None else f"{info.max_bytes} bytes"
+    print(f"cache       {info.path}")
+    print(f"entries     {info.entries}")
+    print(f"objects     {info.objects}")
+    print(f"bytes used  {info.bytes_used}")
+    # cache.json records the settings of the last process that opened the cache.
+    print(f"max bytes   {limit if info.block_size is not None else 'unknown'}")
+    print(f"block size  {info.block_size if info.block_size is not None else 'unknown'}")
+    return 0
+
+
+def cache_clear_command(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.path):
+        print(f"asyncbatch: error: no cache at {args.path}", file=sys.stderr)
+        return 1
+    freed = clear_cache(args.path)
+    print(f"cleared {os.path.abspath(args.path)}: {freed} bytes freed")
+    return 0
+
+
 #: Every option's help says its default (``%(default)s``, or in words where it is computed).
 _OPTION_HELP = "storage option (JSON values allowed), repeatable (default: none)"
 
@@ -218,6 +246,9 @@ def parser() -> argparse.ArgumentParser:
         help="tokens in the demo dataset (default: %(default)s)",
     )
     run.add_argument(
+        "--cache", metavar="PATH", help="read through a node-local cache at PATH (default: none)"
+    )
+    run.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )
     run.set_defaults(func=demo)
@@ -249,6 +280,31 @@ def parser() -> argparse.ArgumentParser:
         "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )
     check.set_defaults(func=verify)
+
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    cache = commands.add_parser(
+        "cache",
+        help="show or empty a node-local cache",
+        description="A node-local cache made with cache=PATH holds blocks of"
+        f" {DEFAULT_BLOCK_SIZE} bytes (4 MiB) with no size limit; asyncbatch.DiskCache(PATH,"
+        " max_bytes=..., block_size=...) sets both.",
+        formatter_class=defaults,
+    )
+    actions = cache.add_subparsers(dest="action", required=True)
+    show = actions.add_parser(
+        "info",
+        help="entries, objects, bytes used and the limit of the cache at PATH",
+        formatter_class=defaults,
+    )
+    show.add_argument("path", metavar="PATH", help="the cache's directory")
+    show.set_defaults(func=cache_info_command)
+    empty = actions.add_parser(
+        "clear",
+        help="delete every entry of the cache at PATH (running loaders warn and go on)",
+        formatter_class=defaults,
+    )
+    empty.add_argument("path", metavar="PATH", help="the cache's directory")
+    empty.set_defaults(func=cache_clear_command)
     return root
 
 

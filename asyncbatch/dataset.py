@@ -3,6 +3,7 @@ layout), and nothing else."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
 from .stores import open_store
 from .stores.base import Store
+from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
 
 
@@ -85,6 +87,7 @@ async def open_dataset_async(
     format: str | None = None,
     options: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
+    cache: DiskCache | str | os.PathLike[str] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url`` in the running loop; see :func:`open_dataset`."""
     from .formats import OPENERS  # formats import this module
@@ -95,7 +98,7 @@ async def open_dataset_async(
         raise ConfigError(f"format={format!r} is not one asyncbatch opens (known: {known})")
     extra = dict(options or {})
     store_options = dict(storage_options or {})
-    store = open_store(url, store_options, retry=retry)
+    store = open_store(url, store_options, retry=retry, cache=DiskCache.of(cache))
     try:
         if format is not None and format != "manifest":
             return await openers[format].open(url, store, store_options, extra)
@@ -151,6 +154,7 @@ def open_dataset(
     format: str | None = None,
     options: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
+    cache: DiskCache | str | os.PathLike[str] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
     whatever the dataset's size.
@@ -159,8 +163,11 @@ def open_dataset(
     or data in another layout an opener of :mod:`asyncbatch.formats` recognises;
     ``format=`` names it instead (``"manifest"`` or an opener's name); ``options=`` go to
     the opener (e.g. the dtype of raw token files); ``retry`` is how the store retries its
-    reads (default: ``RetryPolicy()``).
+    reads (default: ``RetryPolicy()``); ``cache`` a node-local cache to read through (a
+    path or a :class:`~asyncbatch.DiskCache`).
     """
     return run_sync(
-        open_dataset_async(url, storage_options, format=format, options=options, retry=retry)
+        open_dataset_async(
+            url, storage_options, format=format, options=options, retry=retry, cache=cache
+        )
     )

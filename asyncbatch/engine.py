@@ -23,6 +23,7 @@ import numpy.typing as npt
 import torch
 
 from .batch import Batch
+from .errors import ChecksumError
 from .formats.base import Source
 from .handoff import BatchQueue, Final
 from .integrity import (
@@ -39,14 +40,17 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
-from .stores.base import Buffer, Store
+from .stores.base import Buffer, Discards, Store
 from .stores.counting import ReadCounts
+from .stores.disk_cache import DiskCache
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
+
+Positions = Sequence[int] | npt.NDArray[np.int64]
 
 
 def group_size(prefetch: int, batch_bytes: int, want: int = 0) -> int:
@@ -73,11 +77,14 @@ class Engine:
         retry: RetryPolicy | None = None,
         verify: str = DEFAULT_VERIFY,
         counts: ReadCounts | None = None,
+        cache: DiskCache | None = None,
     ) -> None:
         self.source = source
         self.retry = retry
         #: Where the stores count their byte-range reads (kept across runs by the loader).
         self.counts = counts
+        #: The node-local cache every store of a run reads through (None: none).
+        self.cache = cache
         #: What to check of each shard, and which shards passed (kept across runs).
         self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
         self.order = order
@@ -130,6 +137,7 @@ class Engine:
                             max_inflight=self.max_inflight,
                             retry=self.retry,
                             counts=self.counts,
+                            cache=self.cache,
                         )
                     )
                 of_dataset.append(index[key])
@@ -437,17 +445,24 @@ class Reader:
             base = int(run_at[r0])
             top = int(run_at[r1 - 1] + run_length[r1 - 1])
             scratch = np.empty(top - base, dtype=np.uint8)
-            await self._read_all(
-                blocks.run_shard[r0:r1],
-                blocks.run_start[r0:r1],
-                blocks.run_end[r0:r1],
-                scratch,
-                run_at[r0:r1] - base,
-            )
             b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
-            await loop.run_in_executor(
-                None, check_blocks, self.checks, blocks, scratch, b0, b1, base
+            runs = slice(r0, r1)
+            shards, starts, ends = (
+                blocks.run_shard[runs],
+                blocks.run_start[runs],
+                blocks.run_end[runs],
             )
+            for again in (False, True):
+                await self._read_all(shards, starts, ends, scratch, run_at[runs] - base)
+                try:
+                    await loop.run_in_executor(
+                        None, check_blocks, self.checks, blocks, scratch, b0, b1, base
+                    )
+                    break
+                except ChecksumError:
+                    # Bytes a cache served are not trusted: drop its copies, read once more.
+                    if again or not await self._discard(shards, starts, ends):
+                        raise
             s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
             picked = order[s0:s1]
             source = memoryview(scratch)  # type: ignore[arg-type]
@@ -459,6 +474,17 @@ class Reader:
             ):
                 view[dest : dest + length] = source[src : src + length]
         return buffer
+
+    async def _discard(self, shards: Positions, starts: Positions, ends: Positions) -> bool:
+        """Drop cached copies of ``[starts[i], ends[i])`` of shard ``shards[i]``; whether any
+        of their stores keeps copies."""
+        found = False
+        for shard, start, end in zip(list(shards), list(starts), list(ends), strict=True):
+            store = self.stores[int(self.shard_store[shard])]
+            if isinstance(store, Discards):
+                await store.discard(self.shard_urls[shard], int(start), int(end))
+                found = True
+        return found
 
     async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:
         """Check the shards of ``shards`` not checked yet (size, or whole checksum for
@@ -504,10 +530,17 @@ class Reader:
         checks = self.checks
         store = self.stores[int(self.shard_store[shard])]
         if checks.level == "full":
-            async with self._scans:
-                report = await scan_shard(store, checks, shard)
-            if report.problems:
-                raise report.problems[0]
+            for again in (False, True):
+                async with self._scans:
+                    report = await scan_shard(store, checks, shard)
+                if not report.problems:
+                    return
+                # A mismatch in bytes a cache served: drop its copies, read once more.
+                problem = report.problems[0]
+                if again or not isinstance(problem, ChecksumError):
+                    raise problem
+                if not await self._discard([shard], [0], [int(checks.sizes[shard])]):
+                    raise problem
             return
         url, expected = checks.urls[shard], int(checks.sizes[shard])
         size = await store.size(url)

@@ -23,6 +23,8 @@ because only the message survives a process boundary such as a DataLoader worker
     │   └── ManifestError                  a manifest missing, malformed or disagreeing with data
     └── LoaderClosedError(RuntimeError)    the loader was used after close()
 
+    CacheWarning(UserWarning)              the node-local cache failed; reads go on without it
+
 Retried by the stores' retry policy: ThrottledError, StoreTimeoutError, ShortReadError from a
 broken body, and 5xx or connection errors (refused connections only briefly); never
 NotFoundError, PermissionDeniedError (CredentialsError), EndpointError, RangeNotSupportedError,
@@ -130,3 +132,8 @@ class LoaderClosedError(AsyncBatchError, RuntimeError):
 def describe_range(url: str, start: int, end: int) -> str:
     """``url [start, end)`` as used in every read error message."""
     return f"{url} bytes [{start}, {end})"
+
+
+class CacheWarning(UserWarning):
+    """The node-local cache could not be used (full, unwritable, deleted, or an object
+    without a version); reads go on from the store. Warned once per cache and cause."""

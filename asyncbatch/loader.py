@@ -49,6 +49,7 @@ from .sampling.order import (
 )
 from .sampling.windows import History, Segment, extend_history
 from .stores.counting import ReadCounts
+from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
 
 STATE_VERSION = 3
@@ -201,6 +202,7 @@ class _LoaderBase:
         retry: RetryPolicy | None = None,
         format_options: Mapping[str, Any] | None = None,
         verify: str = DEFAULT_VERIFY,
+        cache: DiskCache | str | os.PathLike[str] | None = None,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
@@ -246,6 +248,8 @@ class _LoaderBase:
         self.format_options = dict(format_options or {})
         #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
         self.verify = check_level(verify)
+        #: The node-local cache reads go through (None: none); see docs/reliability.md.
+        self.cache = DiskCache.of(cache)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -326,6 +330,7 @@ class _LoaderBase:
             retry=self.retry,
             verify=self.verify,
             counts=self._read_counts,
+            cache=self.cache,
         )
         return self._engine
 
@@ -406,6 +411,8 @@ class _LoaderBase:
             requests=counts.requests,
             bytes_fetched=counts.bytes_fetched,
             bytes_delivered=delivered.bytes,
+            cache_hits=counts.cache_hits,
+            cache_misses=counts.cache_misses,
         )
 
     def _new_queue(self, loop: asyncio.AbstractEventLoop) -> BatchQueue:
@@ -519,7 +526,9 @@ class Loader(_LoaderBase):
         super().__init__(dataset, **kwargs)
         self._args = dict(kwargs)
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, self.storage_options, retry=self.retry)
+            dataset = open_dataset(
+                dataset, self.storage_options, retry=self.retry, cache=self.cache
+            )
         self._build(dataset)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -661,7 +670,9 @@ class AsyncLoader(_LoaderBase):
         if self._engine is None:
             assert isinstance(self._dataset_arg, str)
             self._build(
-                await open_dataset_async(self._dataset_arg, self.storage_options, retry=self.retry)
+                await open_dataset_async(
+                    self._dataset_arg, self.storage_options, retry=self.retry, cache=self.cache
+                )
             )
         return self
 

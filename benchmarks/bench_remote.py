@@ -39,7 +39,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import numpy.typing as npt
 import s3fs
 import torch
 from common import git_revision, paired_ratio, positive
+from common import run_child as common_run_child
 from delayproxy import Counts, Proxy, read_counts, running_proxy
 from s3rver import (
     BUCKET,
@@ -61,6 +61,7 @@ from s3rver import (
     running_s3rver,
     s3rver_version,
     token_chunks,
+    upload_folder,
 )
 
 import asyncbatch as ab
@@ -181,24 +182,25 @@ def litdata_version() -> str | None:
 
 
 def child_write_litdata(spec: dict[str, Any]) -> dict[str, Any]:
-    """Write the tokens in litData's format to a local folder, then upload it to s3rver."""
+    """Write the tokens in litData's format to a local folder, then upload it to s3rver.
+
+    ``spec["chunk_tokens"]`` (default ``LIT_CHUNK_TOKENS``) sets the tokens per chunk.
+    """
     from functools import partial
 
     from litdata import TokensLoader, optimize
 
     folder = spec["folder"]
+    chunk_tokens = spec.get("chunk_tokens", LIT_CHUNK_TOKENS)
     optimize(
-        fn=partial(_items, spec["tokens"]),
+        fn=partial(_items, spec["tokens"], chunk_tokens),
         inputs=[0],
         output_dir=folder,
-        chunk_size=LIT_CHUNK_TOKENS,
+        chunk_size=chunk_tokens,
         item_loader=TokensLoader(),
         num_workers=1,
     )
-    fs = s3fs.S3FileSystem(endpoint_url=spec["endpoint"], key=KEY, secret=SECRET)
-    names = sorted(os.listdir(folder))
-    for name in names:
-        fs.put_file(os.path.join(folder, name), f"{spec['path']}/{name}")
+    upload_folder(spec["endpoint"], folder, spec["path"])
     with open(os.path.join(folder, "index.json")) as file:
         chunks = json.load(file)["chunks"]
     first = chunks[0]
@@ -210,8 +212,11 @@ def child_write_litdata(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _items(tokens: int, _input: int) -> Iterator[npt.NDArray[np.uint16]]:
-    yield from token_chunks(tokens)
+def _items(tokens: int, most: int, _input: int) -> Iterator[npt.NDArray[np.uint16]]:
+    """The tokens in items of at most ``most`` tokens: an item is never split across chunks."""
+    for chunk in token_chunks(tokens):
+        for start in range(0, len(chunk), most):
+            yield chunk[start : start + most]
 
 
 def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
@@ -263,20 +268,8 @@ def child_read_litdata(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(spec: dict[str, Any], folder: str) -> dict[str, Any]:
-    """Run ``spec`` in a fresh Python process; its result is the last line it prints.
-
-    ``folder`` (its scratch folder: a chunk cache, an output folder) is made and removed here,
-    so nothing is left behind when the child is killed.
-    """
-    with tempfile.TemporaryDirectory(prefix="bench-remote-") as scratch:
-        spec = {**spec, folder: scratch}
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise RuntimeError(f"child {spec['mode']} failed with status {done.returncode}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    """Run ``spec`` in a child process of this script (see ``common.run_child``)."""
+    return common_run_child(Path(__file__).resolve(), spec, folder, RUN_TIMEOUT)
 
 
 def time_litdata(url: str, proxy: Proxy, workers: int, batches: int, pre_download: int) -> Sample:

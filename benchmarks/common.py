@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,3 +58,21 @@ def stop_process(process: subprocess.Popen[Any]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def run_child(script: Path, spec: dict[str, Any], folder: str, timeout: float) -> dict[str, Any]:
+    """Run ``script --child <spec as JSON>`` in a fresh Python process; its result is the last
+    line it prints.
+
+    ``folder`` (the spec key of its scratch folder: a chunk cache, an output folder) is made
+    and removed here, so nothing is left behind when the child is killed.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as scratch:
+        spec = {**spec, folder: scratch}
+        command = [sys.executable, str(script), "--child", json.dumps(spec)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise RuntimeError(f"child {spec['mode']} failed with status {done.returncode}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -135,3 +135,14 @@ def token_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
     step = 16 * 2**20
     for start in range(0, total, step):
         yield rng.integers(0, VOCAB, min(step, total - start), dtype=np.uint16)
+
+
+def upload_folder(endpoint: str, folder: str, url: str) -> None:
+    """Upload every file of ``folder`` (not its subfolders) under ``url`` (``s3://bucket/prefix``)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key=KEY, secret=SECRET, skip_instance_cache=True)
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fs.put_file(path, f"{url}/{name}")

@@ -39,6 +39,11 @@ class RangeHandler(BaseHTTPRequestHandler):
             return None
         return path
 
+    def _etag(self, path: Path) -> None:
+        """An ETag as nginx makes one (mtime and size): a rewritten file gets another."""
+        stat = path.stat()
+        self.send_header("ETag", f'"{stat.st_mtime_ns:x}-{stat.st_size:x}"')
+
     def do_HEAD(self) -> None:
         path = self._file()
         if path is None:
@@ -46,6 +51,7 @@ class RangeHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(path.stat().st_size))
         self.send_header("Accept-Ranges", "bytes")
+        self._etag(path)
         self.end_headers()
 
     def do_GET(self) -> None:
@@ -72,6 +78,7 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
+        self._etag(path)
         self.end_headers()
         with self.server.lock:
             self.server.bytes_served += len(body)

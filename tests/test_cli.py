@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,13 +51,22 @@ def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
 
     from asyncbatch.cli import loader_default, parser
 
+    def commands_of(parent: argparse.ArgumentParser) -> list[tuple[str, Any]]:
+        """Every (sub)command under ``parent``, ``cache info`` and ``cache clear`` too."""
+        found = []
+        for action in parent._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, command in action.choices.items():
+                    found += [(name, command), *commands_of(command)]
+        return found
+
     root = parser()
-    (commands,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
-    for name, command in commands.choices.items():
-        for action in command._actions:
-            if action.option_strings and action.dest != "help":
-                assert action.help and "default" in action.help, (name, action.dest)
-        assert "default: " in command.format_help(), name
+    for name, command in commands_of(root):
+        options = [a for a in command._actions if a.option_strings and a.dest != "help"]
+        for action in options:
+            assert action.help and "default" in action.help, (name, action.dest)
+        if options:
+            assert "default: " in command.format_help(), name
     args = root.parse_args(["demo"])
     assert args.prefetch is None  # the loader sizes its own read-ahead
     assert args.max_inflight == loader_default("max_inflight") == 64

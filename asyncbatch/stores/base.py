@@ -9,11 +9,17 @@ A store may also offer ``read_into(urls, which, starts, ends, dest, dest_offsets
 range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at ``dest_offsets[i]``, all
 arrays int64. The engine uses it when present (the local store does, to read a whole group
 in one GIL-free call) and ``read_ranges`` otherwise.
+
+Two more optional protocols, detected by type: :class:`Versioned` (``stat(url)``: the size
+and the version a store pins, which the node-local cache keys its entries by) and
+:class:`Discards` (``discard(url, start, end)``: forget a cached copy of those bytes, so
+that the next read fetches them again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..errors import ShortReadError, describe_range
@@ -48,6 +54,33 @@ class Store(Protocol):
 
     async def close(self) -> None:
         """Release sessions and file descriptors; idempotent."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """An object's size and version: the ETag or file identity its store pins (None when
+    the store cannot tell one version from another)."""
+
+    size: int
+    version: str | None
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A store that tells an object's version along with its size."""
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and version of ``url``; pins the object at that version as ``size`` does."""
+        ...
+
+
+@runtime_checkable
+class Discards(Protocol):
+    """A store that keeps copies of bytes (a cache) and can forget them."""
+
+    async def discard(self, url: str, start: int, end: int) -> None:
+        """Forget any copy of bytes ``[start, end)`` of ``url``; the next read fetches them."""
         ...
 
 

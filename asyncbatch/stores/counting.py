@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .base import Buffer, Store
+from .base import Buffer, ObjectInfo, Store, Versioned
 
 
 @dataclass
@@ -23,6 +23,9 @@ class ReadCounts:
 
     requests: int = 0
     bytes_fetched: int = 0
+    #: Blocks the node-local cache served, and blocks it had to fetch.
+    cache_hits: int = 0
+    cache_misses: int = 0
 
 
 class CountingStore:
@@ -38,6 +41,12 @@ class CountingStore:
 
     async def list(self, url: str) -> list[str]:
         return await self.inner.list(url)
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """The store's size and version of ``url``; no version if it cannot tell one."""
+        if isinstance(self.inner, Versioned):
+            return await self.inner.stat(url)
+        return ObjectInfo(await self.inner.size(url), None)
 
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]

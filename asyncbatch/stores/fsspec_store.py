@@ -17,9 +17,12 @@ from typing import Any
 import fsspec
 
 from ..errors import ConfigError, NotFoundError, PermissionDeniedError, StoreError, describe_range
-from .base import Buffer, check_length
+from .base import Buffer, ObjectInfo, check_length
 from .ranged import REMOTE_COALESCE_GAP, fail
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+
+#: Fields of ``info()`` that identify an object's version, most specific first.
+_VERSION_FIELDS = ("ETag", "etag", "generation", "version_id", "md5", "mtime", "LastModified")
 
 
 class FsspecStore:
@@ -87,11 +90,17 @@ class FsspecStore:
             raise StoreError(f"{method} failed: {url}: {exc!r}", url) from exc
 
     async def size(self, url: str) -> int:
+        return (await self.stat(url)).size
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and version from ``info()``: the first of the fields filesystems use for one
+        (ETag, generation, mtime, ...); None if it reports none."""
         info = await self._call(url, "info", url)
         size = info.get("size")
         if size is None:
             raise StoreError(f"size unknown: {url} (the server reports no length)", url)
-        return int(size)
+        version = next((info[key] for key in _VERSION_FIELDS if info.get(key)), None)
+        return ObjectInfo(int(size), None if version is None else str(version))
 
     async def list(self, url: str) -> list[str]:
         fs = await self._filesystem()

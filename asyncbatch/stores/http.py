@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..errors import StoreError, StoreTimeoutError, describe_range
-from .base import Buffer
+from .base import Buffer, ObjectInfo
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
@@ -132,17 +132,22 @@ class HttpStore:
 
     async def size(self, url: str) -> int:
         """Size from a HEAD's ``Content-Length``; pins the object's ETag."""
+        return (await self.stat(url)).size
 
-        async def attempt() -> int:
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and ETag from a HEAD; pins the ETag."""
+
+        async def attempt() -> ObjectInfo:
             _, limit = self._client()
             async with limit:
                 response = await self._request("HEAD", url, {})
                 response.release()
-            self.pins.check(url, response.headers.get("ETag"))
+            etag = response.headers.get("ETag")
+            self.pins.check(url, etag)
             length = response.headers.get("Content-Length")
             if length is None or not length.isdigit():
                 raise fail(StoreError, "size unknown: the server sent no Content-Length", url)
-            return int(length)
+            return ObjectInfo(int(length), etag or None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
 

@@ -47,7 +47,7 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from .base import Buffer, check_length
+from .base import Buffer, ObjectInfo, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
@@ -112,8 +112,17 @@ class LocalStore:
         self._closed = False
 
     async def size(self, url: str) -> int:
+        return (await self._stat(url)).st_size
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and identity (inode, size, mtime); pins the file at that identity."""
+        stat = await self._stat(url)
+        self._check_pin(url, stat)
+        return ObjectInfo(stat.st_size, "{:x}-{:x}-{:x}".format(*file_version(stat)))
+
+    async def _stat(self, url: str) -> os.stat_result:
         try:
-            return (await aiofiles.os.stat(local_path(url))).st_size
+            return await aiofiles.os.stat(local_path(url))
         except FileNotFoundError as exc:
             raise NotFoundError(f"not found: {url}", url) from exc
 

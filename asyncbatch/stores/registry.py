@@ -25,7 +25,9 @@ import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
 from .base import Store
+from .cache import CachedStore
 from .counting import ReadCounts, counting
+from .disk_cache import DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_url
 
@@ -129,12 +131,14 @@ def open_store(
     max_inflight: int = 64,
     retry: RetryPolicy | None = None,
     counts: ReadCounts | None = None,
+    cache: DiskCache | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
     Every URL a dataset, loader or writer opens passes here, so this is where a malformed
-    one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. With ``counts``, the
-    transport's byte-range reads are counted there.
+    one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. The stack, from the
+    top: the node-local ``cache`` (if any), a counter of the transport's byte-range reads
+    (with ``counts``), the transport.
     """
     check_url(url, _registry)
     scheme = scheme_of(url)
@@ -146,4 +150,4 @@ def open_store(
         store = factory(scheme, options, max_inflight=max_inflight)
     if counts is not None:
         store = counting(store, counts)
-    return store
+    return store if cache is None else CachedStore(store, cache, counts)

@@ -27,7 +27,7 @@ from ..errors import (
     StoreTimeoutError,
     describe_range,
 )
-from .base import Buffer
+from .base import Buffer, ObjectInfo
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
@@ -210,8 +210,12 @@ class S3Store(FsspecStore):
 
     async def size(self, url: str) -> int:
         """Size from a HEAD; pins the key's ETag."""
+        return (await self.stat(url)).size
 
-        async def attempt() -> int:
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and ETag from a HEAD; pins the ETag."""
+
+        async def attempt() -> ObjectInfo:
             _, limit, fs = await self._client()
             async with limit:
                 try:
@@ -222,8 +226,9 @@ class S3Store(FsspecStore):
                     if not isinstance(exc, CredentialsError):
                         await self._explain_forbidden(fs, url)
                     raise
-            self.pins.check(url, head.get("ETag"))
-            return int(head["ContentLength"])
+            etag = head.get("ETag")
+            self.pins.check(url, etag)
+            return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
 

@@ -1,0 +1,203 @@
+"""The node-local cache as a store: :class:`CachedStore` reads any store's objects in whole
+blocks through a :class:`~asyncbatch.stores.disk_cache.DiskCache`, and implements the same
+protocol, so it stacks over any transport (``open_store(..., cache=)`` puts it there).
+
+It knows nothing of the store below but the protocol: ``stat`` (size and pinned version, see
+:class:`~asyncbatch.stores.base.Versioned`) keys the entries, ``read_ranges`` fetches the
+missing blocks. It offers ``discard`` (:class:`~asyncbatch.stores.base.Discards`), which the
+engine calls when bytes it read fail their checksum, so a corrupt entry is read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from .base import Buffer, ObjectInfo, Store, Versioned
+from .counting import ReadCounts
+from .disk_cache import DiskCache, Piece
+from .local import LocalStore
+
+#: The most bytes of blocks one read holds at once (it fetches, writes and copies them out,
+#: then goes on with the next ones).
+CHUNK_BYTES = 64 * 2**20
+
+
+class _Abandoned(Exception):
+    """The read fetching a block failed or was cancelled: its waiters fetch it themselves."""
+
+
+class CachedStore:
+    """A store that reads whole blocks through a :class:`DiskCache`, over any store.
+
+    Each object is stat'ed once per store (its size and version; the store below pins that
+    version). From a cached block only the bytes asked for are read, straight into the
+    caller's buffers; missing blocks are fetched whole from the store below, neighbours in
+    one range, written to the cache and copied out. A block one read of this store is
+    fetching is waited for by the others, not fetched again. Objects whose store reports no
+    version are read straight from it (warned once).
+    """
+
+    def __init__(self, inner: Store, cache: DiskCache, counts: ReadCounts | None = None) -> None:
+        self.inner = inner
+        self.cache = cache
+        #: A loader's own count of the blocks it found in the cache and missed.
+        self.counts = counts
+        # Merging two reads saves no request here (a miss fetches whole blocks whatever the
+        # reads), only calls: as for local files, merge across small gaps only.
+        self.coalesce_gap = min(inner.coalesce_gap, LocalStore.coalesce_gap)
+        self._infos: dict[str, asyncio.Future[ObjectInfo]] = {}
+        self._pending: dict[tuple[str, int], asyncio.Future[Buffer]] = {}
+
+    async def stat(self, url: str) -> ObjectInfo:
+        future = self._infos.get(url)
+        if future is None:
+            future = self._infos[url] = asyncio.ensure_future(self._stat(url))
+        try:
+            return await asyncio.shield(future)
+        except BaseException:
+            if future.done() and self._infos.get(url) is future:
+                self._infos.pop(url)  # failed: the next call asks again
+            raise
+
+    async def _stat(self, url: str) -> ObjectInfo:
+        if isinstance(self.inner, Versioned):
+            return await self.inner.stat(url)
+        return ObjectInfo(await self.inner.size(url), None)
+
+    async def size(self, url: str) -> int:
+        return (await self.stat(url)).size
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        self._infos.pop(url, None)
+        await self.inner.write(url, data)
+        self._infos.pop(url, None)  # a new version: stat it again
+
+    async def close(self) -> None:
+        infos, self._infos = list(self._infos.values()), {}
+        for future in infos:
+            future.cancel()
+        await asyncio.gather(*infos, return_exceptions=True)
+        await self.inner.close()
+
+    async def discard(self, url: str, start: int, end: int) -> None:
+        info = await self.stat(url)
+        if info.version is None or end <= start:
+            return
+        size = self.cache.block_size
+        blocks = range(start // size, -(-end // size))
+        directory = self.cache.object_dir(url, info.version)
+        await asyncio.to_thread(self.cache.remove, directory, blocks)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        info = await self.stat(url)
+        if info.version is None:
+            self.cache.warn_once(
+                "version",
+                f"{url}: its store reports no version (ETag), so the cache could not tell a"
+                " changed object from the one it holds; such objects are read without it",
+            )
+        if info.version is None or any(end > info.size for end in ends):
+            # Past the end: the store below raises the error naming the range.
+            await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            return
+        size = self.cache.block_size
+        # The pieces of the ranges, by block: (offset in the block, length, buffer, offset in it).
+        pieces: dict[int, list[Piece]] = {}
+        for start, end, buffer in zip(starts, ends, buffers, strict=True):
+            at = start
+            while at < end:
+                block = at // size
+                stop = min(end, (block + 1) * size)
+                pieces.setdefault(block, []).append(
+                    (at - block * size, stop - at, buffer, at - start)
+                )
+                at = stop
+        needed = sorted(pieces)
+        # CHUNK_BYTES of blocks at a time: a shuffled read touching a thousand blocks must
+        # not hold them all in memory at once.
+        per_chunk = max(1, CHUNK_BYTES // size)
+        for first in range(0, len(needed), per_chunk):
+            await self._fill(url, info, needed[first : first + per_chunk], pieces)
+
+    async def _fill(
+        self, url: str, info: ObjectInfo, blocks: list[int], pieces: dict[int, list[Piece]]
+    ) -> None:
+        """Copy the pieces of ``blocks`` out: from the cache's files, from a block another
+        read of this store is fetching, or from the store below."""
+        done: set[int] = set()
+        while len(done) < len(blocks):
+            todo = [b for b in blocks if b not in done]
+            waiting = {b: self._pending[url, b] for b in todo if (url, b) in self._pending}
+            mine = [b for b in todo if b not in waiting]
+            if mine:
+                await self._read_or_fetch(url, info, mine, pieces)
+                done.update(mine)
+            for block, future in waiting.items():
+                try:
+                    data = await asyncio.shield(future)
+                except _Abandoned:  # found on disk, or failed: this loop's next round
+                    continue
+                _copy_out(data, pieces[block])
+                done.add(block)
+
+    async def _read_or_fetch(
+        self, url: str, info: ObjectInfo, blocks: list[int], pieces: dict[int, list[Piece]]
+    ) -> None:
+        assert info.version is not None
+        cache, size = self.cache, self.cache.block_size
+        loop = asyncio.get_running_loop()
+        futures = {b: loop.create_future() for b in blocks}
+        for block, future in futures.items():
+            self._pending[url, block] = future
+        try:
+            directory = cache.object_dir(url, info.version)
+            # Hits: only the pieces asked for are read, straight into their buffers.
+            wanted = [(b, min(size, info.size - b * size), pieces[b]) for b in blocks]
+            hits = await asyncio.to_thread(cache.read, directory, wanted)
+            hit_bytes = sum(length for b in hits for _, length, _, _ in pieces[b])
+            cache.count(hits=len(hits), hit_bytes=hit_bytes)
+            if self.counts is not None:
+                self.counts.cache_hits += len(hits)
+            missing = [b for b in blocks if b not in hits]
+            if not missing:
+                return
+            # Misses: whole blocks, neighbours in one range, then cached and copied out.
+            runs: list[list[int]] = []
+            for block in missing:
+                if runs and runs[-1][-1] == block - 1:
+                    runs[-1].append(block)
+                else:
+                    runs.append([block])
+            starts = [run[0] * size for run in runs]
+            ends = [min(info.size, (run[-1] + 1) * size) for run in runs]
+            buffers = [memoryview(bytearray(e - s)) for s, e in zip(starts, ends, strict=True)]
+            await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            fetched: dict[int, Buffer] = {}
+            for run, buffer in zip(runs, buffers, strict=True):
+                for i, block in enumerate(run):
+                    fetched[block] = data = buffer[i * size : (i + 1) * size]
+                    futures[block].set_result(data)
+                    _copy_out(data, pieces[block])
+            cache.count(misses=len(missing), fetched=sum(len(b) for b in buffers))
+            if self.counts is not None:
+                self.counts.cache_misses += len(missing)
+            await asyncio.to_thread(cache.store, directory, fetched)
+        finally:
+            for block, future in futures.items():
+                if not future.done():
+                    future.set_exception(_Abandoned())
+                    future.exception()  # retrieved: waiters see it, nobody else need
+                if self._pending.get((url, block)) is future:
+                    del self._pending[url, block]
+
+    # Last: within the class, ``list`` names this method from here on.
+    async def list(self, url: str) -> list[str]:
+        return await self.inner.list(url)
+
+
+def _copy_out(block: Buffer, pieces: list[Piece]) -> None:
+    for offset, length, buffer, at in pieces:
+        buffer[at : at + length] = block[offset : offset + length]
