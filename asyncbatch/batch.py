@@ -11,8 +11,8 @@ batch serialises as one small header plus one buffer per field (two for a jagged
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -94,13 +94,30 @@ class Jagged:
         width = int(lengths.max()) if length is None and len(self) else int(length or 0)
         return torch.arange(width)[None, :] < lengths[:, None]
 
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Jagged:
+        """The same column with its tensors on ``device`` (object values stay as they are)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Jagged:
+        """The same column with its tensors in page-locked memory (needs an accelerator)."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Jagged:
+        values = move(self.values) if isinstance(self.values, torch.Tensor) else self.values
+        return Jagged(values, move(self.offsets))
+
     def __repr__(self) -> str:
         return f"Jagged(samples={len(self)}, values={tuple(getattr(self.values, 'shape', ()))})"
 
 
 @dataclass(eq=False, slots=True)
-class Batch(Mapping[str, Any]):
-    """``batch["tokens"]`` is a field; ``batch.global_indexes`` names the samples."""
+class Batch(MutableMapping[str, Any]):
+    """``batch["tokens"]`` is a field; ``batch.global_indexes`` names the samples.
+
+    A mutable mapping whose shallow copy is a ``Batch``: torch's ``default_convert`` (the
+    collate function of ``DataLoader(batch_size=None)``) copies it and replaces its fields,
+    so a Batch stays a Batch there.
+    """
 
     global_indexes: npt.NDArray[np.int64]
     fields: dict[str, Any]
@@ -109,6 +126,20 @@ class Batch(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Replace the values of field ``name`` (a new field needs its ``schema`` entry first)."""
+        if name not in self.schema:
+            raise KeyError(f"no field {name!r} in the schema: add schema[{name!r}] first")
+        self.fields[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.fields[name]
+        self.schema.pop(name, None)
+
+    def __copy__(self) -> Batch:
+        """A new batch holding the same arrays (not a copy of their bytes)."""
+        return Batch(self.global_indexes, dict(self.fields), dict(self.schema), dict(self.extra))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.fields)
@@ -119,6 +150,28 @@ class Batch(Mapping[str, Any]):
     @property
     def batch_size(self) -> int:
         return int(self.global_indexes.size)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+        """The same batch with every tensor (jagged ones too) on ``device``.
+
+        ``global_indexes``, the schema, ``extra`` (the position) and non-tensor fields are
+        kept as they are; with ``non_blocking=True`` a copy from pinned memory is
+        asynchronous, as with ``torch.Tensor.to``.
+        """
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """The same batch with every tensor in page-locked memory, ready for a fast,
+        asynchronous copy to the GPU; what ``DataLoader(pin_memory=True)`` calls.
+
+        Like ``torch.Tensor.pin_memory``, it needs an accelerator: without one, torch raises
+        (and ``DataLoader`` skips pinning altogether).
+        """
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        fields = {name: _move(value, move) for name, value in self.fields.items()}
+        return replace(self, fields=fields, extra=dict(self.extra))
 
     def to_buffers(self) -> tuple[dict[str, Any], list[memoryview]]:
         """A header (plain Python values) and one buffer per field (a jagged field: values,
@@ -160,6 +213,15 @@ class Batch(Mapping[str, Any]):
             f"{name}: {tuple(getattr(v, 'shape', ()))}" for name, v in self.fields.items()
         )
         return f"Batch(size={self.batch_size}, {shapes})"
+
+
+def _move(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``move`` applied to its tensors (a jagged column's too)."""
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, Jagged):
+        return value._map(move)
+    return value
 
 
 def _add_buffer(value: Any, buffers: list[memoryview]) -> dict[str, Any]:

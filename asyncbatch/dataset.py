@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError, NotFoundError
+from .integrity import digest, format_digest
 from .layout import ShardMap
 from .manifest import MANIFEST_NAME, Manifest
 from .portal import run_sync
@@ -47,10 +48,21 @@ class Dataset:
         return ShardMap(counts, self.manifest.dtype.itemsize, offsets)
 
     def fingerprint(self) -> str:
-        """Identifies the data (not where it lives), for checking resume states."""
+        """Identifies the data (not where it lives), for checking resume states: its shape
+        and, when the manifest records shard checksums, its bytes."""
         m = self.manifest
         arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
-        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}"
+        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}{self._content}"
+
+    @cached_property
+    def _content(self) -> str:
+        """``:<algorithm>=<digest of every shard's checksum>``, or "" without checksums
+        (computed once: ``state_dict()`` asks for the fingerprint every time)."""
+        m = self.manifest
+        if m.checksum is None:
+            return ""
+        checksums = np.array([shard.checksum or 0 for shard in m.shards], dtype="<u8")
+        return f":{m.checksum}={format_digest(digest(checksums.tobytes()))}"
 
     def __repr__(self) -> str:
         m = self.manifest

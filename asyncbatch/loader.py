@@ -33,7 +33,7 @@ from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .engine import Engine, group_size
-from .errors import ConfigError, LoaderClosedError, ResumeStateError
+from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats import Source, make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .integrity import DEFAULT_VERIFY, check_level
@@ -264,6 +264,8 @@ class _LoaderBase:
         self._read_counts = ReadCounts()
         self._delivered = DeliveryCounts()
         self._closed = False
+        #: Set once a run found the data changed under it: every later run raises it too.
+        self._changed: ShardChangedError | None = None
 
     def _build(self, data: Dataset | Mixture) -> Engine:
         datasets = data.datasets if isinstance(data, Mixture) else (data,)
@@ -303,6 +305,8 @@ class _LoaderBase:
             window=self.window or 1,
             samples=samples,
         )
+        if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
+            raise ConfigError(self._nothing_to_read(data, num_samples))
         self._data = data
         batch_bytes = self.batch_size * sample_bytes
         worker, stride = self._worker
@@ -329,6 +333,22 @@ class _LoaderBase:
             cache=self.cache,
         )
         return self._engine
+
+    def _nothing_to_read(self, data: Dataset | Mixture, num_samples: int) -> str:
+        """Why a loader over ``num_samples`` samples has no batch, with the sizes."""
+        if isinstance(data, Dataset):
+            what = f"{data.url} holds {data.manifest.total_elements} elements:"
+        else:
+            what = f"the mixture of {len(data.datasets)} datasets holds"
+        window = "" if self.seq_len is None else f" of seq_len={self.seq_len}"
+        need = self.batch_size * self.world_size
+        cut = f"batch_size x world_size = {self.batch_size} x {self.world_size} = {need}"
+        if not self.drop_last:
+            need, cut = self.world_size, f"one per rank, world_size={self.world_size}"
+        return (
+            f"nothing to read: {what} {num_samples} samples{window}, fewer than the {need}"
+            f" one batch on every rank needs ({cut})"
+        )
 
     def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
         sizes = source.sizes.tolist()
@@ -445,6 +465,12 @@ class _LoaderBase:
             return item
         assert isinstance(item, Final)
         self._run_finished()
+        if isinstance(item.error, ShardChangedError) and self._changed is None:
+            item.error.add_note(
+                "Later runs of this loader raise it again (a new run would pin the new bytes:"
+                " two versions in one epoch); open the dataset again to read the new data."
+            )
+            self._changed = item.error
         if item.error is not None:
             raise item.error
         self._epoch, self._position, self._history = self._epoch + 1, 0, ()
@@ -466,6 +492,11 @@ class _LoaderBase:
     def _check_open(self) -> None:
         if self._closed:
             raise LoaderClosedError(f"{type(self).__name__} used after close()")
+
+    def _check_unchanged(self) -> None:
+        """Before a new run: the ShardChangedError an earlier run of this loader met, if any."""
+        if self._changed is not None:
+            raise self._changed.with_traceback(None)
 
     def _discard_run(self) -> None:
         raise NotImplementedError
@@ -512,6 +543,7 @@ class Loader(_LoaderBase):
         if self._pid != os.getpid():
             self._forget_run()  # the engine thread stayed in the parent process
         if self._queue is None:
+            self._check_unchanged()
             self._start()
         assert self._queue is not None
         assert self._thread is not None
@@ -653,6 +685,7 @@ class AsyncLoader(_LoaderBase):
             await self.open()
         queue = self._queue
         if queue is None:
+            self._check_unchanged()
             assert self._engine is not None
             queue = self._new_queue(asyncio.get_running_loop())
             self._task = asyncio.create_task(

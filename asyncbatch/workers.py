@@ -18,7 +18,7 @@ import torch.utils.data
 
 from .batch import Batch
 from .dataset import Dataset, open_dataset
-from .errors import ConfigError
+from .errors import ConfigError, ShardChangedError
 from .loader import Loader, check_state, resolve_rank
 from .mixture import Mixture
 from .sampling.windows import History
@@ -36,6 +36,10 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     each :class:`Batch` whole). Call :meth:`set_epoch` before each epoch unless the
     DataLoader has ``persistent_workers=True`` (then workers go on to the next epoch
     themselves); save the position with :meth:`state_dict` and the last batch taken.
+
+    It is ``Stateful`` as torchdata's ``StatefulDataLoader`` expects: with ``batch_size=None``
+    that loader's own ``state_dict()`` resumes right after the last batch it yielded, with
+    or without workers (restore it into a loader with the same ``num_workers``).
     """
 
     def __init__(self, dataset: Dataset | Mixture | str, **loader_args: Any) -> None:
@@ -59,6 +63,8 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         self._epoch = 0
         self._position = 0
         self._history: History = ()  # as Loader's: the epoch's earlier world sizes
+        #: As Loader's: once the data changed under an iteration, every later one raises it.
+        self._changed: ShardChangedError | None = None
 
     @property
     def epoch(self) -> int:
@@ -72,7 +78,8 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
             self._epoch, self._position, self._history = epoch, 0, ()
 
     def state_dict(self, last: Batch | None = None) -> dict[str, Any]:
-        """The loader state after ``last`` (a batch this dataset yielded), or at the start."""
+        """The loader state after ``last`` (a batch this dataset yielded), or else after the
+        last batch this object yielded (in a worker: that worker's own share)."""
         state = dict(self._settings)
         if last is None:
             state["epoch"], state["batches_done"] = self._epoch, self._position
@@ -96,9 +103,23 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     def __iter__(self) -> Iterator[Batch]:
         info = torch.utils.data.get_worker_info()
         worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self._changed is not None:
+            raise self._changed.with_traceback(None)
         with Loader(self.dataset, **self.loader_args, _worker=worker) as loader:
             loader.load_state_dict(self.state_dict())
-            yield from loader
+            try:
+                for batch in loader:
+                    # This object's state follows what it yields, so torchdata's
+                    # StatefulDataLoader (which calls state_dict() right after each batch, in
+                    # the process that yields it) resumes right after it. A worker's copy holds
+                    # its own next batch b + K: a run from position p gives worker k batch p + k.
+                    index, stride = worker
+                    self._epoch = batch.extra["epoch"]
+                    self._position = batch.extra["batch"] + stride - index
+                    yield batch
+            except ShardChangedError as exc:
+                self._changed = exc
+                raise
             # An epoch ended: the next iteration (the parent's with num_workers=0, or a
             # persistent worker's) starts the next epoch.
             self._epoch, self._position, self._history = loader.epoch, 0, ()

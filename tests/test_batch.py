@@ -202,3 +202,95 @@ def test_metadata_batch_pickles_across_processes(tmp_path: Path) -> None:
         assert torch.equal(again[name].offsets, batch[name].offsets)
     assert list(again["meta"].values) == list(batch["meta"].values)
     assert again.schema == batch.schema and again.extra == batch.extra
+
+
+def mixed_batch() -> Batch:
+    """Dense and jagged tensors, a jagged column of objects and a numpy field."""
+    objects = np.empty(3, dtype=object)
+    objects[:] = [{"a": 1}, [1, 2], "x"]
+    return Batch(
+        np.arange(10, 14, dtype=np.int64),
+        {
+            "tokens": torch.arange(12, dtype=torch.int32).reshape(4, 3),
+            "docs": make_jagged(),
+            "meta": Jagged(objects, torch.tensor([0, 1, 1, 3, 3])),
+            "index": np.arange(4),
+        },
+        {
+            "tokens": FieldSchema("int32", (3,)),
+            "docs": FieldSchema("int32", (-1,), nested=True),
+            "meta": FieldSchema("object", (-1,), nested=True, tensor=False),
+            "index": FieldSchema("int64", ()),
+        },
+        {"epoch": 2, "batch": 7},
+    )
+
+
+def test_to_moves_every_tensor_and_keeps_indexes_schema_and_position() -> None:
+    batch = mixed_batch()
+    moved = batch.to("meta")  # a device every torch build has
+    assert isinstance(moved, Batch) and moved is not batch
+    assert moved["tokens"].device.type == "meta" and moved["tokens"].shape == (4, 3)
+    assert moved["docs"].values.device.type == "meta"
+    assert moved["docs"].offsets.device.type == "meta"
+    assert moved["meta"].values is batch["meta"].values  # objects stay where they are
+    assert moved["meta"].offsets.device.type == "meta"
+    assert moved["index"] is batch["index"]
+    assert np.array_equal(moved.global_indexes, batch.global_indexes)
+    assert moved.schema == batch.schema and moved.extra == {"epoch": 2, "batch": 7}
+    assert moved.extra is not batch.extra
+    # The source batch is untouched, and a copy to its own device keeps the values.
+    assert batch["tokens"].device.type == "cpu"
+    same = batch.to(torch.device("cpu"), non_blocking=True)
+    assert torch.equal(same["tokens"], batch["tokens"])
+    assert torch.equal(same["docs"].values, batch["docs"].values)
+
+
+def test_torch_pin_memory_keeps_a_batch_whole() -> None:
+    # What DataLoader's pin-memory thread calls on each item: without Batch.pin_memory it
+    # rebuilt the Mapping as a plain dict, losing global_indexes and the position. Objects
+    # only, so this runs without an accelerator (pinning a tensor needs one).
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    batch = mixed_batch()
+    batch.fields = {"meta": batch["meta"].values}
+    batch.schema = {"meta": batch.schema["meta"]}
+    pinned = pin_memory(batch)
+    assert isinstance(pinned, Batch)
+    assert np.array_equal(pinned.global_indexes, batch.global_indexes)
+    assert pinned.extra == {"epoch": 2, "batch": 7} and pinned.schema == batch.schema
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+def test_dataloader_with_pin_memory_yields_batches(tmp_path: Path) -> None:
+    tokens = np.arange(4000, dtype=np.uint16)
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens)
+    source = ab.LoaderDataset(dataset, batch_size=4, seq_len=50, shuffle=False)
+    # Without an accelerator, torch skips pinning (and warns); with one, it pins each Batch.
+    accelerator = torch.accelerator.is_available()
+    for step, batch in enumerate(source.dataloader(pin_memory=True)):
+        assert isinstance(batch, Batch) and batch.extra["batch"] == step
+        assert batch.global_indexes.tolist() == list(range(4 * step, 4 * step + 4))
+        assert batch["tokens"].is_pinned() == accelerator
+        if step == 2:
+            break
+    if accelerator:
+        pinned = mixed_batch().pin_memory()
+        assert pinned["tokens"].is_pinned() and pinned["docs"].values.is_pinned()
+        assert pinned["docs"].offsets.is_pinned() and pinned.extra["batch"] == 7
+
+
+def test_default_convert_keeps_a_batch() -> None:
+    # DataLoader(batch_size=None) and StatefulDataLoader pass each item through it.
+    from torch.utils.data._utils.collate import default_convert
+
+    batch = mixed_batch()
+    converted = default_convert(batch)
+    assert isinstance(converted, Batch) and converted is not batch
+    assert np.array_equal(converted.global_indexes, batch.global_indexes)
+    assert converted.extra == batch.extra and converted.schema == batch.schema
+    assert converted["tokens"] is batch["tokens"] and converted["docs"] is batch["docs"]
+    assert torch.equal(converted["index"], torch.arange(4))  # numbers become tensors
+    assert list(batch) == list(converted) and isinstance(batch["index"], np.ndarray)
+    with pytest.raises(KeyError, match="schema"):
+        batch["new"] = torch.zeros(4)

@@ -70,3 +70,11 @@ def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
     args = root.parse_args(["demo"])
     assert args.prefetch is None  # the loader sizes its own read-ahead
     assert args.max_inflight == loader_default("max_inflight") == 64
+
+
+def test_demo_with_nothing_to_read_fails_clearly(tmp_path: Path) -> None:
+    out = run("demo", "--tokens", "1000", "--seq-len", "4096", cache=tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "asyncbatch: error: nothing to read:" in out.stderr
+    assert "1000 elements: 0 samples of seq_len=4096" in out.stderr
+    assert "tokens/s" not in out.stdout

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import BUCKET, expected_windows, s3_options
 from faults import OK, Fault, FaultServer, fault_server
 from hypothesis import given, settings
@@ -374,6 +375,84 @@ def test_local_file_resized_or_replaced_is_shard_changed(tmp_path: Path) -> None
             await store.close()
 
     asyncio.run(main())
+
+
+def _changed_data_stays_refused(
+    url: str, options: dict[str, Any], replace_shards: Any, **loader_args: Any
+) -> None:
+    """Every shard replaced by other bytes of its size after the first batch: the run fails
+    with ShardChangedError, and so does every later run of that loader (a Loader and a
+    LoaderDataset) until the dataset is opened again, which then reads the new bytes."""
+    args: dict[str, Any] = dict(
+        batch_size=4, seq_len=16, prefetch=2, storage_options=options, **loader_args
+    )
+    source = ab.LoaderDataset(url, **args)
+    runner = asyncio.Runner()  # one loop across the steps, as an evaluation job has
+
+    async def drain(loader: ab.AsyncLoader) -> None:
+        async for _ in loader:
+            pass
+
+    with ab.Loader(url, **args) as loader, runner:
+        first = next(loader)
+        batches = iter(source)
+        next(batches)
+        async_loader = runner.run(ab.AsyncLoader(url, **args).open())
+        runner.run(anext(async_loader))
+        replace_shards()
+        for run in (loader, batches, async_loader):
+            with pytest.raises(ShardChangedError, match="open the dataset again") as caught:
+                if isinstance(run, ab.AsyncLoader):
+                    runner.run(drain(run))
+                else:
+                    for _ in run:
+                        pass
+            assert caught.value.url.startswith(url)
+        # Before, a new run pinned the new bytes and delivered them in the same epoch.
+        with pytest.raises(ShardChangedError):
+            next(loader)
+        with pytest.raises(ShardChangedError):
+            next(iter(source))
+        with pytest.raises(ShardChangedError):
+            runner.run(anext(async_loader))
+        loader.set_epoch(1)
+        with pytest.raises(ShardChangedError):
+            next(loader)
+        runner.run(async_loader.aclose())
+    with ab.Loader(ab.open_dataset(url, options), **args) as again:
+        batch = next(again)
+    assert batch.global_indexes.tolist() == first.global_indexes.tolist()
+    assert not torch.equal(batch["tokens"], first["tokens"])
+
+
+def test_a_local_shard_replaced_mid_epoch_stays_refused(tmp_path: Path) -> None:
+    tokens = np.random.default_rng(2).integers(0, 60_000, 4000, dtype=np.uint16)
+    url = str(tmp_path / "ds")
+    dataset = ab.write_tokens(url, tokens, shard_size=1000)
+
+    def replace_shards() -> None:
+        for shard in dataset.shard_urls:  # os.replace: a new inode, the same size
+            Path(f"{shard}.new").write_bytes(Path(shard).read_bytes()[::-1])
+            os.replace(f"{shard}.new", shard)
+
+    # One descriptor kept open: a shard read again is reopened, and its pin checked.
+    _changed_data_stays_refused(url, {"max_open_files": 1}, replace_shards, shuffle=True)
+
+
+@pytest.mark.timeout(60)
+def test_an_s3_object_replaced_mid_epoch_stays_refused(s3_endpoint: str) -> None:
+    import s3fs
+
+    tokens = np.random.default_rng(3).integers(0, 60_000, 4000, dtype=np.uint16)
+    url, options = f"s3://{BUCKET}/changed-{next(_names)}", s3_options(s3_endpoint)
+    dataset = ab.write_tokens(url, tokens, shard_size=1000, storage_options=options)
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+
+    def replace_shards() -> None:
+        for shard in dataset.shard_urls:  # a new ETag, the same size
+            fs.pipe(shard, fs.cat(shard)[::-1])
+
+    _changed_data_stays_refused(url, options, replace_shards, shuffle=True)
 
 
 # -- the pool, the policy, the plumbing -------------------------------------------------

@@ -250,12 +250,15 @@ def _open_fds() -> dict[str, str]:
 def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
         assert small.prefetch == 128
-    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2.
-    with ab.Loader(dataset, batch_size=4096, seq_len=10_000) as big:
+    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
+    # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
+    with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:
         assert big.prefetch == 2
     # 16 × 2048 × (2 stored + 8 as int64) bytes = 320 KiB per batch: 204 fit, capped at 128;
     # 64 × 2048 × 10 bytes = 1.25 MiB: 51 fit.
-    with ab.Loader(dataset, batch_size=64, seq_len=2048, dtype=torch.int64) as wide:
+    with ab.Loader(
+        dataset, batch_size=64, seq_len=2048, dtype=torch.int64, drop_last=False
+    ) as wide:
         assert wide.prefetch == 51
     with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
         assert chosen.prefetch == 3
@@ -293,3 +296,88 @@ def test_statistics_count_what_the_server_served_over_the_loader_life(
         assert again.batches == 2 * batches
         assert again.bytes_delivered == 2 * stats.bytes_delivered
         assert again.requests == server.requests - before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "sizes"),
+    [
+        ({"seq_len": 2048}, "1000 elements: 0 samples of seq_len=2048, fewer than the 4"),
+        (
+            {"batch_size": 64, "rank": 1, "world_size": 2},
+            "100 samples of seq_len=10, fewer than the 128 .* 64 x 2 = 128",
+        ),
+        ({"infinite": True, "seq_len": 999}, "1 samples of seq_len=999, fewer than the 4"),
+        ({"drop_last": False, "rank": 0, "world_size": 200}, "100 samples .* world_size=200"),
+    ],
+)
+def test_a_loader_with_nothing_to_read_fails_at_construction(
+    tmp_path: Path, kwargs: dict[str, Any], sizes: str
+) -> None:
+    url = str(tmp_path / "small")
+    ab.write_tokens(url, np.arange(1000, dtype=np.uint16))
+    args: dict[str, Any] = {"batch_size": 4, "seq_len": 10, **kwargs}
+    match = f"nothing to read: {url} holds .*{sizes}"
+    with pytest.raises(ConfigError, match=match):
+        ab.Loader(url, **args)
+    with pytest.raises(ConfigError, match=match):
+        ab.LoaderDataset(url, **args)
+    with pytest.raises(ConfigError, match=match):
+        ab.AsyncLoader(ab.open_dataset(url), **args)
+
+    async def main() -> None:
+        loader = ab.AsyncLoader(url, **args)  # a URL is opened on entry
+        with pytest.raises(ConfigError, match=match):
+            async with loader:
+                pass
+
+    asyncio.run(main())
+    assert asyncbatch_threads() == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "refused", "accepted"),
+    [
+        (np.uint16, [torch.int16, torch.int8, torch.float16, torch.uint8], [torch.int32, "f4"]),
+        (np.uint32, [torch.int32, torch.float32], [torch.int64, np.float64]),
+    ],
+)
+def test_a_lossy_output_dtype_is_refused(
+    tmp_path: Path, stored: Any, refused: list[Any], accepted: list[Any]
+) -> None:
+    # Ids above 32767 (uint16) or 2**31 (uint32): a narrower dtype would wrap or round them.
+    top = np.iinfo(stored).max
+    tokens = np.array([0, 1, 40_000, top] * 50, dtype=stored)
+    url = str(tmp_path / "ds")
+    ab.write_tokens(url, tokens)
+    docs = ab.write_documents(str(tmp_path / "docs"), [tokens[:7], tokens[7:20]], dtype=stored)
+    for dtype in refused:
+        with pytest.raises(ConfigError, match=f"dtype={dtype!r} cannot hold every .* of {url}"):
+            ab.Loader(url, batch_size=2, seq_len=8, dtype=dtype)
+        with pytest.raises(ConfigError, match="cannot hold every"):
+            ab.Loader(docs, batch_size=2, dtype=dtype)
+    for dtype in accepted:
+        with ab.Loader(url, batch_size=2, seq_len=8, shuffle=False, dtype=dtype) as loader:
+            batch = next(loader)
+        assert batch["tokens"][0, :4].tolist() == [0, 1, 40_000, top]
+    with pytest.raises(ConfigError, match="bfloat16 has no numpy equivalent"):
+        ab.Loader(url, batch_size=2, seq_len=8, dtype=torch.bfloat16)
+
+
+def test_a_state_from_other_bytes_of_the_same_shape_is_refused(
+    tmp_path: Path, tokens: npt.NDArray[np.uint16]
+) -> None:
+    # write_tokens records shard checksums: they are the dataset's content identity.
+    first = ab.write_tokens(str(tmp_path / "a"), tokens, shard_size=2222)
+    other = ab.write_tokens(str(tmp_path / "b"), tokens[::-1].copy(), shard_size=2222)
+    copy = ab.write_tokens(str(tmp_path / "c"), tokens, shard_size=2222)
+    with ab.Loader(first, batch_size=4, seq_len=16) as loader:
+        next(loader)
+        state = loader.state_dict()
+    with (
+        ab.Loader(other, batch_size=4, seq_len=16) as resumed,
+        pytest.raises(ResumeStateError, match="the state is for dataset .*xxh3_64="),
+    ):
+        resumed.load_state_dict(state)
+    with ab.Loader(copy, batch_size=4, seq_len=16) as resumed:  # the same bytes elsewhere
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["batches_done"] == 1

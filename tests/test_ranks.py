@@ -356,6 +356,35 @@ def test_loader_dataset_resumes_from_the_last_batch_taken(dataset: ab.Dataset) -
     assert len(source) == len(whole)
 
 
+# torchdata 0.11 calls torch.set_vital on import, which torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("shuffle", [True, "block"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [1, 6, 13])
+def test_stateful_dataloader_resumes_from_its_own_state(
+    dataset: ab.Dataset, shuffle: Any, workers: int, stop: int
+) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    args: dict[str, Any] = dict(batch_size=9, seq_len=SEQ_LEN, seed=3, **shuffle_args(shuffle))
+
+    def loader(source: ab.LoaderDataset) -> Any:
+        return StatefulDataLoader(source, batch_size=None, num_workers=workers)
+
+    whole = take(loader(ab.LoaderDataset(dataset, **args)))
+    first = loader(ab.LoaderDataset(dataset, **args))
+    batches = iter(first)
+    head = [next(batches) for _ in range(stop)]
+    state = first.state_dict()
+    more = [next(batches) for _ in range(2)]  # it goes on; the state stays where it was
+    resumed = loader(ab.LoaderDataset(dataset, **args))
+    resumed.load_state_dict(state)
+    tail = take(resumed)
+    assert ids(more) == ids(tail[:2])
+    assert ids(head) + ids(tail) == ids(whole)
+    assert [b.extra["batch"] for b in head + tail] == list(range(len(whole)))
+
+
 def test_rank_and_world_size_come_from_torch_distributed(dataset: ab.Dataset) -> None:
     """A process group of one (gloo, in-process store): its rank and size are taken, and
     explicit arguments win over them. (Two ranks from the group: tests/test_torchrun.py.)"""

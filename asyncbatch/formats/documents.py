@@ -43,7 +43,7 @@ from ..portal import run_sync
 from ..stores import open_store
 from ..writer import DEFAULT_SHARD_SIZE, ShardWriter, check_write_args
 from .base import PlannedSource, Source
-from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
+from .tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
 if TYPE_CHECKING:
     from ..stores.base import Store
@@ -223,7 +223,7 @@ class DocumentSamples(PlannedSource):
         self.stored_dtype = stored
         self.sizes = np.array([d.arrays[OFFSETS].size - 1 for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
-        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        self.out_dtype = output_dtype(dtype, stored, self.datasets[0].url)
         if self.out_dtype is not None and stored.names:
             raise ConfigError(f"dtype={dtype!r} cannot convert the structured dtype {stored}")
         self.converts = self.out_dtype is not None and self.out_dtype != stored

@@ -45,7 +45,7 @@ from ..portal import run_sync
 from ..stores import open_store
 from ..stores.base import Store
 from .base import Opener, PlannedSource
-from .tokens import TOKENS_FIELD, _numpy_dtype
+from .tokens import TOKENS_FIELD, output_dtype
 
 FORMAT = "llmbatch"
 MAGIC = b"LLMBATCH"
@@ -275,7 +275,7 @@ class LLMBatchRecords(PlannedSource):
         self.shard_dataset = np.arange(len(self.datasets), dtype=np.int64)
         #: ``shuffle="block"``'s default block: the files' batch size (if they share one).
         self.default_block_size = first.batch_size if len(set(self._batch.tolist())) == 1 else None
-        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        self.out_dtype = output_dtype(dtype, first.dtype, self.datasets[0].url)
         self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
         out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
         self.sample_bytes = self.seq_len * (itemsize + out_itemsize)

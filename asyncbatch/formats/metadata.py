@@ -38,7 +38,7 @@ from ..portal import run_sync
 from ..stores import open_store
 from ..writer import DEFAULT_SHARD_SIZE, _checked_cast, check_write_args
 from .base import Offload, ReadFn
-from .tokens import TOKENS_FIELD, TokenWindows, _numpy_dtype
+from .tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
 if TYPE_CHECKING:
     from ..stores.base import Store
@@ -353,7 +353,7 @@ class MetadataWindows(TokenWindows):
         self.shard_urls = [*token_urls, *self.index_urls, *self.data_urls]
         self.shard_dataset = np.tile(self.shard_dataset, 3)
         self.token_dtype = self.stored_dtype[self.token_field]
-        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        self.out_dtype = output_dtype(dtype, self.token_dtype, self.dataset.url)
         self.extra_fields = [
             n for n in self.stored_dtype.names or () if n not in (self.token_field, self.meta_field)
         ]

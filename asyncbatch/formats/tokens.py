@@ -70,7 +70,7 @@ class TokenWindows(PlannedSource):
                 raise ConfigError(f"{one.url} holds {one.manifest.dtype}, not {stored} as the rest")
         self.stored_dtype = stored
         names = stored.names or (TOKENS_FIELD,)
-        self.out_dtype = _numpy_dtype(dtype) if dtype is not None else None
+        self.out_dtype = output_dtype(dtype, stored, self.dataset.url)
         if self.out_dtype is not None and stored.names:
             raise ConfigError(f"dtype={dtype!r} cannot convert the structured dtype {stored}")
         #: Whether decoding converts every value (worth a thread of its own).
@@ -106,9 +106,36 @@ class TokenWindows(PlannedSource):
         return {TOKENS_FIELD: torch.from_numpy(array)}
 
 
+#: Output dtypes suggested when the one asked for would lose values.
+_WIDE = tuple(np.dtype(name) for name in ("int32", "int64", "float32", "float64"))
+
+
+def output_dtype(
+    dtype: npt.DTypeLike | torch.dtype | None, stored: np.dtype[Any], url: str
+) -> np.dtype[Any] | None:
+    """``dtype`` as numpy's (None: keep ``stored``); a ConfigError when it cannot hold every
+    value of ``stored``. A manifest records no value range, so nothing proves that a
+    narrower dtype (int16 for uint16 ids, float16, ...) holds the data: it would wrap or
+    round ids silently. Structured dtypes are the caller's to refuse."""
+    if dtype is None:
+        return None
+    out = _numpy_dtype(dtype)
+    if not stored.names and not np.can_cast(stored, out, "safe"):
+        fits = ", ".join(str(d) for d in _WIDE if np.can_cast(stored, d, "safe"))
+        raise ConfigError(
+            f"dtype={dtype!r} cannot hold every {stored} value of {url}: the values would"
+            f" wrap or round (the manifest records no value range); use one that does"
+            f" ({fits or 'the stored dtype'}) or dtype=None"
+        )
+    return out
+
+
 def _numpy_dtype(dtype: npt.DTypeLike | torch.dtype) -> np.dtype[Any]:
     if isinstance(dtype, torch.dtype):
-        return torch.empty((), dtype=dtype).numpy().dtype
+        try:
+            return torch.empty((), dtype=dtype).numpy().dtype
+        except TypeError as exc:  # bfloat16, float8: batches are decoded by numpy
+            raise ConfigError(f"dtype={dtype!r} has no numpy equivalent") from exc
     try:
         return np.dtype(dtype)
     except TypeError as exc:
