@@ -41,6 +41,7 @@ from .sampling.windows import History
 from .stores import open_store
 from .stores.base import Buffer, Store
 from .stores.counting import ReadCounts
+from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 
@@ -357,7 +358,7 @@ class Reader:
         to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
         if d.size:
             to_buffer = self._read_all(shards[d], starts[d], ends[d], buffer, plan.read_dest[d])
-            await asyncio.gather(to_buffer, to_scratch)
+            await run_all((to_buffer, to_scratch))
         else:
             await to_scratch
         if plan.piece_read.size:
@@ -384,12 +385,10 @@ class Reader:
             return
         store_of_read = self.shard_store[shards]
         picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
-        await asyncio.gather(
-            *(
-                self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
-                for store, p in zip(self.stores, picks, strict=True)
-                if p.size
-            )
+        await run_all(
+            self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+            for store, p in zip(self.stores, picks, strict=True)
+            if p.size
         )
 
     async def _read(
@@ -534,9 +533,7 @@ async def _read_ranges(
         entry[0].append(start)
         entry[1].append(end)
         entry[2].append(view[at : at + end - start])
-    await asyncio.gather(
-        *(
-            store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
-            for shard, (s, e, b) in by_shard.items()
-        )
+    await run_all(
+        store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
+        for shard, (s, e, b) in by_shard.items()
     )
