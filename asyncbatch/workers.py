@@ -46,7 +46,9 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         )
         self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, loader_args.get("storage_options"))
+            dataset = open_dataset(
+                dataset, loader_args.get("storage_options"), retry=loader_args.get("retry")
+            )
         self.dataset = dataset
         # A loader that never starts: checks the arguments now, in the parent process.
         probe = Loader(dataset, **self.loader_args)
