@@ -460,6 +460,13 @@ class _LoaderBase:
         if self._closed:
             raise LoaderClosedError(f"{type(self).__name__} used after close()")
 
+    def _wake_consumer(self) -> None:
+        """Closing: a consumer waiting for the current run's next item (another thread, another
+        task) gets :class:`LoaderClosedError`; a cancelled run puts no final item itself."""
+        if self._queue is not None:
+            closed = LoaderClosedError(f"{type(self).__name__} closed while waiting for a batch")
+            self._queue.put(Final(closed))
+
     def _discard_run(self) -> None:
         raise NotImplementedError
 
@@ -569,6 +576,7 @@ class Loader(_LoaderBase):
         if self._closed:
             return
         self._closed = True
+        self._wake_consumer()
         self._discard_run()
 
     def __enter__(self) -> Self:
@@ -676,6 +684,7 @@ class AsyncLoader(_LoaderBase):
         if self._closed:
             return
         self._closed = True
+        self._wake_consumer()
         self._discard_run()
         stopping, self._stopping = self._stopping, set()
         await asyncio.gather(*stopping, return_exceptions=True)

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import BUCKET, asyncbatch_threads, s3_options
+from faults import Fault, fault_server
 from lifecycle_child import read_rest
 
 import asyncbatch as ab
@@ -488,3 +490,48 @@ def test_a_failed_read_leaves_no_task_behind(tmp_path: Path) -> None:
         result, err = run_child("ignored_range", {"root": str(tmp_path)}, dev=False)
         assert result == {"error": "RangeNotSupportedError"}
         assert err == ""
+
+
+@pytest.mark.timeout(30)
+def test_aclose_wakes_a_task_waiting_for_a_batch(dataset: ab.Dataset, tmp_path: Path) -> None:
+    async def main() -> BaseException | None:
+        with fault_server(tmp_path) as server:
+            server.inject(default=Fault(stall=60), path=".bin")  # data never arrives
+            loader = ab.AsyncLoader(f"{server.url}/ds", batch_size=2, seq_len=10)
+            await loader.open()
+            waiter = asyncio.ensure_future(anext(loader))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()  # it waits for reads that stall
+            await loader.aclose()
+            # Bounded by the test's timeout: before the fix the waiter waited forever.
+            done = await asyncio.wait({waiter}, timeout=10)
+            assert waiter in done[0]
+            return waiter.exception()
+
+    error = asyncio.run(main())
+    assert isinstance(error, ab.LoaderClosedError)
+
+
+@pytest.mark.timeout(30)
+def test_close_from_another_thread_wakes_next(dataset: ab.Dataset, tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def consume(loader: ab.Loader) -> None:
+        try:
+            next(loader)
+        except BaseException as exc:  # noqa: BLE001 - the test checks its type
+            errors.append(exc)
+
+    with fault_server(tmp_path) as server:
+        server.inject(default=Fault(stall=60), path=".bin")
+        loader = ab.Loader(f"{server.url}/ds", batch_size=2, seq_len=10)
+        consumer = threading.Thread(target=consume, args=(loader,))
+        consumer.start()
+        while server.count("GET") < 2:  # the manifest, then data reads that stall
+            time.sleep(0.01)
+        time.sleep(0.1)
+        loader.close()
+        consumer.join(10)
+    assert not consumer.is_alive()
+    assert len(errors) == 1
+    assert isinstance(errors[0], ab.LoaderClosedError), repr(errors[0])
