@@ -453,5 +453,11 @@ def test_opening_over_http_reads_only_headers(tmp_path: Path, http_root: tuple[P
     before = server.requests
     ab.open_dataset(f"{base}/a.npy")
     assert server.requests - before == 1
-    with pytest.raises(ab.NotFoundError, match="no dataset at"):
+    with pytest.raises(ab.NotFoundError) as caught:
         ab.open_dataset(f"{base}/nothing-here")
+    assert str(caught.value) == (
+        f"no dataset at {base}/nothing-here: no manifest ({base}/nothing-here/manifest.json"
+        " not found), no Megatron .idx beside it, no .npy files listed in it; for data in"
+        " another layout, name its format with format= (one of 'megatron', 'npy', 'raw',"
+        " 'llmbatch')"
+    )

@@ -136,6 +136,8 @@ class Opener:
     open: Callable[[str, Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
     claims: Callable[[str], bool] = lambda url: False
     probe: Callable[[str, Store], Awaitable[bool]] | None = None
+    #: What ``probe`` looks for, for the error when nothing is found ("a Megatron .idx").
+    probes_for: str = ""
 
 
 #: Openers of data users already have, tried in order; formats/__init__.py fills it.

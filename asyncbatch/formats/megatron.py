@@ -212,4 +212,5 @@ MEGATRON_OPENER = Opener(
     open_megatron,
     claims=lambda url: url.rstrip("/").endswith((".bin", ".idx")),
     probe=probe_megatron,
+    probes_for="no Megatron .idx beside it",
 )

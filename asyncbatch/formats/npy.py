@@ -242,6 +242,10 @@ async def open_raw(
 
 
 NPY_OPENER = Opener(
-    "npy", open_npy, claims=lambda url: url.rstrip("/").endswith(NPY_SUFFIX), probe=probe_npy
+    "npy",
+    open_npy,
+    claims=lambda url: url.rstrip("/").endswith(NPY_SUFFIX),
+    probe=probe_npy,
+    probes_for="no .npy files listed in it",
 )
 RAW_OPENER = Opener("raw", open_raw)
