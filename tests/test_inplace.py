@@ -380,6 +380,24 @@ def test_truncated_megatron_bin_is_a_format_error(tmp_path: Path) -> None:
         ab.open_dataset(str(tmp_path / "t"))
 
 
+@pytest.mark.timeout(60)
+def test_megatron_bin_with_trailing_bytes_reads_as_megatron_reads_it(tmp_path: Path) -> None:
+    documents = random_documents(12, 8)
+    write_megatron(tmp_path / "p", documents)
+    with open(tmp_path / "p.bin", "ab") as data:
+        data.write(b"\xff" * 7)  # padding past the last sequence: Megatron never reads it
+    sequences = [s for doc in documents for s in doc]
+    dataset = ab.open_dataset(str(tmp_path / "p"))
+    seen: dict[int, np.ndarray] = {}
+    with ab.Loader(dataset, batch_size=2, shuffle=False) as loader:
+        for batch in loader:
+            for i, index in enumerate(batch.global_indexes.tolist()):
+                seen[index] = np.asarray(batch["tokens"][i])
+    assert len(seen) == len(sequences)
+    for index, sequence in enumerate(sequences):
+        np.testing.assert_array_equal(seen[index], sequence)
+
+
 @pytest.mark.skipif("documents" not in FORMATS, reason="the documents source is not merged")
 @pytest.mark.timeout(60)
 def test_megatron_samples_read_through_the_loader(place: Place, tmp_path: Path) -> None:
