@@ -17,6 +17,7 @@ from make_megatron import random_documents, write_megatron
 
 import asyncbatch as ab
 from asyncbatch.formats import FORMATS
+from asyncbatch.formats.base import natural_key
 from asyncbatch.stores.local import LocalStore
 
 _names = itertools.count()
@@ -235,6 +236,41 @@ def test_raw_file_reads_byte_exact_windows(place: Place, tmp_path: Path) -> None
     dataset = ab.open_dataset(url, options, format="raw", options={"dtype": "uint32"})
     assert dataset.manifest.shards[0].offset == 0
     check_token_dataset(dataset, tokens, seq_len=41)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_folders_read_their_files_in_natural_order(place: Place, tmp_path: Path) -> None:
+    numbers = [10, 2, 1, 100, 9]
+    parts = dict(zip(numbers, token_arrays(3, [40, 50, 60, 70, 80]), strict=True))
+    for kind in ("npy", "raw"):
+        folder = tmp_path / kind
+        folder.mkdir()
+        for number, part in parts.items():
+            if kind == "npy":
+                np.save(folder / f"p-{number}.npy", part)
+            else:
+                part.tofile(folder / f"p-{number}.bin")
+        url, options = place(folder)
+        extra: dict[str, Any] = {"format": "raw", "options": {"dtype": np.uint16}}
+        dataset = ab.open_dataset(url, options, **(extra if kind == "raw" else {}))
+        suffix = ".npy" if kind == "npy" else ".bin"
+        ordered = sorted(numbers)  # p-1, p-2, p-9, p-10, p-100
+        assert [s.path for s in dataset.manifest.shards] == [f"p-{n}{suffix}" for n in ordered]
+        check_token_dataset(dataset, np.concatenate([parts[n] for n in ordered]), seq_len=7)
+
+
+def test_natural_key_compares_digit_runs_as_numbers() -> None:
+    names = ["p-10.npy", "p-2.npy", "p-02.npy", "q.npy", "p-1.npy", "p.npy", "p-1a.npy"]
+    assert sorted(names, key=natural_key) == [
+        "p-1.npy",
+        "p-1a.npy",
+        "p-02.npy",
+        "p-2.npy",
+        "p-10.npy",
+        "p.npy",
+        "q.npy",
+    ]
 
 
 @pytest.mark.timeout(60)
