@@ -4,24 +4,24 @@
 from __future__ import annotations
 
 import argparse
-import inspect as introspect
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
-
-from .dataset import open_dataset
+from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .errors import AsyncBatchError, NotFoundError
-from .integrity import verify_dataset
-from .loader import PREFETCH_BYTES, Loader
 from .progress import Progress
-from .writer import write_tokens
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+# numpy, torch and the modules that import them load inside the commands, so that
+# `asyncbatch --help` and argument errors answer at once.
 
 DEMO_TOKENS = 150_000_000  # 300 MB of uint16
 DEMO_VOCAB = 50_257
@@ -35,6 +35,8 @@ def cache_dir() -> Path:
 
 
 def _demo_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     step = 8_000_000
     for start in range(0, total, step):
@@ -43,6 +45,10 @@ def _demo_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
 
 def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
     """The local demo dataset's path; written on first use (``tokens`` uint16 tokens)."""
+    import numpy as np
+
+    from .writer import write_tokens
+
     root = cache_dir() / f"demo-tokens-{tokens}"
     if not (root / "manifest.json").exists():
         print(f"creating the demo dataset ({tokens * 2 / 1e6:.0f} MB) in {root}", file=sys.stderr)
@@ -59,16 +65,6 @@ def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
     return str(root)
 
 
-def loader_default(name: str) -> Any:
-    """The default of a ``Loader`` argument: the CLI's defaults are the library's own."""
-    for cls in Loader.__mro__:
-        init = vars(cls).get("__init__")
-        parameter = None if init is None else introspect.signature(init).parameters.get(name)
-        if parameter is not None and parameter.default is not parameter.empty:
-            return parameter.default
-    raise LookupError(f"Loader has no argument {name!r} with a default")
-
-
 def _options(pairs: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for pair in pairs:
@@ -83,6 +79,8 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from .loader import Loader
+
     url = args.url or ensure_demo_dataset(args.tokens)
     started = time.perf_counter()
     loader = Loader(
@@ -119,6 +117,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+
     dataset = open_dataset(args.url, _options(args.option))
     manifest = dataset.manifest
     print(f"dataset   {dataset.url}")
@@ -139,6 +139,9 @@ VERIFY_CLEAN, VERIFY_BAD, VERIFY_NO_CHECKSUMS = 0, 1, 3
 
 
 def verify(args: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+    from .integrity import verify_dataset
+
     bar: Progress | None = None
 
     def progress(nbytes: int) -> None:
@@ -207,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-inflight",
         type=int,
-        default=loader_default("max_inflight"),
+        default=MAX_INFLIGHT,
         help="requests in flight (default: the loader's, %(default)s)",
     )
     run.add_argument("--no-shuffle", action="store_true", help="sequential order (default: off)")

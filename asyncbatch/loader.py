@@ -32,6 +32,7 @@ import torch
 from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
+from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError
 from .formats import Source, make_source
@@ -52,9 +53,6 @@ from .stores.counting import ReadCounts
 from .stores.retry import RetryPolicy
 
 STATE_VERSION = 3
-#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
-#: or two shuffle windows' worth with ``shuffle="block"``).
-PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it).
@@ -186,7 +184,7 @@ class _LoaderBase:
         shuffle: bool | str = True,
         seed: int = 0,
         prefetch: int | None = None,
-        max_inflight: int = 64,
+        max_inflight: int = MAX_INFLIGHT,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
         drop_last: bool = True,

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,8 +48,18 @@ def test_inspect_and_errors(tmp_path: Path) -> None:
 
 def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
     import argparse
+    import inspect
 
-    from asyncbatch.cli import loader_default, parser
+    from asyncbatch.cli import parser
+    from asyncbatch.loader import Loader
+
+    def loader_default(name: str) -> Any:
+        for cls in Loader.__mro__:
+            init = vars(cls).get("__init__")
+            parameter = None if init is None else inspect.signature(init).parameters.get(name)
+            if parameter is not None and parameter.default is not parameter.empty:
+                return parameter.default
+        raise LookupError(name)
 
     root = parser()
     (commands,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
@@ -60,3 +71,19 @@ def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
     args = root.parse_args(["demo"])
     assert args.prefetch is None  # the loader sizes its own read-ahead
     assert args.max_inflight == loader_default("max_inflight") == 64
+
+
+def test_help_imports_neither_torch_nor_numpy() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "import asyncbatch.cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    asyncbatch.cli.main(['--help'])\n"
+        "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    asyncbatch.cli.main(['demo', '--steps', 'x'])  # an argument error\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stderr
