@@ -116,6 +116,19 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` in binary units, then exactly: ``1.2 GiB (1,288,490,188 bytes)``."""
+    exact = f"{nbytes:,} byte{'' if nbytes == 1 else 's'}"
+    if nbytes < 1024:
+        return exact
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            break
+    return f"{value:.1f} {unit} ({exact})"
+
+
 def inspect(args: argparse.Namespace) -> int:
     from .dataset import open_dataset
 
@@ -125,10 +138,10 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"format    {manifest.format}")
     print(f"dtype     {manifest.dtype}")
     print(f"shards    {len(manifest.shards)}")
-    print(f"elements  {manifest.total_elements}")
-    print(f"bytes     {manifest.total_bytes}")
+    print(f"elements  {manifest.total_elements:,}")
+    print(f"bytes     {human_bytes(manifest.total_bytes)}")
     for shard in manifest.shards[: args.shards]:
-        print(f"  {shard.path}  {shard.nbytes} bytes  {shard.elements} elements")
+        print(f"  {shard.path}  {human_bytes(shard.nbytes)}  {shard.elements:,} elements")
     if len(manifest.shards) > args.shards:
         print(f"  ... {len(manifest.shards) - args.shards} more")
     return 0

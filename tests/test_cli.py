@@ -41,6 +41,8 @@ def test_inspect_and_errors(tmp_path: Path) -> None:
     out = run("inspect", str(tmp_path / "ds"), cache=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "uint32" in out.stdout and "shards    4" in out.stdout
+    assert "bytes     3.9 KiB (4,000 bytes)" in out.stdout
+    assert "shard-00000.bin  1,000 bytes  250 elements" in out.stdout
     missing = run("inspect", str(tmp_path / "nope"), cache=tmp_path)
     assert missing.returncode == 1
     assert "not found" in missing.stderr
@@ -87,3 +89,14 @@ def test_help_imports_neither_torch_nor_numpy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_human_bytes() -> None:
+    from asyncbatch.cli import human_bytes
+
+    assert human_bytes(0) == "0 bytes"
+    assert human_bytes(1) == "1 byte"
+    assert human_bytes(1023) == "1,023 bytes"
+    assert human_bytes(1024) == "1.0 KiB (1,024 bytes)"
+    assert human_bytes(1_288_490_188) == "1.2 GiB (1,288,490,188 bytes)"
+    assert human_bytes(2**60) == "1024.0 PiB (1,152,921,504,606,846,976 bytes)"
