@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import json
 import os
 import re
@@ -146,6 +147,10 @@ def open_in_a_running_loop(path: str) -> dict[str, Any]:
     The loop installs no SIGINT handler (as in a notebook), so Ctrl-C raises in the thread
     waiting for the portal's helper thread.
     """
+
+    # asyncbatch loads its modules on first use: load them (torch too) before "ready", so the
+    # signal finds open_dataset waiting on the server, not on an import in the helper thread.
+    importlib.import_module("asyncbatch.formats")
 
     async def main(url: str) -> None:
         ab.open_dataset(url)  # sync, on purpose: what a notebook user writes

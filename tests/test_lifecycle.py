@@ -215,7 +215,7 @@ def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: st
     try:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # now blocked in next(): the store never answers
+        time.sleep(1.0)  # now blocked in next(): the store never answers
         assert process.poll() is None
         sent = time.monotonic()
         process.send_signal(signal.SIGINT)
