@@ -20,12 +20,10 @@ The layers, from the bytes up::
 
 from __future__ import annotations
 
-from .batch import Batch as Batch
-from .batch import FieldSchema as FieldSchema
-from .batch import Jagged as Jagged
-from .dataset import Dataset as Dataset
-from .dataset import open_dataset as open_dataset
-from .dataset import open_dataset_async as open_dataset_async
+import importlib
+import typing as _typing
+
+# Errors import nothing else; everything that needs numpy or torch loads on first use.
 from .errors import AsyncBatchError as AsyncBatchError
 from .errors import CacheWarning as CacheWarning
 from .errors import ChecksumError as ChecksumError
@@ -46,23 +44,73 @@ from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
 from .errors import UnknownSchemeError as UnknownSchemeError
-from .formats.documents import write_documents as write_documents
-from .formats.documents import write_documents_async as write_documents_async
-from .formats.llmbatch import write_llmbatch as write_llmbatch
-from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
-from .formats.metadata import register_codec as register_codec
-from .formats.metadata import write_metadata_stream as write_metadata_stream
-from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
-from .loader import AsyncLoader as AsyncLoader
-from .loader import Loader as Loader
-from .mixture import Mixture as Mixture
-from .mixture import mix as mix
-from .stores import register_store as register_store
-from .stores.disk_cache import DiskCache as DiskCache
-from .stores.retry import RetryPolicy as RetryPolicy
-from .workers import LoaderDataset as LoaderDataset
-from .writer import write_tokens as write_tokens
-from .writer import write_tokens_async as write_tokens_async
+
+if _typing.TYPE_CHECKING:
+    from .batch import Batch as Batch
+    from .batch import FieldSchema as FieldSchema
+    from .batch import Jagged as Jagged
+    from .dataset import Dataset as Dataset
+    from .dataset import open_dataset as open_dataset
+    from .dataset import open_dataset_async as open_dataset_async
+    from .formats.documents import write_documents as write_documents
+    from .formats.documents import write_documents_async as write_documents_async
+    from .formats.llmbatch import write_llmbatch as write_llmbatch
+    from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
+    from .formats.metadata import register_codec as register_codec
+    from .formats.metadata import write_metadata_stream as write_metadata_stream
+    from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
+    from .loader import AsyncLoader as AsyncLoader
+    from .loader import Loader as Loader
+    from .mixture import Mixture as Mixture
+    from .mixture import mix as mix
+    from .stores import register_store as register_store
+    from .stores.disk_cache import DiskCache as DiskCache
+    from .stores.retry import RetryPolicy as RetryPolicy
+    from .workers import LoaderDataset as LoaderDataset
+    from .writer import write_tokens as write_tokens
+    from .writer import write_tokens_async as write_tokens_async
+
+#: Where each public name that needs numpy or torch lives, imported on first use, so that
+#: ``import asyncbatch`` and ``asyncbatch --help`` start in milliseconds, not seconds.
+_LAZY: dict[str, str] = {
+    "Batch": "batch",
+    "FieldSchema": "batch",
+    "Jagged": "batch",
+    "Dataset": "dataset",
+    "open_dataset": "dataset",
+    "open_dataset_async": "dataset",
+    "write_documents": "formats.documents",
+    "write_documents_async": "formats.documents",
+    "write_llmbatch": "formats.llmbatch",
+    "write_llmbatch_async": "formats.llmbatch",
+    "register_codec": "formats.metadata",
+    "write_metadata_stream": "formats.metadata",
+    "write_metadata_stream_async": "formats.metadata",
+    "AsyncLoader": "loader",
+    "Loader": "loader",
+    "Mixture": "mixture",
+    "mix": "mixture",
+    "register_store": "stores",
+    "DiskCache": "stores.disk_cache",
+    "RetryPolicy": "stores.retry",
+    "LoaderDataset": "workers",
+    "write_tokens": "writer",
+    "write_tokens_async": "writer",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

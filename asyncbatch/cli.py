@@ -5,25 +5,24 @@
 from __future__ import annotations
 
 import argparse
-import inspect as introspect
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
-
-from .dataset import open_dataset
+from .defaults import CACHE_BLOCK_SIZE, MAX_INFLIGHT, PREFETCH_BYTES
 from .errors import AsyncBatchError, NotFoundError
-from .integrity import verify_dataset
-from .loader import PREFETCH_BYTES, Loader
 from .progress import Progress
-from .stores.disk_cache import DEFAULT_BLOCK_SIZE, cache_info, clear_cache
-from .writer import write_tokens
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+# numpy, torch and the modules that import them load inside the commands, so that
+# `asyncbatch --help` and argument errors answer at once.
 
 DEMO_TOKENS = 150_000_000  # 300 MB of uint16
 DEMO_VOCAB = 50_257
@@ -37,6 +36,8 @@ def cache_dir() -> Path:
 
 
 def _demo_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     step = 8_000_000
     for start in range(0, total, step):
@@ -45,6 +46,10 @@ def _demo_chunks(total: int, seed: int = 0) -> Iterator[npt.NDArray[np.uint16]]:
 
 def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
     """The local demo dataset's path; written on first use (``tokens`` uint16 tokens)."""
+    import numpy as np
+
+    from .writer import write_tokens
+
     root = cache_dir() / f"demo-tokens-{tokens}"
     if not (root / "manifest.json").exists():
         print(f"creating the demo dataset ({tokens * 2 / 1e6:.0f} MB) in {root}", file=sys.stderr)
@@ -61,16 +66,6 @@ def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
     return str(root)
 
 
-def loader_default(name: str) -> Any:
-    """The default of a ``Loader`` argument: the CLI's defaults are the library's own."""
-    for cls in Loader.__mro__:
-        init = vars(cls).get("__init__")
-        parameter = None if init is None else introspect.signature(init).parameters.get(name)
-        if parameter is not None and parameter.default is not parameter.empty:
-            return parameter.default
-    raise LookupError(f"Loader has no argument {name!r} with a default")
-
-
 def _options(pairs: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for pair in pairs:
@@ -85,6 +80,8 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from .loader import Loader
+
     url = args.url or ensure_demo_dataset(args.tokens)
     started = time.perf_counter()
     loader = Loader(
@@ -121,17 +118,32 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` in binary units, then exactly: ``1.2 GiB (1,288,490,188 bytes)``."""
+    exact = f"{nbytes:,} byte{'' if nbytes == 1 else 's'}"
+    if nbytes < 1024:
+        return exact
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            break
+    return f"{value:.1f} {unit} ({exact})"
+
+
 def inspect(args: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+
     dataset = open_dataset(args.url, _options(args.option))
     manifest = dataset.manifest
     print(f"dataset   {dataset.url}")
     print(f"format    {manifest.format}")
     print(f"dtype     {manifest.dtype}")
     print(f"shards    {len(manifest.shards)}")
-    print(f"elements  {manifest.total_elements}")
-    print(f"bytes     {manifest.total_bytes}")
+    print(f"elements  {manifest.total_elements:,}")
+    print(f"bytes     {human_bytes(manifest.total_bytes)}")
     for shard in manifest.shards[: args.shards]:
-        print(f"  {shard.path}  {shard.nbytes} bytes  {shard.elements} elements")
+        print(f"  {shard.path}  {human_bytes(shard.nbytes)}  {shard.elements:,} elements")
     if len(manifest.shards) > args.shards:
         print(f"  ... {len(manifest.shards) - args.shards} more")
     return 0
@@ -142,6 +154,9 @@ VERIFY_CLEAN, VERIFY_BAD, VERIFY_NO_CHECKSUMS = 0, 1, 3
 
 
 def verify(args: argparse.Namespace) -> int:
+    from .dataset import open_dataset
+    from .integrity import verify_dataset
+
     bar: Progress | None = None
 
     def progress(nbytes: int) -> None:
@@ -182,6 +197,8 @@ def cache_info_command(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.path):
         print(f"asyncbatch: error: no cache at {args.path}", file=sys.stderr)
         return 1
+    from .stores.disk_cache import cache_info
+
     info = cache_info(args.path)
     limit = "none" if info.max_bytes is None else f"{info.max_bytes} bytes"
     print(f"cache       {info.path}")
@@ -198,6 +215,8 @@ def cache_clear_command(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.path):
         print(f"asyncbatch: error: no cache at {args.path}", file=sys.stderr)
         return 1
+    from .stores.disk_cache import clear_cache
+
     freed = clear_cache(args.path)
     print(f"cleared {os.path.abspath(args.path)}: {freed} bytes freed")
     return 0
@@ -235,7 +254,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-inflight",
         type=int,
-        default=loader_default("max_inflight"),
+        default=MAX_INFLIGHT,
         help="requests in flight (default: the loader's, %(default)s)",
     )
     run.add_argument("--no-shuffle", action="store_true", help="sequential order (default: off)")
@@ -286,7 +305,7 @@ def parser() -> argparse.ArgumentParser:
         "cache",
         help="show or empty a node-local cache",
         description="A node-local cache made with cache=PATH holds blocks of"
-        f" {DEFAULT_BLOCK_SIZE} bytes (4 MiB) with no size limit; asyncbatch.DiskCache(PATH,"
+        f" {CACHE_BLOCK_SIZE} bytes (4 MiB) with no size limit; asyncbatch.DiskCache(PATH,"
         " max_bytes=..., block_size=...) sets both.",
         formatter_class=defaults,
     )

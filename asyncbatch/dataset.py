@@ -119,11 +119,14 @@ async def open_dataset_async(
         for opener in OPENERS:
             if opener.probe is not None and await opener.probe(url, store):
                 return await opener.open(url, store, store_options, extra)
-        tried = ", ".join(o.name for o in OPENERS)
-        if not tried:
+        if not OPENERS:
             raise missing
+        looked = [f"no manifest ({missing.url} not found)"]
+        looked += [opener.probes_for for opener in OPENERS if opener.probe is not None]
+        names = ", ".join(repr(opener.name) for opener in OPENERS)
         raise NotFoundError(
-            f"no dataset at {url}: {missing.url} not found, and it is no {tried} data",
+            f"no dataset at {url}: {', '.join(looked)}; for data in another layout, name"
+            f" its format with format= (one of {names})",
             missing.url,
         ) from missing
     finally:

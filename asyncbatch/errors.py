@@ -1,7 +1,9 @@
 """Exceptions raised by asyncbatch.
 
 Every error names what went wrong and where (URL, byte range, field and value) in its message,
-because only the message survives a process boundary such as a DataLoader worker::
+because only the type and message survive a DataLoader worker (torch rebuilds a worker's error
+from them). Pickled, an error keeps every attribute (``url``, ``start``, ``end``, ``attempts``,
+``retry_after``)::
 
     AsyncBatchError
     ├── ConfigError(ValueError)            a bad argument, URL or storage option; no retry can help
@@ -61,7 +63,10 @@ class StoreError(AsyncBatchError, OSError):
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0] if self.args else "", self.url, self.start, self.end))
+        # The instance dict carries what stores attach after construction (``attempts``,
+        # ``retry_after``, ``detail``, ...); BaseException.__setstate__ restores it.
+        args = (self.args[0] if self.args else "", self.url, self.start, self.end)
+        return (type(self), args, self.__dict__)
 
 
 class NotFoundError(StoreError, FileNotFoundError):

@@ -149,7 +149,7 @@ class ShardChecks:
         self.urls = [url for d in datasets for url in d.shard_urls]
         #: Object sizes: a header before the elements (``offset``) is part of the object, and
         #: the checksums cover the whole object.
-        self.sizes = np.array([s.offset + s.nbytes for _, s in shards], dtype=np.int64)
+        self.sizes = np.array([s.object_size for _, s in shards], dtype=np.int64)
         self.checksums = [s.checksum for _, s in shards]
         self.block_size = np.array([d.manifest.checksum_block or 0 for d, _ in shards], np.int64)
         if blocks is None:

@@ -32,6 +32,7 @@ import torch
 from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
+from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats import Source, make_source
@@ -53,9 +54,6 @@ from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
 
 STATE_VERSION = 3
-#: With ``prefetch=None``: read ahead as many batches as fit in this many bytes (2 to 128,
-#: or two shuffle windows' worth with ``shuffle="block"``).
-PREFETCH_BYTES = 64 * 2**20
 MAX_DEFAULT_PREFETCH = 128
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it).
@@ -187,7 +185,7 @@ class _LoaderBase:
         shuffle: bool | str = True,
         seed: int = 0,
         prefetch: int | None = None,
-        max_inflight: int = 64,
+        max_inflight: int = MAX_INFLIGHT,
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
         drop_last: bool = True,
@@ -498,6 +496,13 @@ class _LoaderBase:
         if self._changed is not None:
             raise self._changed.with_traceback(None)
 
+    def _wake_consumer(self) -> None:
+        """Closing: a consumer waiting for the current run's next item (another thread, another
+        task) gets :class:`LoaderClosedError`; a cancelled run puts no final item itself."""
+        if self._queue is not None:
+            closed = LoaderClosedError(f"{type(self).__name__} closed while waiting for a batch")
+            self._queue.put(Final(closed))
+
     def _discard_run(self) -> None:
         raise NotImplementedError
 
@@ -610,6 +615,7 @@ class Loader(_LoaderBase):
         if self._closed:
             return
         self._closed = True
+        self._wake_consumer()
         self._discard_run()
 
     def __enter__(self) -> Self:
@@ -720,6 +726,7 @@ class AsyncLoader(_LoaderBase):
         if self._closed:
             return
         self._closed = True
+        self._wake_consumer()
         self._discard_run()
         stopping, self._stopping = self._stopping, set()
         await asyncio.gather(*stopping, return_exceptions=True)

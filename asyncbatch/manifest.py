@@ -40,6 +40,15 @@ class ShardInfo:
     offset: int = 0
     checksum: int | None = None
     block_checksums: bytes | None = None
+    #: Bytes after the elements that belong to no sample. Only data read in place has them
+    #: (a Megatron ``.bin`` longer than its index says, which Megatron reads too); a manifest
+    #: never records them.
+    trailing: int = 0
+
+    @property
+    def object_size(self) -> int:
+        """The size of the whole object: header, elements and trailing bytes."""
+        return self.offset + self.nbytes + self.trailing
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,48 +1,93 @@
-"""A minimal progress bar on stderr (no dependency), redrawn at most ten times a second."""
+"""Progress of long commands on stderr: a tqdm bar on a terminal; elsewhere (a log file, a
+pipe, a CI job) a plain line now and then and one at the end, never a ``\\r`` redraw."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+#: Seconds between two plain lines when the stream is not a terminal.
+LINE_INTERVAL = 10.0
 
 
 class Progress:
-    def __init__(self, total: float, label: str, unit: str = "", stream: TextIO | None = None):
+    """Counts ``amount``s of ``unit`` (``"B"``: bytes) done out of ``total`` (0: unknown),
+    under ``label``."""
+
+    def __init__(
+        self,
+        total: float,
+        label: str,
+        unit: str = "",
+        stream: TextIO | None = None,
+        *,
+        interval: float = LINE_INTERVAL,
+    ) -> None:
         self.total = total
         self.label = label
-        self.unit = unit
+        self.unit = unit.strip()
         self.done = 0.0
         self.stream = stream or sys.stderr
-        self._start = time.perf_counter()
-        self._drawn = 0.0
+        self.interval = interval
+        self._start = self._written = time.perf_counter()
+        self._bar: tqdm[NoReturn] | None = None
+        if _is_terminal(self.stream):
+            from tqdm import tqdm  # imported only when drawn: `asyncbatch --help` stays fast
+
+            self._bar = tqdm(
+                total=total or None,
+                desc=label,
+                unit=self.unit or "it",
+                unit_scale=True,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
 
     def update(self, amount: float) -> None:
         self.done += amount
+        if self._bar is not None:
+            self._bar.update(amount)
+            return
         now = time.perf_counter()
-        if now - self._drawn >= 0.1 or self.done >= self.total:
-            self._drawn = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        fraction = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = int(fraction * 30)
-        rate = self.done / max(now - self._start, 1e-9)
-        self.stream.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {fraction:6.1%}"
-            f" {_human(rate)}{self.unit}/s"
-        )
-        self.stream.flush()
+        if now - self._written >= self.interval:
+            self._written = now
+            self._line(now)
 
     def close(self) -> None:
-        self._draw(time.perf_counter())
-        self.stream.write("\n")
+        """The final state: the bar closed, or one last line."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        else:
+            self._line(time.perf_counter())
+
+    def _line(self, now: float) -> None:
+        elapsed = now - self._start
+        rate = self.done / max(elapsed, 1e-9)
+        unit = f" {self.unit}" if self.unit else ""
+        done = f"{_human(self.done)}{unit}"
+        if self.total:
+            fraction = min(1.0, self.done / self.total)
+            done = f"{fraction:.1%} ({_human(self.done)} of {_human(self.total)}{unit})"
+        self.stream.write(f"{self.label}: {done}, {_human(rate)}{unit}/s, {elapsed:.1f} s\n")
         self.stream.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _human(value: float) -> str:
     for suffix in ("", "k", "M", "G", "T"):
         if abs(value) < 1000:
-            return f"{value:.1f}{suffix}"
+            whole = not suffix and value == int(value)
+            return f"{value:.0f}" if whole else f"{value:.1f}{suffix}"
         value /= 1000
     return f"{value:.1f}P"

@@ -51,7 +51,10 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
         if isinstance(dataset, str):
             dataset = open_dataset(
-                dataset, loader_args.get("storage_options"), cache=loader_args.get("cache")
+                dataset,
+                loader_args.get("storage_options"),
+                retry=loader_args.get("retry"),
+                cache=loader_args.get("cache"),
             )
         self.dataset = dataset
         # A loader that never starts: checks the arguments now, in the parent process.

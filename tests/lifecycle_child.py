@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import json
 import os
 import re
@@ -147,6 +148,10 @@ def open_in_a_running_loop(path: str) -> dict[str, Any]:
     waiting for the portal's helper thread.
     """
 
+    # asyncbatch loads its modules on first use: load them (torch too) before "ready", so the
+    # signal finds open_dataset waiting on the server, not on an import in the helper thread.
+    importlib.import_module("asyncbatch.formats")
+
     async def main(url: str) -> None:
         ab.open_dataset(url)  # sync, on purpose: what a notebook user writes
 
@@ -278,7 +283,23 @@ def read_rest(loader: ab.Loader, results: Any) -> None:
         results.put(("error", repr(exc), []))
 
 
+def ignored_range(args: dict[str, Any]) -> dict[str, Any]:
+    """A loader over a server that ignores ``Range`` on every read, slowly and unevenly, so
+    the first read to fail leaves reads of other shards in flight; the error it raised."""
+    from faults import Fault, fault_server
+
+    with fault_server(Path(args["root"])) as server:
+        server.inject(default=Fault(ignore_range=True, delay=0.01, jitter=0.3))
+        try:
+            with ab.Loader(f"{server.url}/ds", batch_size=8, seq_len=64) as loader:
+                next(loader)
+        except ab.RangeNotSupportedError as exc:
+            return {"error": type(exc).__name__}
+    return {"error": None}
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "ignored_range": ignored_range,
     "sigint": sigint,
     "leak": leak,
     "low_fd_limit": low_fd_limit,

@@ -3,9 +3,10 @@
 Follows the layout of Megatron-LM's ``_IndexWriter`` (megatron/core/datasets/
 indexed_dataset.py) byte for byte, so the tests read data built the way Megatron builds it:
 the 9-byte magic ``MMIDIDX\\x00\\x00``, version ``<Q`` 1, the dtype code ``<B``, the sequence
-count ``<Q``, the document count ``<Q``, then sequence lengths (int32), sequence pointers
-(int64 byte offsets into the .bin) and document indices (int64: 0, then the index one past
-each document's last sequence), and for multimodal data one int8 mode per sequence.
+count ``<Q``, the document-index entry count ``<Q`` (documents + 1), then sequence lengths
+(int32), sequence pointers (int64 byte offsets into the .bin) and document indices (int64:
+0, then the index one past each document's last sequence), and for multimodal data one int8
+mode per sequence.
 
 Run as a script to write a small random dataset: ``python tests/make_megatron.py PREFIX``.
 """

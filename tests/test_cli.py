@@ -41,6 +41,8 @@ def test_inspect_and_errors(tmp_path: Path) -> None:
     out = run("inspect", str(tmp_path / "ds"), cache=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "uint32" in out.stdout and "shards    4" in out.stdout
+    assert "bytes     3.9 KiB (4,000 bytes)" in out.stdout
+    assert "shard-00000.bin  1,000 bytes  250 elements" in out.stdout
     missing = run("inspect", str(tmp_path / "nope"), cache=tmp_path)
     assert missing.returncode == 1
     assert "not found" in missing.stderr
@@ -48,8 +50,18 @@ def test_inspect_and_errors(tmp_path: Path) -> None:
 
 def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
     import argparse
+    import inspect
 
-    from asyncbatch.cli import loader_default, parser
+    from asyncbatch.cli import parser
+    from asyncbatch.loader import Loader
+
+    def loader_default(name: str) -> Any:
+        for cls in Loader.__mro__:
+            init = vars(cls).get("__init__")
+            parameter = None if init is None else inspect.signature(init).parameters.get(name)
+            if parameter is not None and parameter.default is not parameter.empty:
+                return parameter.default
+        raise LookupError(name)
 
     def commands_of(parent: argparse.ArgumentParser) -> list[tuple[str, Any]]:
         """Every (sub)command under ``parent``, ``cache info`` and ``cache clear`` too."""
@@ -78,3 +90,30 @@ def test_demo_with_nothing_to_read_fails_clearly(tmp_path: Path) -> None:
     assert "asyncbatch: error: nothing to read:" in out.stderr
     assert "1000 elements: 0 samples of seq_len=4096" in out.stderr
     assert "tokens/s" not in out.stdout
+
+
+def test_help_imports_neither_torch_nor_numpy() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "import asyncbatch.cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    asyncbatch.cli.main(['--help'])\n"
+        "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    asyncbatch.cli.main(['demo', '--steps', 'x'])  # an argument error\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_human_bytes() -> None:
+    from asyncbatch.cli import human_bytes
+
+    assert human_bytes(0) == "0 bytes"
+    assert human_bytes(1) == "1 byte"
+    assert human_bytes(1023) == "1,023 bytes"
+    assert human_bytes(1024) == "1.0 KiB (1,024 bytes)"
+    assert human_bytes(1_288_490_188) == "1.2 GiB (1,288,490,188 bytes)"
+    assert human_bytes(2**60) == "1024.0 PiB (1,152,921,504,606,846,976 bytes)"

@@ -1,4 +1,4 @@
-"""Every error pickles with its message and fields (only these cross a worker boundary)."""
+"""Every error pickles with its message and every attribute (multiprocessing, spawn)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,52 @@ import pytest
 import asyncbatch as ab
 from asyncbatch import errors
 
-STORE_ERRORS = [
+ERRORS = [
     cls
     for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, errors.StoreError)
+    if isinstance(cls, type) and issubclass(cls, errors.AsyncBatchError)
 ]
+STORE_ERRORS = [cls for cls in ERRORS if issubclass(cls, errors.StoreError)]
 
 
 @pytest.mark.parametrize("cls", STORE_ERRORS, ids=lambda c: c.__name__)
-def test_store_errors_pickle_with_url_and_range(cls: type[errors.StoreError]) -> None:
+def test_store_errors_pickle_with_every_attribute(cls: type[errors.StoreError]) -> None:
     error = cls("read failed: s3://b/k bytes [0, 10)", "s3://b/k", 0, 10)
+    # What the stores and the retry policy attach after construction.
+    error.attempts = ["HTTP 503 SlowDown", "HTTP 500"]  # type: ignore[attr-defined]
+    error.detail = "HTTP 503 SlowDown"  # type: ignore[attr-defined]
+    error.retryable = True  # type: ignore[attr-defined]
+    if isinstance(error, errors.ThrottledError):
+        error.retry_after = 2.5
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is cls
     assert str(copy) == str(error)
     assert (copy.url, copy.start, copy.end) == ("s3://b/k", 0, 10)
+    assert vars(copy) == vars(error)
+    assert getattr(copy, "retry_after", None) == (2.5 if cls is errors.ThrottledError else None)
     assert isinstance(copy, OSError | ab.AsyncBatchError)
+
+
+@pytest.mark.parametrize("cls", ERRORS, ids=lambda c: c.__name__)
+def test_every_error_pickles_with_its_message_and_attributes(
+    cls: type[errors.AsyncBatchError],
+) -> None:
+    error = cls("bad value: s3://b/k")
+    error.note = 3  # type: ignore[attr-defined]
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is cls
+    assert str(copy) == "bad value: s3://b/k"
+    assert vars(copy) == vars(error)
 
 
 def test_builtin_bases_let_callers_catch_by_kind() -> None:
     assert issubclass(ab.NotFoundError, FileNotFoundError)
     assert issubclass(ab.PermissionDeniedError, PermissionError)
+    assert issubclass(ab.CredentialsError, PermissionError)
+    assert issubclass(ab.EndpointError, ConnectionError)
     assert issubclass(ab.StoreTimeoutError, TimeoutError)
     assert issubclass(ab.ShortReadError, EOFError)
     assert issubclass(ab.ConfigError, ValueError)
     assert issubclass(ab.FormatError, ValueError)
+    assert {errors.CredentialsError, errors.EndpointError} <= set(STORE_ERRORS)
     assert len(STORE_ERRORS) >= 10

@@ -601,6 +601,21 @@ def test_loader_uses_its_policy(files_server: FaultServer) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_loader_dataset_opens_under_its_policy(files_server: FaultServer) -> None:
+    files_server.reset()
+    root = files_server.root
+    assert root is not None
+    ab.write_tokens(str(root / "plumbed-workers"), np.arange(500, dtype=np.uint16))
+    files_server.inject(default=Fault(status=503), methods=("HEAD",))
+    policy = ab.RetryPolicy(max_attempts=1)
+    with pytest.raises(RetriesExhaustedError, match="after 1 attempt"):
+        ab.LoaderDataset(
+            f"{files_server.url}/plumbed-workers", batch_size=1, seq_len=10, retry=policy
+        )
+    assert files_server.count("HEAD") == 1
+
+
+@pytest.mark.timeout(60)
 def test_loader_over_faulty_http_is_byte_exact(files_server: FaultServer) -> None:
     files_server.reset()
     root = files_server.root

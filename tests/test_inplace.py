@@ -17,6 +17,7 @@ from make_megatron import random_documents, write_megatron
 
 import asyncbatch as ab
 from asyncbatch.formats import FORMATS
+from asyncbatch.formats.base import natural_key
 from asyncbatch.stores.local import LocalStore
 
 _names = itertools.count()
@@ -239,6 +240,41 @@ def test_raw_file_reads_byte_exact_windows(place: Place, tmp_path: Path) -> None
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("store", ["local", "s3"])
+def test_folders_read_their_files_in_natural_order(place: Place, tmp_path: Path) -> None:
+    numbers = [10, 2, 1, 100, 9]
+    parts = dict(zip(numbers, token_arrays(3, [40, 50, 60, 70, 80]), strict=True))
+    for kind in ("npy", "raw"):
+        folder = tmp_path / kind
+        folder.mkdir()
+        for number, part in parts.items():
+            if kind == "npy":
+                np.save(folder / f"p-{number}.npy", part)
+            else:
+                part.tofile(folder / f"p-{number}.bin")
+        url, options = place(folder)
+        extra: dict[str, Any] = {"format": "raw", "options": {"dtype": np.uint16}}
+        dataset = ab.open_dataset(url, options, **(extra if kind == "raw" else {}))
+        suffix = ".npy" if kind == "npy" else ".bin"
+        ordered = sorted(numbers)  # p-1, p-2, p-9, p-10, p-100
+        assert [s.path for s in dataset.manifest.shards] == [f"p-{n}{suffix}" for n in ordered]
+        check_token_dataset(dataset, np.concatenate([parts[n] for n in ordered]), seq_len=7)
+
+
+def test_natural_key_compares_digit_runs_as_numbers() -> None:
+    names = ["p-10.npy", "p-2.npy", "p-02.npy", "q.npy", "p-1.npy", "p.npy", "p-1a.npy"]
+    assert sorted(names, key=natural_key) == [
+        "p-1.npy",
+        "p-1a.npy",
+        "p-02.npy",
+        "p-2.npy",
+        "p-10.npy",
+        "p.npy",
+        "q.npy",
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("store", ["local", "s3"])
 def test_raw_folder_reads_its_files_in_name_order(place: Place, tmp_path: Path) -> None:
     parts = token_arrays(4, [300, 2_000, 1])
     folder = tmp_path / "raw"
@@ -380,6 +416,24 @@ def test_truncated_megatron_bin_is_a_format_error(tmp_path: Path) -> None:
         ab.open_dataset(str(tmp_path / "t"))
 
 
+@pytest.mark.timeout(60)
+def test_megatron_bin_with_trailing_bytes_reads_as_megatron_reads_it(tmp_path: Path) -> None:
+    documents = random_documents(12, 8)
+    write_megatron(tmp_path / "p", documents)
+    with open(tmp_path / "p.bin", "ab") as data:
+        data.write(b"\xff" * 7)  # padding past the last sequence: Megatron never reads it
+    sequences = [s for doc in documents for s in doc]
+    dataset = ab.open_dataset(str(tmp_path / "p"))
+    seen: dict[int, np.ndarray] = {}
+    with ab.Loader(dataset, batch_size=2, shuffle=False) as loader:
+        for batch in loader:
+            for i, index in enumerate(batch.global_indexes.tolist()):
+                seen[index] = np.asarray(batch["tokens"][i])
+    assert len(seen) == len(sequences)
+    for index, sequence in enumerate(sequences):
+        np.testing.assert_array_equal(seen[index], sequence)
+
+
 @pytest.mark.skipif("documents" not in FORMATS, reason="the documents source is not merged")
 @pytest.mark.timeout(60)
 def test_megatron_samples_read_through_the_loader(place: Place, tmp_path: Path) -> None:
@@ -453,5 +507,11 @@ def test_opening_over_http_reads_only_headers(tmp_path: Path, http_root: tuple[P
     before = server.requests
     ab.open_dataset(f"{base}/a.npy")
     assert server.requests - before == 1
-    with pytest.raises(ab.NotFoundError, match="no dataset at"):
+    with pytest.raises(ab.NotFoundError) as caught:
         ab.open_dataset(f"{base}/nothing-here")
+    assert str(caught.value) == (
+        f"no dataset at {base}/nothing-here: no manifest ({base}/nothing-here/manifest.json"
+        " not found), no Megatron .idx beside it, no .npy files listed in it; for data in"
+        " another layout, name its format with format= (one of 'megatron', 'npy', 'raw',"
+        " 'llmbatch')"
+    )

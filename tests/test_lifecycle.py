@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import BUCKET, asyncbatch_threads, s3_options
+from faults import Fault, fault_server
 from lifecycle_child import read_rest
 
 import asyncbatch as ab
@@ -37,11 +39,13 @@ SLOW_CALLBACK = re.compile(r"Executing <.*> took [0-9.]+ seconds$")
 
 
 def run_child(
-    scenario: str, args: dict[str, Any], *, timeout: float = 60
+    scenario: str, args: dict[str, Any], *, timeout: float = 60, dev: bool = True
 ) -> tuple[dict[str, Any], str]:
-    """Run a scenario with warnings as errors in dev mode; its result and its stderr."""
+    """Run a scenario with warnings as errors in dev mode (or, ``dev=False``, at the speed a
+    user runs it); its result and its stderr."""
+    flags = ["-W", "error", "-X", "dev"] if dev else []
     done = subprocess.run(
-        [sys.executable, "-W", "error", "-X", "dev", str(CHILD), scenario, json.dumps(args)],
+        [sys.executable, *flags, str(CHILD), scenario, json.dumps(args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -211,7 +215,7 @@ def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: st
     try:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # now blocked in next(): the store never answers
+        time.sleep(1.0)  # now blocked in next(): the store never answers
         assert process.poll() is None
         sent = time.monotonic()
         process.send_signal(signal.SIGINT)
@@ -475,3 +479,59 @@ def test_bad_configuration_fails_at_construction(
         else:
             getattr(ab, kind)(source, **args)
     assert asyncbatch_threads() == before == []
+
+
+def test_a_failed_read_leaves_no_task_behind(tmp_path: Path) -> None:
+    """A read that fails while reads of other shards are in flight: the engine cancels and
+    awaits them before its loop closes, so nothing is reported destroyed or left pending."""
+    tokens = np.arange(200_000, dtype=np.uint16)
+    ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=5_000)  # 64-token windows span 2
+    for _ in range(3):  # asyncio's dev mode slows the reads enough to hide the race
+        result, err = run_child("ignored_range", {"root": str(tmp_path)}, dev=False)
+        assert result == {"error": "RangeNotSupportedError"}
+        assert err == ""
+
+
+@pytest.mark.timeout(30)
+def test_aclose_wakes_a_task_waiting_for_a_batch(dataset: ab.Dataset, tmp_path: Path) -> None:
+    async def main() -> BaseException | None:
+        with fault_server(tmp_path) as server:
+            server.inject(default=Fault(stall=60), path=".bin")  # data never arrives
+            loader = ab.AsyncLoader(f"{server.url}/ds", batch_size=2, seq_len=10)
+            await loader.open()
+            waiter = asyncio.ensure_future(anext(loader))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()  # it waits for reads that stall
+            await loader.aclose()
+            # Bounded by the test's timeout: before the fix the waiter waited forever.
+            done = await asyncio.wait({waiter}, timeout=10)
+            assert waiter in done[0]
+            return waiter.exception()
+
+    error = asyncio.run(main())
+    assert isinstance(error, ab.LoaderClosedError)
+
+
+@pytest.mark.timeout(30)
+def test_close_from_another_thread_wakes_next(dataset: ab.Dataset, tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def consume(loader: ab.Loader) -> None:
+        try:
+            next(loader)
+        except BaseException as exc:  # noqa: BLE001 - the test checks its type
+            errors.append(exc)
+
+    with fault_server(tmp_path) as server:
+        server.inject(default=Fault(stall=60), path=".bin")
+        loader = ab.Loader(f"{server.url}/ds", batch_size=2, seq_len=10)
+        consumer = threading.Thread(target=consume, args=(loader,))
+        consumer.start()
+        while server.count("GET") < 2:  # the manifest, then data reads that stall
+            time.sleep(0.01)
+        time.sleep(0.1)
+        loader.close()
+        consumer.join(10)
+    assert not consumer.is_alive()
+    assert len(errors) == 1
+    assert isinstance(errors[0], ab.LoaderClosedError), repr(errors[0])

@@ -6,6 +6,9 @@ import asyncbatch as ab
 
 
 def test_all_is_sorted_and_complete() -> None:
+    for name in ab.__all__:  # names load on first use: each must resolve
+        assert getattr(ab, name) is not None, name
+    assert set(dir(ab)) >= set(ab.__all__)
     public = {
         name
         for name, value in vars(ab).items()

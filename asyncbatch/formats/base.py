@@ -11,6 +11,7 @@ datasets are opened by :data:`OPENERS` (a manifest, or data users already have).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -136,6 +137,21 @@ class Opener:
     open: Callable[[str, Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
     claims: Callable[[str], bool] = lambda url: False
     probe: Callable[[str, Store], Awaitable[bool]] | None = None
+    #: What ``probe`` looks for, for the error when nothing is found ("a Megatron .idx").
+    probes_for: str = ""
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[list[str | int], str]:
+    """Sort key of natural order, the order of the files of a folder read in place: runs of
+    digits compare as numbers, so ``p-2`` comes before ``p-10`` (ties: plain order)."""
+    # re.split with a group alternates text and digits, so equal positions hold equal types.
+    parts: list[str | int] = [
+        int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))
+    ]
+    return parts, name
 
 
 #: Openers of data users already have, tried in order; formats/__init__.py fills it.

@@ -3,14 +3,16 @@
 
 The ``.idx`` (Megatron's ``MMapIndexedDataset`` index, version 1) is::
 
-    b"MMIDIDX\\x00\\x00"  version <Q = 1  dtype code <B  sequence count S <Q  document count D <Q
+    b"MMIDIDX\\x00\\x00"  version <Q = 1  dtype code <B  sequence count S <Q  entries D <Q
     sequence lengths  int32[S]      tokens in each sequence
     sequence pointers int64[S]      byte offset of each sequence in the .bin
-    document indices  int64[D]      0, then the sequence index where each document ends
+    document indices  int64[D]      0, then the sequence index one past each document's end
     (sequence modes   int8[S])      multimodal datasets only; ignored
 
-and the ``.bin`` is the tokens of every sequence, one after another. Opening reads the
-``.idx`` (one range read, two for indexes over a MiB) and the ``.bin``'s size, never tokens.
+(D counts document-index entries: one more than the documents), and the ``.bin`` is the
+tokens of every sequence, one after another; as in Megatron, bytes after the last sequence
+are allowed and never read. Opening reads the ``.idx`` (one range read, two for indexes over
+a MiB) and the ``.bin``'s size, never tokens.
 
 A sample is a Megatron *sequence* (what Megatron's GPT dataset samples from); with
 ``options={"unit": "document"}`` it is a document (its sequences together). Either way the
@@ -84,7 +86,10 @@ async def open_megatron(
         offsets = offsets[documents]
     root, name = parent_and_name(prefix)
     elements = int(offsets[-1])
-    shard = ShardInfo(f"{name}.bin", elements * dtype.itemsize, elements)
+    # Megatron reads only what its index points at: bytes past the last sequence are no
+    # error, just never read.
+    nbytes = elements * dtype.itemsize
+    shard = ShardInfo(f"{name}.bin", nbytes, elements, trailing=bin_size - nbytes)
     metadata = {
         "read_in_place": "megatron",
         "unit": unit,
@@ -212,4 +217,5 @@ MEGATRON_OPENER = Opener(
     open_megatron,
     claims=lambda url: url.rstrip("/").endswith((".bin", ".idx")),
     probe=probe_megatron,
+    probes_for="no Megatron .idx beside it",
 )

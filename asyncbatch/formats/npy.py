@@ -26,7 +26,7 @@ from ..errors import ConfigError, FormatError, NotFoundError
 from ..manifest import Manifest, ShardInfo
 from ..stores import scheme_of
 from ..stores.base import Store
-from .base import Opener
+from .base import Opener, natural_key
 
 T = TypeVar("T")
 
@@ -148,8 +148,8 @@ def may_list(url: str) -> bool:
 async def _files(
     url: str, store: Store, keep: Callable[[str], bool], *, file: bool = False
 ) -> tuple[str, list[str]]:
-    """The dataset root and the sorted file URLs: ``url`` itself if it is a file (or
-    ``file``), else the files under it that ``keep`` accepts."""
+    """The dataset root and the file URLs: ``url`` itself if it is a file (or ``file``), else
+    the files under it that ``keep`` accepts, in natural order."""
     if not file and may_list(url):
         try:
             listed = await store.list(url.rstrip("/"))
@@ -157,7 +157,7 @@ async def _files(
             listed = []
         children = [u for u in listed if u.rstrip("/") != url.rstrip("/") and keep(u)]
         if children:
-            return url.rstrip("/"), children
+            return url.rstrip("/"), sorted(children, key=natural_key)
     url = url.rstrip("/")
     parent, _ = parent_and_name(url)
     return parent, [url]
@@ -242,6 +242,10 @@ async def open_raw(
 
 
 NPY_OPENER = Opener(
-    "npy", open_npy, claims=lambda url: url.rstrip("/").endswith(NPY_SUFFIX), probe=probe_npy
+    "npy",
+    open_npy,
+    claims=lambda url: url.rstrip("/").endswith(NPY_SUFFIX),
+    probe=probe_npy,
+    probes_for="no .npy files listed in it",
 )
 RAW_OPENER = Opener("raw", open_raw)

@@ -39,11 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..defaults import CACHE_BLOCK_SIZE
 from ..errors import CacheWarning, ConfigError
 from .base import Buffer
 
 #: Bytes per cached block unless the cache says otherwise.
-DEFAULT_BLOCK_SIZE = 4 * 2**20
+DEFAULT_BLOCK_SIZE = CACHE_BLOCK_SIZE
 #: A temporary file older than this (seconds) belongs to a writer that died: scans delete it.
 STALE_TEMP_SECONDS = 600.0
 #: A hit marks its entry as used now unless it was marked this recently (seconds): one
