@@ -17,6 +17,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from .base import Buffer, ObjectInfo, Store, Versioned
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
@@ -130,20 +133,81 @@ class CachedStore:
         # The pieces of the ranges, by block: (offset in the block, length, buffer, offset in it).
         pieces: dict[int, list[Piece]] = {}
         for start, end, buffer in zip(starts, ends, buffers, strict=True):
-            at = start
-            while at < end:
-                block = at // size
-                stop = min(end, (block + 1) * size)
-                pieces.setdefault(block, []).append(
-                    (at - block * size, stop - at, buffer, at - start)
-                )
-                at = stop
+            _cut(pieces, start, end, buffer, size)
         needed = sorted(pieces)
         # CHUNK_BYTES of blocks at a time: a shuffled read touching a thousand blocks must
         # not hold them all in memory at once.
         per_chunk = max(1, CHUNK_BYTES // size)
         for first in range(0, len(needed), per_chunk):
             await self._fill(url, info, needed[first : first + per_chunk], pieces)
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """A whole group's reads (the engine's buffer path): the hits of every object are
+        read in one job on a thread, so a group costs one hop however many objects it
+        touches; whatever is left goes through :meth:`read_ranges`' path."""
+        view = memoryview(dest)  # type: ignore[arg-type]
+        rows: dict[int, list[int]] = {}
+        for row, object_index in enumerate(which.tolist()):
+            rows.setdefault(object_index, []).append(row)
+        size = self.cache.block_size
+        jobs: list[tuple[str, ObjectInfo, dict[int, list[Piece]]]] = []
+        direct: list[tuple[str, list[int]]] = []
+        for object_index, picked in rows.items():
+            url = urls[object_index]
+            info = await self.stat(url)
+            lows = starts[picked].tolist()
+            highs = ends[picked].tolist()
+            if info.version is None or max(highs) > info.size:
+                direct.append((url, picked))
+                continue
+            pieces: dict[int, list[Piece]] = {}
+            for start, end, at in zip(lows, highs, dest_offsets[picked].tolist(), strict=True):
+                buffer = view[at : at + end - start]
+                _cut(pieces, start, end, buffer, size)
+            jobs.append((url, info, pieces))
+        wanted = [
+            (self.cache.object_dir(url, info.version or ""), url, info, pieces)
+            for url, info, pieces in jobs
+        ]
+        found = await asyncio.to_thread(self._read_hits, wanted)
+        for (_, url, info, pieces), hits in zip(wanted, found, strict=True):
+            hit_bytes = sum(length for b in hits for _, length, _, _ in pieces[b])
+            self.cache.count(hits=len(hits), hit_bytes=hit_bytes)
+            if self.counts is not None:  # counted on the loop's thread, as the misses are
+                self.counts.cache_hits += len(hits)
+            left = sorted(b for b in pieces if b not in hits)
+            per_chunk = max(1, CHUNK_BYTES // size)
+            for first in range(0, len(left), per_chunk):
+                await self._fill(url, info, left[first : first + per_chunk], pieces)
+        for url, picked in direct:  # no version, or past the end: as read_ranges does
+            lows, highs = starts[picked].tolist(), ends[picked].tolist()
+            ats = dest_offsets[picked].tolist()
+            buffers = [view[at : at + h - lo] for lo, h, at in zip(lows, highs, ats, strict=True)]
+            await self.read_ranges(url, starts=lows, ends=highs, buffers=buffers)
+
+    def _read_hits(
+        self, wanted: list[tuple[str, str, ObjectInfo, dict[int, list[Piece]]]]
+    ) -> list[set[int]]:
+        """On a thread: the blocks of each object read from the cache's files (not those
+        another read of this store is fetching right now: :meth:`_fill` waits for them)."""
+        cache, size = self.cache, self.cache.block_size
+        found: list[set[int]] = []
+        for directory, url, info, pieces in wanted:
+            blocks = [
+                (b, min(size, info.size - b * size), pieces[b])
+                for b in pieces
+                if (url, b) not in self._pending
+            ]
+            found.append(cache.read(directory, blocks))
+        return found
 
     async def _fill(
         self, url: str, info: ObjectInfo, blocks: list[int], pieces: dict[int, list[Piece]]
@@ -224,6 +288,17 @@ class CachedStore:
     # Last: within the class, ``list`` names this method from here on.
     async def list(self, url: str) -> list[str]:
         return await self.inner.list(url)
+
+
+def _cut(pieces: dict[int, list[Piece]], start: int, end: int, buffer: Buffer, size: int) -> None:
+    """Add the pieces of range ``[start, end)`` (landing in ``buffer``) to ``pieces``, by
+    block of ``size`` bytes: (offset in the block, length, buffer, offset in the buffer)."""
+    at = start
+    while at < end:
+        block = at // size
+        stop = min(end, (block + 1) * size)
+        pieces.setdefault(block, []).append((at - block * size, stop - at, buffer, at - start))
+        at = stop
 
 
 def _copy_out(block: Buffer, pieces: list[Piece]) -> None:
