@@ -24,10 +24,11 @@ cache, counted at the proxy between its construction and its end:
   batch_size=16)`` read by ``DataLoader(batch_size=16)``, its rank from ``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``=0, ``LOCAL_WORLD_SIZE``=1, likewise.
 
-Per rank: bytes fetched / bytes delivered (the proxy's bytes back / the bytes of the batches
-the rank yielded), requests per sample, tokens/s and time to first batch; per N the max and
-mean over ranks. Bytes do not depend on timing, so the sweep runs once. At most
-``--max-ranks`` ranks (16) of each N are measured, evenly spaced; 0 measures every rank.
+Per rank: bytes fetched / bytes delivered (object bytes: asyncbatch's own count from
+``statistics()``, the proxy's for the peers, whose 4 MiB GETs carry negligible headers; the
+proxy's bytes with headers in a ``wire`` column), requests per sample, tokens/s and time to
+first batch; per N the max and mean over ranks. Bytes do not depend on timing, so the sweep
+runs once. Every rank is measured (``--max-ranks K``: K of each N, evenly spaced).
 
 **Cached second epoch.** ``ab.Loader(url, shuffle="block", cache=<empty dir>)`` reads two
 epochs; the second epoch's requests at the proxy and its tokens/s, as a ratio to the same
@@ -39,7 +40,7 @@ It prints a table, writes the figures as JSON (``--json``) and plots bytes fetch
 (max over ranks) against N (``--plot``).
 
 Usage: ``.venv/bin/python benchmarks/bench_scale.py [--size-mb 64] [--shard-mb 4]
-[--world-sizes 1,4,16,64] [--max-ranks 16] [--global-batches N] [--rounds 3] [--lines ...]``
+[--world-sizes 1,4,16,64] [--max-ranks 0] [--global-batches N] [--rounds 5] [--lines ...]``
 """
 
 from __future__ import annotations
@@ -432,11 +433,11 @@ def main() -> None:
     parser.add_argument(
         "--max-ranks",
         type=int,
-        default=16,
+        default=0,
         help="ranks measured per world size at most, evenly spaced (0: every rank)",
     )
     parser.add_argument(
-        "--rounds", type=positive, default=3, help="interleaved rounds of the cache ratio"
+        "--rounds", type=positive, default=5, help="interleaved rounds of the cache ratio"
     )
     parser.add_argument(
         "--lines", default=",".join(LINES), help=f"what to measure, among {','.join(LINES)}"
