@@ -32,6 +32,7 @@ from .integrity import (
     SCAN_CONCURRENCY,
     ShardChecks,
     check_blocks,
+    fill_check,
     plan_blocks,
     scan_shard,
     size_error,
@@ -90,6 +91,12 @@ class Engine:
         self.seen: dict[str, ObjectInfo] = {}
         #: What to check of each shard, and which shards passed (kept across runs).
         self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
+        #: What the cache checks before it keeps fetched bytes: the manifests' block
+        #: checksums, whatever the verify level but "off".
+        self.fill_check = None
+        if cache is not None and verify != "off":
+            blocks = ShardChecks(source.datasets, "size", blocks=True, urls=source.shard_urls)
+            self.fill_check = fill_check(blocks)
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -142,6 +149,7 @@ class Engine:
                             counts=self.counts,
                             cache=self.cache,
                             seen=self.seen,
+                            check=self.fill_check,
                         )
                     )
                 of_dataset.append(index[key])

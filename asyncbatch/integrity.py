@@ -178,6 +178,34 @@ class ShardChecks:
             self.passed = np.append(self.passed, np.ones(extra, dtype=bool))
 
 
+def fill_check(checks: ShardChecks) -> Callable[[str, int, Any], str | None] | None:
+    """A check of bytes a cache is about to keep, against the manifests' block checksums:
+    ``check(url, start, data)`` names the first whole checksum block in ``data`` (bytes from
+    ``start`` of object ``url``) whose digest differs, or returns None. None when no
+    manifest records block checksums."""
+    if not checks.has_block_digests or not (checks.block_size > 0).any():
+        return None
+    shard_of = {url: shard for shard, url in enumerate(checks.urls)}
+
+    def check(url: str, start: int, data: Any) -> str | None:
+        shard = shard_of.get(url)
+        block = 0 if shard is None else int(checks.block_size[shard])
+        if shard is None or block <= 0:
+            return None
+        view = memoryview(data).cast("B")
+        size, end = int(checks.sizes[shard]), start + len(view)
+        for number in range(-(-start // block), num_blocks(size, block)):
+            low, high = number * block, min(size, (number + 1) * block)
+            if high > end:
+                break
+            got = xxhash.xxh3_64_intdigest(view[low - start : high - start])
+            if got != int(checks.digests[checks.first_block[shard] + number]):
+                return f"block {number} (bytes [{low}, {high}))"
+        return None
+
+    return check
+
+
 @dataclass
 class ShardReport:
     """The problems found in one shard by :func:`scan_shard` (empty: clean)."""

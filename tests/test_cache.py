@@ -598,3 +598,26 @@ def test_an_object_changed_under_a_loader_is_refused_at_its_next_miss(
         os.utime(shard, ns=(1, 1))  # another ETag, as any rewrite gives
         with pytest.raises(ShardChangedError, match="shard-00000.bin"):
             check_epoch(loader, tokens)
+
+
+@pytest.mark.parametrize("verify", ["size", "off"])
+def test_fetched_blocks_are_checked_against_the_manifest_before_they_are_kept(
+    http_dataset: tuple[str, Path, RangeHTTPServer], tmp_path: Path, verify: str
+) -> None:
+    """Bytes that disagree with the manifest's block checksums are never cached (nor
+    delivered), at the default level too; verify="off" is the one way to skip the check."""
+    url, folder, _ = http_dataset
+    shard = folder / "shard-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[5000] ^= 0xFF  # same size: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    path = tmp_path / "cache"
+    with ab.Loader(url, batch_size=4, seq_len=SEQ, cache=path, verify=verify) as loader:
+        if verify == "off":
+            assert sum(1 for _ in loader) == len(loader)
+            return
+        with pytest.raises(ab.ChecksumError, match=r"block 1 \(bytes \[4096, 8192\)\).*-00001"):
+            for _ in loader:
+                pass
+    # Shards 0 and 2 hold 16,000 and 8,022 bytes: shard 1's 16,000 were never kept.
+    assert cache_info(path).bytes_used <= 16_000 + 8_022

@@ -15,11 +15,12 @@ when bytes it read fail their checksum, so a corrupt entry is read again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ChecksumError, describe_range
 from .base import Buffer, ObjectInfo, Store, Versioned
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
@@ -52,6 +53,7 @@ class CachedStore:
         cache: DiskCache,
         counts: ReadCounts | None = None,
         seen: dict[str, ObjectInfo] | None = None,
+        check: Callable[[str, int, Buffer], str | None] | None = None,
     ) -> None:
         self.inner = inner
         self.cache = cache
@@ -59,6 +61,9 @@ class CachedStore:
         self.counts = counts
         #: Size and version of every object the loader has stat'ed, kept across its runs.
         self.seen = {} if seen is None else seen
+        #: Checks fetched blocks against the manifest's checksums before they are kept
+        #: (``check(url, start, data)``: what does not match, or None).
+        self.check = check
         # Merging two reads saves no request here (a miss fetches whole blocks whatever the
         # reads), only calls: as for local files, merge across small gaps only.
         self.coalesce_gap = min(inner.coalesce_gap, LocalStore.coalesce_gap)
@@ -267,6 +272,17 @@ class CachedStore:
             ends = [min(info.size, (run[-1] + 1) * size) for run in runs]
             buffers = [memoryview(bytearray(e - s)) for s, e in zip(starts, ends, strict=True)]
             await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            if self.check is not None:  # never keep (or hand on) bytes the manifest denies
+                for start, end, buffer in zip(starts, ends, buffers, strict=True):
+                    problem = self.check(url, start, buffer)
+                    if problem is not None:
+                        raise ChecksumError(
+                            f"{problem} does not match the manifest's checksum, fetched"
+                            f" for the cache: {describe_range(url, start, end)}",
+                            url,
+                            start,
+                            end,
+                        )
             fetched: dict[int, Buffer] = {}
             for run, buffer in zip(runs, buffers, strict=True):
                 for i, block in enumerate(run):

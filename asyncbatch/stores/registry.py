@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
-from .base import ObjectInfo, Store
+from .base import Buffer, ObjectInfo, Store
 from .cache import CachedStore
 from .counting import ReadCounts, counting
 from .disk_cache import DiskCache
@@ -133,14 +133,15 @@ def open_store(
     counts: ReadCounts | None = None,
     cache: DiskCache | None = None,
     seen: dict[str, ObjectInfo] | None = None,
+    check: Callable[[str, int, Buffer], str | None] | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
     Every URL a dataset, loader or writer opens passes here, so this is where a malformed
     one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. The stack, from the
     top: the node-local ``cache`` (if any; ``seen`` keeps what it stat'ed across a loader's
-    stores), a counter of the transport's byte-range reads
-    (with ``counts``), the transport.
+    stores; ``check`` vets the blocks it fetches against checksums), a counter of the
+    transport's byte-range reads (with ``counts``), the transport.
     """
     check_url(url, _registry)
     scheme = scheme_of(url)
@@ -152,4 +153,4 @@ def open_store(
         store = factory(scheme, options, max_inflight=max_inflight)
     if counts is not None:
         store = counting(store, counts)
-    return store if cache is None else CachedStore(store, cache, counts, seen)
+    return store if cache is None else CachedStore(store, cache, counts, seen, check)
