@@ -41,7 +41,7 @@ from .layout import ReadPlan
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
-from .stores.base import Buffer, Discards, ObjectInfo, Store
+from .stores.base import Buffer, Discards, ObjectInfo, ReadsInto, Store
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
 from .stores.ranged import run_all
@@ -420,9 +420,8 @@ class Reader:
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
         """Reads from one store."""
-        read_into: Any = getattr(store, "read_into", None)
-        if read_into is not None:
-            await read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
+        if isinstance(store, ReadsInto):
+            await store.read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
         else:
             await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
 

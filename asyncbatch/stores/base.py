@@ -5,24 +5,26 @@ object's size, lists a prefix, and writes whole objects. Ranges are ``[start, en
 exclusive ends. A store never completes a read with fewer bytes than asked for: it raises
 :class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
 
-A store may also offer ``read_into(urls, which, starts, ends, dest, dest_offsets)``: read
-range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at ``dest_offsets[i]``, all
-arrays int64. The engine uses it when present (the local store does, to read a whole group
-in one GIL-free call) and ``read_ranges`` otherwise.
-
-Two more optional protocols, detected by type: :class:`Versioned` (``stat(url)``: the size
-and the version a store pins, which the node-local cache keys its entries by) and
-:class:`Discards` (``discard(url, start, end)``: forget a cached copy of those bytes, so
-that the next read fetches them again).
+Optional protocols, detected by type: :class:`ReadsInto` (``read_into(urls, which, starts,
+ends, dest, dest_offsets)``: range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at
+``dest_offsets[i]``; the engine reads a whole group so when a store offers it, as the local
+store and the cache do, and through ``read_ranges`` otherwise), :class:`Versioned`
+(``stat(url)``: the size and the version a store pins, which the node-local cache keys its
+entries by) and :class:`Discards` (``discard(url, start, end)``: forget a cached copy of
+those bytes, so that the next read fetches them again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import ShortReadError, describe_range
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 Buffer = memoryview
 
@@ -64,6 +66,24 @@ class ObjectInfo:
 
     size: int
     version: str | None
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A store that reads many ranges of many objects into one caller's buffer at once."""
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``,
+        all or raise."""
+        ...
 
 
 @runtime_checkable

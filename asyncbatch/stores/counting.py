@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .base import Buffer, ObjectInfo, Store, Versioned
+from .base import Buffer, ObjectInfo, ReadsInto, Store, Versioned
 
 
 @dataclass
@@ -76,12 +75,12 @@ class CountingBufferStore(CountingStore):
     ) -> None:
         self.counts.requests += int(starts.size)
         self.counts.bytes_fetched += int(ends.sum() - starts.sum())
-        read_into: Any = self.inner.read_into  # type: ignore[attr-defined]
-        await read_into(urls, which, starts, ends, dest, dest_offsets)
+        assert isinstance(self.inner, ReadsInto)
+        await self.inner.read_into(urls, which, starts, ends, dest, dest_offsets)
 
 
 def counting(store: Store, counts: ReadCounts) -> Store:
     """``store`` with its reads counted in ``counts``, keeping its ``read_into`` if it has one."""
-    if callable(getattr(store, "read_into", None)):
+    if isinstance(store, ReadsInto):
         return CountingBufferStore(store, counts)
     return CountingStore(store, counts)
