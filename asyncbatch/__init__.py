@@ -43,6 +43,7 @@ from .errors import ShortReadError as ShortReadError
 from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
+from .errors import TransformError as TransformError
 from .errors import UnknownSchemeError as UnknownSchemeError
 
 if _typing.TYPE_CHECKING:
@@ -144,6 +145,7 @@ __all__ = [
     "StoreError",
     "StoreTimeoutError",
     "ThrottledError",
+    "TransformError",
     "UnknownSchemeError",
     "mix",
     "open_dataset",

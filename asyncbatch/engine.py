@@ -6,6 +6,8 @@ for each group it reserves queue slots (bounding memory), computes the sample id
 reads in one vectorised call, reads everything concurrently straight into one buffer,
 decodes the fields once, and delivers the group's batches (views of that buffer) in order.
 The first groups are small, so the first batch waits only for its own reads.
+A ``transform`` runs on a thread of its own, group after group in batch order, between a
+group's reads and its delivery (see :mod:`asyncbatch.transform`).
 Requests in flight are bounded by the store. Any error ends the run with a
 :class:`~asyncbatch.handoff.Final` item carrying it, after the batches before it.
 """
@@ -47,6 +49,7 @@ from .stores.disk_cache import DiskCache
 from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
+from .transform import Transform, apply_transform
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -80,8 +83,11 @@ class Engine:
         verify: str = DEFAULT_VERIFY,
         counts: ReadCounts | None = None,
         cache: DiskCache | None = None,
+        transform: Transform | None = None,
     ) -> None:
         self.source = source
+        #: Applied to every batch before it is queued (None: delivered as decoded).
+        self.transform = transform
         self.retry = retry
         #: Where the stores count their byte-range reads (kept across runs by the loader).
         self.counts = counts
@@ -132,6 +138,12 @@ class Engine:
             if getattr(self.source, "converts", True)
             else None
         )
+        # One thread, so transforms run one at a time, in batch order, as the user wrote them.
+        transformer = (
+            ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-transform")
+            if self.transform is not None
+            else None
+        )
         try:
             # One store per scheme and options (a mixture may read several).
             index: dict[tuple[str, str], int] = {}
@@ -166,7 +178,15 @@ class Engine:
                     await queue.reserve(len(batches))
                     previous = asyncio.create_task(
                         self._deliver(
-                            reader, decoder, gap, epoch, history, batches, previous, queue
+                            reader,
+                            decoder,
+                            transformer,
+                            gap,
+                            epoch,
+                            history,
+                            batches,
+                            previous,
+                            queue,
                         )
                     )
                     tasks.add(previous)
@@ -191,8 +211,12 @@ class Engine:
                 except Exception as exc:  # a failed close still ends the run, with its error
                     if final is not None and final.error is None:
                         final = Final(exc)
+            # Both wait for a call under way (a transform cannot be interrupted), so no
+            # thread outlives the run.
             if decoder is not None:
                 decoder.shutdown(wait=True)
+            if transformer is not None:
+                transformer.shutdown(wait=True)
             # The terminal item goes last, so a consumer that sees it finds everything closed.
             if final is not None:
                 queue.put(final)
@@ -226,6 +250,7 @@ class Engine:
         self,
         reader: Reader,
         decoder: ThreadPoolExecutor | None,
+        transformer: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
         history: History,
@@ -233,7 +258,8 @@ class Engine:
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
     ) -> bool:
-        """Read a group, wait for the group before it, then queue it; False once failed."""
+        """Read a group, wait for the group before it, transform it (``transformer``: the
+        thread of ``self.transform``), then queue it; False once failed."""
         held = [0]  # bytes counted in the queue for this group until its batches are put
         stored: list[int] = []
         try:
@@ -247,9 +273,19 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
                 queue.add_bytes(-held[0])
                 held[0] = 0
-                items, stored = [Final(exc)], [0]
+                group, items, stored = [], [Final(exc)], [0]
             if previous is not None and not await previous:
                 return False
+            # After the group before it, so transforms run in batch order; later groups are
+            # read meanwhile. A failure keeps the batches before it and ends with its Final.
+            if transformer is not None and group:
+                assert self.transform is not None
+                items = await asyncio.get_running_loop().run_in_executor(
+                    transformer, apply_transform, self.transform, group
+                )
+                stored = stored[: len(items)]
+                if isinstance(items[-1], Final):
+                    stored[-1] = 0
             # The queue counts the batches' own bytes from here, in place of what was held.
             queue.put_many(items, release=held[0], stored=stored)
             held[0] = 0

@@ -23,7 +23,8 @@ from them). Pickled, an error keeps every attribute (``url``, ``start``, ``end``
     │   └── UnknownSchemeError             no store registered for a URL scheme
     ├── FormatError(ValueError)            bytes that do not decode as the format says
     │   └── ManifestError                  a manifest missing, malformed or disagreeing with data
-    └── LoaderClosedError(RuntimeError)    the loader was used after close()
+    ├── LoaderClosedError(RuntimeError)    the loader was used after close()
+    └── TransformError                     the loader's transform= raised; chains it
 
     CacheWarning(UserWarning)              the node-local cache failed; reads go on without it
 
@@ -132,6 +133,20 @@ class ManifestError(FormatError):
 
 class LoaderClosedError(AsyncBatchError, RuntimeError):
     """The loader was used after ``close()``."""
+
+
+class TransformError(AsyncBatchError):
+    """The loader's ``transform=`` raised on batch ``batch`` of epoch ``epoch``; the
+    exception it raised is the ``__cause__`` (in this process; a DataLoader worker's error
+    keeps only the message, which includes the cause's traceback)."""
+
+    def __init__(self, message: str, epoch: int | None = None, batch: int | None = None):
+        super().__init__(message)
+        self.epoch = epoch
+        self.batch = batch
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0] if self.args else "", self.epoch, self.batch))
 
 
 def describe_range(url: str, start: int, end: int) -> str:

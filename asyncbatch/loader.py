@@ -52,6 +52,7 @@ from .sampling.windows import History, Segment, extend_history
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
+from .transform import Transform, check_transform
 
 STATE_VERSION = 3
 MAX_DEFAULT_PREFETCH = 128
@@ -201,6 +202,7 @@ class _LoaderBase:
         format_options: Mapping[str, Any] | None = None,
         verify: str = DEFAULT_VERIFY,
         cache: DiskCache | str | os.PathLike[str] | None = None,
+        transform: Transform | None = None,
         _worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
@@ -248,6 +250,8 @@ class _LoaderBase:
         self.verify = check_level(verify)
         #: The node-local cache reads go through (None: none); see docs/reliability.md.
         self.cache = DiskCache.of(cache)
+        #: Called on each batch off the consumer's thread, in order (asyncbatch.transform).
+        self.transform = check_transform(transform)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -329,6 +333,7 @@ class _LoaderBase:
             verify=self.verify,
             counts=self._read_counts,
             cache=self.cache,
+            transform=self.transform,
         )
         return self._engine
 
