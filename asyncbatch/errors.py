@@ -146,7 +146,12 @@ class TransformError(AsyncBatchError):
         self.batch = batch
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0] if self.args else "", self.epoch, self.batch))
+        # As StoreError's: the instance dict carries whatever was attached later.
+        return (
+            type(self),
+            (self.args[0] if self.args else "", self.epoch, self.batch),
+            self.__dict__,
+        )
 
 
 def describe_range(url: str, start: int, end: int) -> str:

@@ -48,7 +48,9 @@ def apply_transform(transform: Transform, group: Sequence[Batch]) -> list[Batch 
         epoch, number = batch.extra["epoch"], batch.extra["batch"]
         try:
             out.append(as_batch(transform(batch), batch, epoch, number))
-        except Exception as exc:
+        # Whatever the user's code raises (SystemExit, KeyboardInterrupt too: here they are
+        # plain objects raised on a worker thread) ends the run as an error, never a hang.
+        except BaseException as exc:  # noqa: BLE001
             error = TransformError(
                 f"transform failed on batch {number} of epoch {epoch}: {type(exc).__name__}: {exc}",
                 epoch=epoch,

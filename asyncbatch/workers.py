@@ -37,6 +37,10 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     DataLoader has ``persistent_workers=True`` (then workers go on to the next epoch
     themselves); save the position with :meth:`state_dict` and the last batch taken.
 
+    A ``transform=`` in ``loader_args`` runs in each worker on that worker's batches; with
+    ``multiprocessing_context="spawn"`` or ``"forkserver"`` it must pickle (a module-level
+    function, not a lambda).
+
     It is ``Stateful`` as torchdata's ``StatefulDataLoader`` expects: with ``batch_size=None``
     that loader's own ``state_dict()`` resumes right after the last batch it yielded, with
     or without workers (restore it into a loader with the same ``num_workers``).

@@ -15,6 +15,7 @@ import numpy.typing as npt
 import pytest
 import tokenizers
 import torch
+from conftest import WriteDataset
 from make_megatron import random_documents, write_megatron
 from test_metadata import make_spans
 
@@ -248,6 +249,35 @@ def test_an_error_in_transform_reaches_next_after_every_good_batch(
         0,
         5,
     )
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt()])
+def test_a_base_exception_in_transform_is_a_transform_error_too(
+    dataset: ab.Dataset, raised: BaseException
+) -> None:
+    def transform(batch: ab.Batch) -> ab.Batch:
+        if batch.extra["batch"] == 2:
+            raise raised
+        return batch
+
+    with ab.Loader(dataset, batch_size=4, seq_len=16, prefetch=4, transform=transform) as loader:
+        assert [next(loader).extra["batch"] for _ in range(2)] == [0, 1]
+        with pytest.raises(ab.TransformError, match="batch 2") as caught:
+            next(loader)
+    assert caught.value.__cause__ is raised
+
+
+@pytest.mark.timeout(60)
+def test_transform_over_every_store(write_dataset: WriteDataset) -> None:
+    tokens = np.arange(4_000, dtype=np.uint16)
+    url, options = write_dataset(tokens, shard_size=1000)
+    kwargs: dict[str, Any] = dict(batch_size=4, seq_len=50, seed=6, storage_options=options)
+    with ab.Loader(url, **kwargs) as loader:
+        plain = [(b.global_indexes.tolist(), b["tokens"].clone()) for b in loader]
+    with ab.Loader(url, transform=as_dict, **kwargs) as loader:
+        got = [(b.global_indexes.tolist(), b["tokens"], b["rows"].tolist()) for b in loader]
+    assert [ids for ids, _ in plain] == [ids for ids, _, _ in got] == [r for _, _, r in got]
+    assert all(torch.equal(a, b) for (_, a), (_, b, _) in zip(plain, got, strict=True))
 
 
 def test_a_transform_returning_something_else_is_a_transform_error(dataset: ab.Dataset) -> None:
