@@ -29,9 +29,6 @@ from .handoff import Final
 #: What ``transform=`` accepts: a batch in, a batch or a mapping of fields out.
 Transform = Callable[[Batch], "Batch | Mapping[str, Any]"]
 
-#: Position keys of ``Batch.extra`` the loaders resume from.
-POSITION = ("epoch", "batch")
-
 
 def check_transform(transform: Transform | None) -> Transform | None:
     """``transform`` if it is None or callable; a ConfigError otherwise."""
