@@ -47,7 +47,7 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, check_length
+from .base import Buffer, ObjectInfo, SelfGuarded, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
@@ -91,7 +91,7 @@ def local_path(url: str) -> str:
     return url
 
 
-class LocalStore:
+class LocalStore(SelfGuarded):
     """Store for local paths and ``file://`` URLs."""
 
     # A read syscall costs about as much as copying ~10 KB from the page cache: merging
