@@ -179,3 +179,11 @@ def test_a_filesystem_registered_with_fsspec_is_served(tokens: npt.NDArray[np.ui
                 batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 60)
             )
     assert _RegisteredFS.store  # the objects went to the registered class
+
+
+def test_the_adapter_page_shows_the_tested_adapter() -> None:
+    root = Path(__file__).parent.parent
+    page = (root / "docs" / "adapters.md").read_text()
+    code = (root / "tests" / "plugin" / "abtest_adapter.py").read_text()
+    assert f"```python\n{code}```" in page
+    assert f"```toml\n{(root / 'tests' / 'plugin' / 'pyproject.toml').read_text()}```" in page

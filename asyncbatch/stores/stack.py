@@ -141,8 +141,9 @@ class TransportStore:
                 f"get_ranges returned {len(chunks)} buffers for {len(wanted)} ranges: {url}", url
             )
         for index, chunk in zip(wanted, chunks, strict=True):
-            check_length(url, starts[index], ends[index], len(memoryview(chunk).cast("B")))
-            buffers[index][:] = chunk
+            data = memoryview(chunk).cast("B")
+            check_length(url, starts[index], ends[index], len(data))
+            buffers[index][:] = data
 
     async def list(self, url: str) -> list[str]:
         if not isinstance(self.transport, Lists):
@@ -222,7 +223,7 @@ class RetryingStore:
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
-        if not starts:
+        if len(starts) == 0:
             return
         # One call reads the group: the range named is the span it covers.
         low, high = min(starts), max(ends)
@@ -246,10 +247,7 @@ class RetryingStore:
             raise map_error(exc, url) from exc
 
     async def close(self) -> None:
-        try:
-            await self.inner.close()
-        except Exception as exc:
-            raise map_error(exc, "") from exc
+        await self.inner.close()
 
 
 class RetryingBufferStore(RetryingStore):

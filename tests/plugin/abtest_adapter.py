@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncbatch.stores.base import ObjectInfo
+from asyncbatch.stores import ObjectInfo
 
 
 class DirTransport:
