@@ -23,6 +23,7 @@ from asyncbatch.errors import (
     ConfigError,
     NotFoundError,
     PermissionDeniedError,
+    RetriesExhaustedError,
     ShortReadError,
     StoreError,
 )
@@ -52,6 +53,10 @@ class FaultyTransport(DirTransport):
             raise FileNotFoundError(2, "No such file", self.path(url))
         if self.fault == "denied":
             raise PermissionError(13, "Permission denied", self.path(url))
+        if self.fault == "bug":
+            raise ValueError("a bug in the adapter")
+        if self.fault == "hang":
+            await asyncio.sleep(3600)
         if self.fault == "reset" and len(self.calls) <= 2:  # the first two calls only
             raise ConnectionResetError(104, "Connection reset by peer")
         return await super().get_ranges(url, starts=starts, ends=ends)
@@ -83,6 +88,7 @@ def _register(fault: str) -> tuple[str, list[str]]:
         ("short", ShortReadError, r"returned \d+ of \d+ bytes"),
         ("missing", NotFoundError, "not found"),
         ("denied", PermissionDeniedError, "permission denied"),
+        ("bug", StoreError, "ValueError: a bug in the adapter"),
     ],
 )
 def test_an_adapters_faults_are_typed_errors(
@@ -116,6 +122,28 @@ def test_an_adapters_reset_connection_is_retried(
         np.testing.assert_array_equal(
             batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
         )
+
+
+@pytest.mark.timeout(30)
+def test_an_adapter_that_hangs_times_out_and_is_retried(dataset: Path) -> None:
+    scheme, calls = _register("hang")
+    policy = ab.RetryPolicy(
+        max_attempts=2,
+        base_delay=0.0,
+        max_delay=0.001,
+        connect_timeout=0.1,
+        first_byte_timeout=0.1,
+        idle_timeout=0.1,
+    )
+    url = f"{scheme}://{dataset}"
+    with (
+        ab.Loader(url, batch_size=4, seq_len=50, prefetch=1, shuffle=False, retry=policy) as loader,
+        pytest.raises(
+            RetriesExhaustedError, match=r"after 2 attempts, each: no answer within 0.3 s"
+        ),
+    ):
+        next(loader)
+    assert len(calls) == 2
 
 
 def test_a_transport_needs_ranges_and_stat() -> None:

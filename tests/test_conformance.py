@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import fsspec
+import numpy as np
+import numpy.typing as npt
 import pytest
 import s3fs
-from conftest import BUCKET, s3_options
+from conftest import BUCKET, expected_windows, s3_options
 from plugin.abtest_adapter import DirTransport
 from servers import RangeHTTPServer
 
+import asyncbatch as ab
 from asyncbatch.stores import open_store
+from asyncbatch.stores.base import ReadsInto, check_length
 from asyncbatch.testing import StoreConformance, StoreKit
 
 #: chmod 0 denies nothing to root.
@@ -94,6 +101,67 @@ class TestExampleAdapter(StoreConformance):
             put=lambda name, data: _replace_file(tmp_path / name, data),
             deny=(lambda name: _deny_file(tmp_path / name)) if CHMOD_DENIES else None,
         )
+
+
+class DirIntoTransport(DirTransport):
+    """The example adapter with the engine's fast path: a group's ranges into one buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        self.calls += 1
+        rows = zip(
+            which.tolist(), starts.tolist(), ends.tolist(), dest_offsets.tolist(), strict=True
+        )
+
+        def read() -> None:
+            for index, start, end, at in rows:
+                with open(self.path(urls[index]), "rb") as file:
+                    view = memoryview(dest)[at : at + end - start]  # type: ignore[arg-type]
+                    got = os.preadv(file.fileno(), [view], start)
+                check_length(urls[index], start, end, got)
+
+        await asyncio.to_thread(read)
+
+
+class TestReadsIntoAdapter(StoreConformance):
+    @pytest.fixture
+    def store_kit(self, tmp_path: Path) -> StoreKit:
+        return StoreKit(
+            open=DirIntoTransport,
+            url=lambda name: f"dirinto://{tmp_path / name}",
+            put=lambda name, data: _replace_file(tmp_path / name, data),
+        )
+
+
+def test_the_engine_reads_an_adapters_buffer_path(
+    tmp_path: Path, tokens: npt.NDArray[np.uint16]
+) -> None:
+    made: list[DirIntoTransport] = []
+
+    def factory(scheme: str, options: Any, *, max_inflight: int) -> DirIntoTransport:
+        made.append(DirIntoTransport())
+        return made[-1]
+
+    ab.register_store("dirinto", factory, clobber=True)
+    ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=5_000)
+    assert isinstance(open_store(f"dirinto://{tmp_path}"), ReadsInto)  # kept through the stack
+    with ab.Loader(f"dirinto://{tmp_path}/ds", batch_size=4, seq_len=50) as loader:
+        for batch in loader:
+            np.testing.assert_array_equal(
+                batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
+            )
+    assert sum(t.calls for t in made) > 0
 
 
 BROKEN = """

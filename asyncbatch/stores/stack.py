@@ -68,11 +68,12 @@ def map_error(
     (a bug does not pass by waiting)."""
     if isinstance(exc, AsyncBatchError):
         return exc
-    what = f"{type(exc).__name__}: {exc}"
+    # The cause stays chained (``from exc``); the message says what it means.
     if isinstance(exc, FileNotFoundError):
-        return fail(NotFoundError, f"not found ({what})", url, start, end)
+        return fail(NotFoundError, "not found", url, start, end)
     if isinstance(exc, PermissionError):
-        return fail(PermissionDeniedError, f"permission denied ({what})", url, start, end)
+        return fail(PermissionDeniedError, "permission denied", url, start, end)
+    what = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, TimeoutError):
         return fail(StoreTimeoutError, f"timed out ({what})", url, start, end)
     # IsADirectoryError and its kind name a wrong path, which no retry fixes.
