@@ -207,6 +207,8 @@ def test_a_filesystem_registered_with_fsspec_is_served(tokens: npt.NDArray[np.ui
                 batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 60)
             )
     assert _RegisteredFS.store  # the objects went to the registered class
+    with pytest.raises(ConfigError, match="needs two slashes"):
+        open_store("abtestfs:/root/ds")
 
 
 def test_the_adapter_page_shows_the_tested_adapter() -> None:

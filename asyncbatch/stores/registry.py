@@ -53,6 +53,8 @@ _BUILTIN: dict[str, str] = {
 _EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}
 
 _registry: dict[str, StoreFactory | str] = dict(_BUILTIN)
+#: Schemes found served by fsspec (and no entry point) at their first use.
+_fsspec_served: set[str] = set()
 
 #: Read-only view of the registered schemes (values: factories or import strings).
 registered_stores: Mapping[str, StoreFactory | str] = MappingProxyType(_registry)
@@ -115,10 +117,13 @@ def _accepts_retry(factory: StoreFactory) -> bool:
 
 def store_factory(scheme: str) -> StoreFactory:
     """The factory serving ``scheme``; raises :class:`UnknownSchemeError` if none does."""
-    if scheme not in _registry:
+    # Scanning entry points costs ~20 ms: done for a scheme nobody serves yet, and once
+    # for a scheme fsspec serves (an installed plug-in may take it over).
+    if scheme not in _registry and scheme not in _fsspec_served:
         _load_entry_points()
     target = _registry.get(scheme)
     if target is None and _fsspec_knows(scheme):
+        _fsspec_served.add(scheme)
         target = "asyncbatch.stores.fsspec_store:fsspec_store"
     if target is None:
         known = ", ".join(sorted(_registry))
