@@ -56,7 +56,7 @@ class StoreKit:
 
 
 def _data(size: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    return np.random.default_rng(seed).bytes(size)
 
 
 async def _read(store: Store, url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -192,9 +192,9 @@ class StoreConformance:
         _run(store_kit, body)
 
     def test_large_reads(self, store_kit: StoreKit) -> None:
-        data = _data(24 << 20, 10)
+        data = _data(10 << 20, 10)
         store_kit.put("large", data)
-        ranges = [(0, 8 << 20), (1, (16 << 20) + 1), ((24 << 20) - (8 << 20), 24 << 20)]
+        ranges = [(0, 8 << 20), (1, (8 << 20) + 1), (2 << 20, 10 << 20)]
         got = _run(store_kit, lambda s: _read(s, store_kit.url("large"), ranges))
         assert got == [data[s:e] for s, e in ranges]
 

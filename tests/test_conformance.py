@@ -156,7 +156,7 @@ def test_the_engine_reads_an_adapters_buffer_path(
     ab.register_store("dirinto", factory, clobber=True)
     ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=5_000)
     assert isinstance(open_store(f"dirinto://{tmp_path}"), ReadsInto)  # kept through the stack
-    with ab.Loader(f"dirinto://{tmp_path}/ds", batch_size=4, seq_len=50) as loader:
+    with ab.Loader(f"dirinto://{tmp_path}/ds", batch_size=16, seq_len=50) as loader:
         for batch in loader:
             np.testing.assert_array_equal(
                 batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
