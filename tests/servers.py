@@ -37,6 +37,9 @@ class RangeHandler(BaseHTTPRequestHandler):
         if self.server.root not in path.parents or not path.is_file():
             self.send_error(404)
             return None
+        if path.with_name(path.name + ".forbidden").exists():  # a switch for denied objects
+            self.send_error(403)
+            return None
         return path
 
     def _etag(self, path: Path) -> None:

@@ -219,7 +219,6 @@ def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.syspath_prepend(str(tmp_path))
     from asyncbatch.stores import registry
 
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     store = open_store("epstore://anything")
     assert getattr(store, "served_scheme", None) == "epstore"

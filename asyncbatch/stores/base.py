@@ -1,17 +1,20 @@
-"""The store protocol: the only contract between the engine and I/O.
+"""The store protocols: the only contract between the engine and I/O.
 
-A store reads byte ranges of one object into caller-given writable buffers, tells an
-object's size, lists a prefix, and writes whole objects. Ranges are ``[start, end)`` with
-exclusive ends. A store never completes a read with fewer bytes than asked for: it raises
-:class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
+Two layers meet here. A *transport* (an adapter: the built-in local, S3, HTTP and fsspec
+ones, or a third party's) implements small capability protocols, obspec style. A read-only
+transport needs two methods: :class:`GetsRanges` (``get_ranges``: bytes of ranges of one
+object) and :class:`Versioned` (``stat``: the object's size and version). Optional
+capabilities are protocols of their own, detected by type (``isinstance``), never looked up
+by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (many ranges of
+many objects into one buffer: the engine's fast path), :class:`Lists`, :class:`Writes`,
+:class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
+as one) and :class:`Discards` (a cache forgetting bytes).
 
-Optional protocols, detected by type: :class:`ReadsInto` (``read_into(urls, which, starts,
-ends, dest, dest_offsets)``: range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at
-``dest_offsets[i]``; the engine reads a whole group so when a store offers it, as the local
-store and the cache do, and through ``read_ranges`` otherwise), :class:`Versioned`
-(``stat(url)``: the size and the version a store pins, which the node-local cache keys its
-entries by) and :class:`Discards` (``discard(url, start, end)``: forget a cached copy of
-those bytes, so that the next read fetches them again).
+The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
+errors, version pinning, retries and timeouts; then counting and the node-local cache), and
+the engine sees :class:`Store`, which every wrapper implements. Ranges are ``[start, end)``
+with exclusive ends. A store never completes a read with fewer bytes than asked for: it
+raises :class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
 """
 
 from __future__ import annotations
@@ -66,6 +69,70 @@ class ObjectInfo:
 
     size: int
     version: str | None
+
+
+@runtime_checkable
+class GetsRanges(Protocol):
+    """A transport that returns the bytes of ranges of one object."""
+
+    async def get_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int]
+    ) -> Sequence[bytes | memoryview]:
+        """Bytes ``[starts[i], ends[i])`` of ``url``, one buffer per range. A range past the
+        end may come back short: the stack checks every length."""
+        ...
+
+
+@runtime_checkable
+class ReadsRanges(Protocol):
+    """A transport that fills caller-given buffers itself (all or raise)."""
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        """Fill ``buffers[i]`` with bytes ``[starts[i], ends[i])`` of ``url``, all or raise."""
+        ...
+
+
+@runtime_checkable
+class Lists(Protocol):
+    """A transport that lists a prefix."""
+
+    async def list(self, url: str) -> list[str]:
+        """URLs of the objects directly under the prefix ``url``, sorted."""
+        ...
+
+
+@runtime_checkable
+class Writes(Protocol):
+    """A transport that writes whole objects."""
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        """Write ``data`` as the whole object at ``url``, creating parents as needed."""
+        ...
+
+
+@runtime_checkable
+class Closes(Protocol):
+    """A transport holding sessions, threads or descriptors to release."""
+
+    async def close(self) -> None:
+        """Release what the transport holds; idempotent."""
+        ...
+
+
+@runtime_checkable
+class Coalesces(Protocol):
+    """A transport that knows its own coalescing gap (the stack picks one otherwise)."""
+
+    #: Gap in bytes below which two ranges of one object are cheaper read as one.
+    coalesce_gap: int
+
+
+class SelfGuarded:
+    """Base of a transport that already does the stack's jobs at the protocol level
+    (retries that resume a broken body, ``If-Match`` pinning, ``Content-Range`` checks; the
+    local store's pins and unretried reads): the registry stacks no guard over it."""
 
 
 @runtime_checkable

@@ -1,10 +1,11 @@
-"""Store over any other fsspec filesystem (memory, GCS, Azure, ...).
+"""Transport over any other fsspec filesystem (memory, GCS, Azure, a registered class, ...).
 
 Async filesystems are used natively: one ``asynchronous=True`` instance per store, created
 lazily in the loop that reads, never fsspec's own loop thread. Sync filesystems run in a
-bounded thread pool. Every range is length-checked and read under the store's
-:class:`~asyncbatch.stores.retry.RetryPolicy` (OS and timeout errors are retried). S3 and
-HTTP have their own stores (``s3.py``, ``http.py``), which check far more.
+bounded thread pool. A thin transport: the registry's stack (``stack.py``) checks every
+range's length, pins versions and retries under the
+:class:`~asyncbatch.stores.retry.RetryPolicy`. S3 and HTTP have their own stores
+(``s3.py``, ``http.py``), which check far more.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from typing import Any
 
 import fsspec
 
-from ..errors import ConfigError, NotFoundError, PermissionDeniedError, StoreError, describe_range
-from .base import Buffer, ObjectInfo, check_length
-from .ranged import REMOTE_COALESCE_GAP, fail
-from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+from ..errors import ConfigError, StoreError
+from .base import Buffer, ObjectInfo
+from .ranged import REMOTE_COALESCE_GAP, run_all
+from .retry import DEFAULT_POLICY, RetryPolicy
+from .stack import map_error
 
 #: Fields of ``info()`` that identify an object's version, most specific first.
 _VERSION_FIELDS = ("ETag", "etag", "generation", "version_id", "md5", "mtime", "LastModified")
 
 
 class FsspecStore:
-    """Store for every fsspec protocol; ``max_inflight`` bounds the requests in flight."""
+    """Transport for every fsspec protocol; ``max_inflight`` bounds the requests in flight."""
 
     coalesce_gap = REMOTE_COALESCE_GAP
 
@@ -68,7 +70,7 @@ class FsspecStore:
         return self._fs
 
     async def _call(self, url: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``fs._method`` (async) or ``fs.method`` (sync, in a thread); map errors."""
+        """Call ``fs._method`` (async) or ``fs.method`` (sync, in a thread); typed errors."""
         fs = await self._filesystem()
         assert self._limit is not None
         try:
@@ -78,19 +80,8 @@ class FsspecStore:
                 loop = asyncio.get_running_loop()
                 call = getattr(fs, method)
                 return await loop.run_in_executor(self._pool, lambda: call(*args, **kwargs))
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"not found: {url}", url) from exc
-        except PermissionError as exc:
-            raise PermissionDeniedError(f"permission denied: {url}", url) from exc
-        except StoreError:
-            raise
-        except (OSError, TimeoutError) as exc:  # a connection or an I/O error: may pass
-            raise fail(StoreError, f"{method} failed: {exc!r}", url, retryable=True) from exc
-        except Exception as exc:  # other errors (not all OSError) are not retried
-            raise StoreError(f"{method} failed: {url}: {exc!r}", url) from exc
-
-    async def size(self, url: str) -> int:
-        return (await self.stat(url)).size
+        except Exception as exc:  # mapped here too: S3's and HTTP's listings come this way
+            raise map_error(exc, url) from exc
 
     async def stat(self, url: str) -> ObjectInfo:
         """Size and version from ``info()``: the first of the fields filesystems use for one
@@ -107,36 +98,16 @@ class FsspecStore:
         entries = await self._call(url, "ls", url, detail=False)
         return sorted(fs.unstrip_protocol(entry) for entry in entries)
 
-    async def read_ranges(
-        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
-    ) -> None:
-        await asyncio.gather(
-            *(
-                self._read_one(url, start, end, buffer)
-                for start, end, buffer in zip(starts, ends, buffers, strict=True)
-            )
-        )
-
-    async def _read_one(self, url: str, start: int, end: int, buffer: Buffer) -> None:
-        where = describe_range(url, start, end)
-
-        async def attempt() -> bytes:
-            try:
-                data: bytes = await self._call(url, "cat_file", url, start=start, end=end)
-            except StoreError as exc:
-                if type(exc) is not StoreError:
-                    raise  # typed: not found, permission denied
-                error = StoreError(f"read failed: {where}: {exc}", url, start, end)
-                error.detail = str(exc)  # type: ignore[attr-defined]
-                error.retryable = getattr(exc, "retryable", False)  # type: ignore[attr-defined]
-                raise error from exc
-            return data
-
-        data = await with_retries(
-            self.retry, attempt, what=f"read of {where}", url=url, start=start, end=end
-        )
-        check_length(url, start, end, len(data))
-        buffer[:] = data
+    async def get_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int]
+    ) -> Sequence[bytes]:
+        """One ``cat_file`` per range, concurrently (the stack checks the lengths)."""
+        reads = [
+            asyncio.ensure_future(self._call(url, "cat_file", url, start=start, end=end))
+            for start, end in zip(starts, ends, strict=True)
+        ]
+        await run_all(reads)  # the first failure cancels the rest
+        return [read.result() for read in reads]
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         await self._call(url, "pipe_file", url, bytes(data))

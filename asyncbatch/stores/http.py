@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..errors import StoreError, StoreTimeoutError, describe_range
-from .base import Buffer, ObjectInfo
+from .base import Buffer, ObjectInfo, SelfGuarded
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
@@ -43,7 +43,7 @@ CHUNK = 1 << 20
 _TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 
 
-class HttpStore:
+class HttpStore(SelfGuarded):
     """Read-only store for ``http://`` and ``https://`` URLs.
 
     ``storage_options``: ``headers`` (sent with every request). Listing (of a server's HTML

@@ -41,14 +41,13 @@ import numpy.typing as npt
 
 from ..errors import (
     ConfigError,
-    NotFoundError,
-    PermissionDeniedError,
     ShardChangedError,
     StoreError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, check_length
+from .base import Buffer, ObjectInfo, SelfGuarded, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .stack import map_error
 from .validate import check_options
 
 #: What pins a local file: (inode, size, mtime in ns).
@@ -91,7 +90,7 @@ def local_path(url: str) -> str:
     return url
 
 
-class LocalStore:
+class LocalStore(SelfGuarded):
     """Store for local paths and ``file://`` URLs."""
 
     # A read syscall costs about as much as copying ~10 KB from the page cache: merging
@@ -123,15 +122,15 @@ class LocalStore:
     async def _stat(self, url: str) -> os.stat_result:
         try:
             return await aiofiles.os.stat(local_path(url))
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"not found: {url}", url) from exc
+        except (FileNotFoundError, PermissionError) as exc:
+            raise map_error(exc, url) from exc
 
     async def list(self, url: str) -> list[str]:
         path = local_path(url)
         try:
             names = await aiofiles.os.listdir(path)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"not found: {url}", url) from exc
+        except (FileNotFoundError, PermissionError) as exc:
+            raise map_error(exc, url) from exc
         return sorted(os.path.join(url, name) for name in names)
 
     async def read_ranges(
@@ -275,11 +274,9 @@ class LocalStore:
                 return entry[0], entry[2], entry[3]
         try:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"not found: {url}", url) from exc
-        except PermissionError as exc:
-            raise PermissionDeniedError(f"permission denied: {url}", url) from exc
-        except OSError as exc:
+        except (FileNotFoundError, PermissionError) as exc:
+            raise map_error(exc, url) from exc
+        except OSError as exc:  # not retried: a local I/O error does not pass by waiting
             raise StoreError(f"cannot open {url}: {exc}", url) from exc
         opened = [fd, 1, 0, -1]
         try:

@@ -1,13 +1,17 @@
-"""URL scheme → store factory.
+"""URL scheme → store factory, and the stack built over what the factory returns.
 
 Built-in schemes are import strings, loaded on first use. Third-party packages add schemes
-through the ``asyncbatch.stores`` entry-point group (``scheme = "package.module:factory"``)
-or :func:`register_store`. Any other scheme fsspec knows is served by the fsspec store.
+through the ``asyncbatch.stores`` entry-point group (``scheme = "package.module:factory"``,
+looked up again whenever a scheme is unknown, so a package installed after import is found)
+or :func:`register_store`. Any other protocol fsspec resolves (its known implementations
+and classes added with ``fsspec.register_implementation``) is served by the fsspec
+transport.
 
 A factory is called as ``factory(scheme, storage_options, max_inflight=N, retry=policy)``
-and returns an object implementing :class:`~asyncbatch.stores.base.Store`; ``retry`` (a
+and returns a transport (see :mod:`~asyncbatch.stores.base`); ``retry`` (a
 :class:`~asyncbatch.stores.retry.RetryPolicy`) is passed only to factories that accept it,
-so factories written before it existed keep working.
+so factories written before it existed keep working. The registry stacks the guards of
+:mod:`~asyncbatch.stores.stack` over it, whatever the factory accepted.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from .cache import CachedStore
 from .counting import ReadCounts, counting
 from .disk_cache import DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .stack import stacked
 from .validate import check_url
 
-StoreFactory = Callable[..., Store]
+#: Returns a transport: at least ``get_ranges`` (or ``read_ranges``) and ``stat``.
+StoreFactory = Callable[..., object]
 
 ENTRY_POINT_GROUP = "asyncbatch.stores"
 
@@ -47,7 +53,8 @@ _BUILTIN: dict[str, str] = {
 _EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}
 
 _registry: dict[str, StoreFactory | str] = dict(_BUILTIN)
-_entry_points_loaded = False
+#: Schemes found served by fsspec (and no entry point) at their first use.
+_fsspec_served: set[str] = set()
 
 #: Read-only view of the registered schemes (values: factories or import strings).
 registered_stores: Mapping[str, StoreFactory | str] = MappingProxyType(_registry)
@@ -72,12 +79,15 @@ def scheme_of(url: str) -> str:
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
+    """Add the entry points' schemes; those registered in code win."""
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         _registry.setdefault(entry.name.lower(), entry.value)
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    """Whether fsspec resolves ``scheme``: a known implementation, or a class registered with
+    ``fsspec.register_implementation`` (which ``available_protocols()`` does not list)."""
+    return scheme in fsspec.registry or scheme in fsspec.available_protocols()
 
 
 def _resolve(scheme: str, target: StoreFactory | str) -> StoreFactory:
@@ -107,9 +117,13 @@ def _accepts_retry(factory: StoreFactory) -> bool:
 
 def store_factory(scheme: str) -> StoreFactory:
     """The factory serving ``scheme``; raises :class:`UnknownSchemeError` if none does."""
-    _load_entry_points()
+    # Scanning entry points costs ~20 ms: done for a scheme nobody serves yet, and once
+    # for a scheme fsspec serves (an installed plug-in may take it over).
+    if scheme not in _registry and scheme not in _fsspec_served:
+        _load_entry_points()
     target = _registry.get(scheme)
-    if target is None and scheme in fsspec.available_protocols():
+    if target is None and _fsspec_knows(scheme):
+        _fsspec_served.add(scheme)
         target = "asyncbatch.stores.fsspec_store:fsspec_store"
     if target is None:
         known = ", ".join(sorted(_registry))
@@ -141,16 +155,20 @@ def open_store(
     one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. The stack, from the
     top: the node-local ``cache`` (if any; ``seen`` keeps what it stat'ed across a loader's
     stores; ``check`` vets the blocks it fetches against checksums), a counter of the
-    transport's byte-range reads (with ``counts``), the transport.
+    transport's byte-range reads (with ``counts``), the guards of
+    :func:`~asyncbatch.stores.stack.stacked` (exact lengths, pins, typed errors, retries
+    and timeouts under ``retry``), the transport.
     """
     check_url(url, _registry)
     scheme = scheme_of(url)
     factory = store_factory(scheme)
     options = dict(storage_options or {})
+    policy = retry or DEFAULT_POLICY
     if _accepts_retry(factory):
-        store = factory(scheme, options, max_inflight=max_inflight, retry=retry or DEFAULT_POLICY)
+        transport = factory(scheme, options, max_inflight=max_inflight, retry=policy)
     else:
-        store = factory(scheme, options, max_inflight=max_inflight)
+        transport = factory(scheme, options, max_inflight=max_inflight)
+    store = stacked(transport, policy)
     if counts is not None:
         store = counting(store, counts)
     return store if cache is None else CachedStore(store, cache, counts, seen, check)

@@ -27,7 +27,7 @@ from ..errors import (
     StoreTimeoutError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo
+from .base import Buffer, ObjectInfo, SelfGuarded
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
@@ -109,7 +109,7 @@ class _Changed(Exception):
     """A 412 to an ``IfMatch``: turned into ShardChangedError once the new ETag is known."""
 
 
-class S3Store(FsspecStore):
+class S3Store(FsspecStore, SelfGuarded):
     """Store for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
 
     def __init__(

@@ -36,7 +36,8 @@ def check_url(url: str, schemes: Collection[str]) -> None:
         return
     scheme, slash, rest = match.group(1).lower(), match.group(2), match.group(3)
     # fsspec's own schemes only with a slash: some take none (data:text/plain,...).
-    if scheme in schemes or (slash and scheme in fsspec.available_protocols()):
+    fsspec_knows = scheme in fsspec.registry or scheme in fsspec.available_protocols()
+    if scheme in schemes or (slash and fsspec_knows):
         # file: keeps the path's own slash (file:/tmp/x is file:///tmp/x).
         fixed = f"{scheme}://{slash + rest if scheme == 'file' else rest}"
         raise ConfigError(f"URL {url!r} needs two slashes after '{match.group(1)}:': use {fixed}")

@@ -1,0 +1,286 @@
+"""The guards the registry stacks over any transport, so a small adapter is as safe as a
+built-in store.
+
+From the bottom: :class:`TransportStore` turns a transport (two methods, see
+:mod:`~asyncbatch.stores.base`) into the full :class:`~asyncbatch.stores.base.Store`: it
+checks every range's length (:class:`~asyncbatch.errors.ShortReadError` naming the URL and
+range, never short or shifted bytes), pins each object at the version its first ``stat``
+saw (:class:`~asyncbatch.errors.ShardChangedError` when a later one differs) and refuses
+what the transport cannot do with a typed error. :class:`RetryingStore` above it maps the
+transport's built-in exceptions to typed errors (:func:`map_error`) and runs each call
+under the :class:`~asyncbatch.stores.retry.RetryPolicy` with a timeout per attempt.
+
+A transport that offers :class:`~asyncbatch.stores.base.ReadsInto` keeps it through both
+layers: one call per group, no Python per range, so the engine's fast path stays fast (its
+contract is all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it).
+Built-in stores that guard themselves (:class:`~asyncbatch.stores.base.SelfGuarded`) are
+not wrapped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import (
+    AsyncBatchError,
+    ConfigError,
+    NotFoundError,
+    PermissionDeniedError,
+    ShardChangedError,
+    StoreError,
+    StoreTimeoutError,
+    describe_range,
+)
+from .base import (
+    Buffer,
+    Closes,
+    Coalesces,
+    GetsRanges,
+    Lists,
+    ObjectInfo,
+    ReadsInto,
+    ReadsRanges,
+    SelfGuarded,
+    Store,
+    Versioned,
+    Writes,
+    check_length,
+)
+from .ranged import REMOTE_COALESCE_GAP, fail
+from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+
+T = TypeVar("T")
+
+
+def map_error(
+    exc: BaseException, url: str, start: int | None = None, end: int | None = None
+) -> BaseException:
+    """The typed error for what a transport raised: asyncbatch's own errors pass unchanged;
+    ``FileNotFoundError`` is :class:`NotFoundError`, ``PermissionError``
+    :class:`PermissionDeniedError`; ``TimeoutError`` a retried :class:`StoreTimeoutError`;
+    ``ConnectionError`` and other plain ``OSError`` a retried :class:`StoreError` (a reset,
+    an I/O error of a remote filesystem); anything else a :class:`StoreError` not retried
+    (a bug does not pass by waiting)."""
+    if isinstance(exc, AsyncBatchError):
+        return exc
+    # The cause stays chained (``from exc``); the message says what it means.
+    if isinstance(exc, FileNotFoundError):
+        return fail(NotFoundError, "not found", url, start, end)
+    if isinstance(exc, PermissionError):
+        return fail(PermissionDeniedError, "permission denied", url, start, end)
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, TimeoutError):
+        return fail(StoreTimeoutError, f"timed out ({what})", url, start, end)
+    # IsADirectoryError and its kind name a wrong path, which no retry fixes.
+    transient = isinstance(exc, ConnectionError) or type(exc) is OSError
+    return fail(StoreError, f"request failed: {what}", url, start, end, retryable=transient)
+
+
+def _unsupported(url: str, what: str, capability: str) -> StoreError:
+    return StoreError(f"this store cannot {what} (its transport has no {capability}): {url}", url)
+
+
+class TransportStore:
+    """The :class:`Store` protocol over a transport: lengths checked, versions pinned."""
+
+    def __init__(self, transport: object) -> None:
+        if not isinstance(transport, GetsRanges | ReadsRanges) or not isinstance(
+            transport, Versioned | Store
+        ):
+            raise ConfigError(
+                f"{type(transport).__name__} is not a store transport: it needs get_ranges"
+                " (or read_ranges) and stat; see docs/adapters.md"
+            )
+        self.transport = transport
+        self.coalesce_gap = (
+            transport.coalesce_gap if isinstance(transport, Coalesces) else REMOTE_COALESCE_GAP
+        )
+        self._pins: dict[str, str] = {}
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and version; pins ``url`` at the first version seen."""
+        transport = self.transport
+        if isinstance(transport, Versioned):
+            info = await transport.stat(url)
+        else:  # a Store written before stat existed: size only, nothing to pin
+            assert isinstance(transport, Store)
+            info = ObjectInfo(await transport.size(url), None)
+        if info.version is not None:
+            pinned = self._pins.setdefault(url, info.version)
+            if pinned != info.version:
+                raise ShardChangedError(
+                    f"the object changed since it was pinned: version {pinned} when first"
+                    f" seen, {info.version} now: {url}",
+                    url,
+                )
+        return info
+
+    async def size(self, url: str) -> int:
+        return (await self.stat(url)).size
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        transport = self.transport
+        if isinstance(transport, ReadsRanges):
+            await transport.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+            return
+        assert isinstance(transport, GetsRanges)
+        wanted = [i for i, (start, end) in enumerate(zip(starts, ends, strict=True)) if end > start]
+        if not wanted:
+            return
+        chunks = await transport.get_ranges(
+            url, starts=[starts[i] for i in wanted], ends=[ends[i] for i in wanted]
+        )
+        if len(chunks) != len(wanted):
+            raise StoreError(
+                f"get_ranges returned {len(chunks)} buffers for {len(wanted)} ranges: {url}", url
+            )
+        for index, chunk in zip(wanted, chunks, strict=True):
+            data = memoryview(chunk).cast("B")
+            check_length(url, starts[index], ends[index], len(data))
+            buffers[index][:] = data
+
+    async def list(self, url: str) -> list[str]:
+        if not isinstance(self.transport, Lists):
+            raise _unsupported(url, "list", "list()")
+        return await self.transport.list(url)
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        if not isinstance(self.transport, Writes):
+            raise _unsupported(url, "write", "write()")
+        await self.transport.write(url, data)
+        self._pins.pop(url, None)  # our own write: the next stat pins the new version
+
+    async def close(self) -> None:
+        if isinstance(self.transport, Closes):
+            await self.transport.close()
+
+
+class TransportBufferStore(TransportStore):
+    """A :class:`TransportStore` over a transport that reads into one caller's buffer."""
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        assert isinstance(self.transport, ReadsInto)
+        await self.transport.read_into(urls, which, starts, ends, dest, dest_offsets)
+
+
+class RetryingStore:
+    """Forwards every call to ``inner`` with typed errors, retried under ``policy``.
+
+    Each attempt is bounded by ``connect_timeout + first_byte_timeout + idle_timeout``: a
+    transport's call is opaque, so one bound covers its whole request.
+    """
+
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        self.inner = inner
+        self.policy = policy
+        self.coalesce_gap = inner.coalesce_gap
+        self._timeout = policy.connect_timeout + policy.first_byte_timeout + policy.idle_timeout
+
+    async def _run(
+        self,
+        call: Callable[[], Awaitable[T]],
+        what: str,
+        url: str,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> T:
+        async def attempt() -> T:
+            bound = asyncio.timeout(self._timeout)
+            try:
+                async with bound:
+                    return await call()
+            except Exception as exc:
+                if bound.expired():
+                    detail = f"no answer within {self._timeout:g} s"
+                    raise fail(StoreTimeoutError, detail, url, start, end) from exc
+                raise map_error(exc, url, start, end) from exc
+
+        return await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
+
+    async def stat(self, url: str) -> ObjectInfo:
+        inner = self.inner
+        if isinstance(inner, Versioned):
+            return await self._run(lambda: inner.stat(url), f"stat of {url}", url)
+        return ObjectInfo(await self.size(url), None)
+
+    async def size(self, url: str) -> int:
+        return await self._run(lambda: self.inner.size(url), f"size of {url}", url)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        if len(starts) == 0:
+            return
+        # One call reads the group: the range named is the span it covers.
+        low, high = min(starts), max(ends)
+        await self._run(
+            lambda: self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers),
+            f"read of {describe_range(url, low, high)}"
+            + (f" ({len(starts)} ranges)" if len(starts) > 1 else ""),
+            url,
+            low,
+            high,
+        )
+
+    async def list(self, url: str) -> list[str]:
+        return await self._run(lambda: self.inner.list(url), f"list of {url}", url)
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        # A write is not retried: the transport may have half-applied it.
+        try:
+            await self.inner.write(url, data)
+        except Exception as exc:
+            raise map_error(exc, url) from exc
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class RetryingBufferStore(RetryingStore):
+    """A :class:`RetryingStore` over a store that reads into one caller's buffer."""
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> None:
+        inner = self.inner
+        assert isinstance(inner, ReadsInto)
+        first = urls[int(which[0])] if which.size else ""
+        await self._run(
+            lambda: inner.read_into(urls, which, starts, ends, dest, dest_offsets),
+            f"read of {int(starts.size)} ranges of {len(urls)} objects ({first}, ...)",
+            first,
+        )
+
+
+def stacked(transport: object, policy: RetryPolicy = DEFAULT_POLICY) -> Store:
+    """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts.
+
+    A :class:`SelfGuarded` built-in store comes back as it is.
+    """
+    if isinstance(transport, SelfGuarded):
+        assert isinstance(transport, Store)
+        return transport
+    if isinstance(transport, ReadsInto):
+        return RetryingBufferStore(TransportBufferStore(transport), policy)
+    return RetryingStore(TransportStore(transport), policy)
