@@ -14,10 +14,10 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-from asyncbatch.testing import StoreConformance, StoreKit
 
 import asyncbatch as ab
 from asyncbatch.stores import open_store
+from asyncbatch.testing import StoreConformance, StoreKit
 
 BUCKET = "adapter"
 CREDENTIALS = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
