@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import errors
@@ -58,3 +62,25 @@ def test_builtin_bases_let_callers_catch_by_kind() -> None:
     assert issubclass(ab.FormatError, ValueError)
     assert {errors.CredentialsError, errors.EndpointError} <= set(STORE_ERRORS)
     assert len(STORE_ERRORS) >= 10
+
+
+def test_a_worker_error_reaches_the_consumer_with_its_attributes(
+    http_root: tuple[Path, RangeHTTPServer], tokens: npt.NDArray[np.uint16]
+) -> None:
+    root, server = http_root
+    written = ab.write_tokens(str(root / "broken-in-workers"), tokens, shard_size=4096)
+    last = written.manifest.shards[-1]
+    (root / "broken-in-workers" / last.path).write_bytes(b"\0" * 100)  # truncated after open
+    url = f"{server.url}/broken-in-workers"
+    source = ab.LoaderDataset(url, batch_size=4, seq_len=64, shuffle=False, verify="off")
+    taken = 0
+    with pytest.raises(ab.ShortReadError) as caught:
+        for _ in source.dataloader(num_workers=2, timeout=60):
+            taken += 1
+    assert taken > 0  # the epoch broke midway, at the last shard
+    error = caught.value
+    assert error.url == f"{url}/{last.path}"
+    assert error.start is not None and error.end is not None
+    assert error.end > 100  # past the end of what is left of the shard
+    assert f"bytes [{error.start}, {error.end})" in str(error)
+    assert "DataLoader worker process" in error.__notes__[-1]
