@@ -36,6 +36,10 @@ class Dataset:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     #: Index arrays a format reads at open (document offsets, ...), kept in memory.
     arrays: Mapping[str, npt.NDArray[Any]] = field(default_factory=dict, compare=False, repr=False)
+    #: Data read in place: the versions (ETag, file identity) of the objects it was opened
+    #: from, its content identity where no manifest records checksums; None: a store that
+    #: tells no version.
+    versions: tuple[str | None, ...] = field(default=(), repr=False)
 
     @cached_property
     def shard_urls(self) -> list[str]:
@@ -48,19 +52,22 @@ class Dataset:
         return ShardMap(counts, self.manifest.dtype.itemsize, offsets)
 
     def fingerprint(self) -> str:
-        """Identifies the data (not where it lives), for checking resume states: its shape
-        and, when the manifest records shard checksums, its bytes."""
+        """Identifies the data for checking resume states: its shape and its bytes, by the
+        manifest's shard checksums, else by the versions of the objects read in place."""
         m = self.manifest
         arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
         return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}{self._content}"
 
     @cached_property
     def _content(self) -> str:
-        """``:<algorithm>=<digest of every shard's checksum>``, or "" without checksums
-        (computed once: ``state_dict()`` asks for the fingerprint every time)."""
+        """``:<algorithm>=<digest of every shard's checksum>``, else ``:versions=<digest of
+        the objects' versions>``, or "" with neither (computed once: ``state_dict()`` asks
+        for the fingerprint every time)."""
         m = self.manifest
         if m.checksum is None:
-            return ""
+            if not self.versions or None in self.versions:
+                return ""
+            return f":versions={format_digest(digest(repr(self.versions).encode()))}"
         checksums = np.array([shard.checksum or 0 for shard in m.shards], dtype="<u8")
         return f":{m.checksum}={format_digest(digest(checksums.tobytes()))}"
 

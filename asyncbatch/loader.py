@@ -134,9 +134,18 @@ def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int,
                 f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
             )
     if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
+        why = ""
+        if (
+            str(state.get("dataset")).split(":versions=")[0]
+            == mine["dataset"].split(":versions=")[0]
+        ):
+            why = (
+                ": the same shape, other object versions (other bytes, or a copy of local files;"
+                ' state["dataset"] = None resumes it anyway)'
+            )
         raise ResumeStateError(
             f"cannot resume: the state is for dataset {state.get('dataset')!r},"
-            f" this loader reads {mine['dataset']!r}"
+            f" this loader reads {mine['dataset']!r}{why}"
         )
     epoch, done = state.get("epoch"), state.get("batches_done")
     if (
