@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -36,9 +36,9 @@ class Dataset:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     #: Index arrays a format reads at open (document offsets, ...), kept in memory.
     arrays: Mapping[str, npt.NDArray[Any]] = field(default_factory=dict, compare=False, repr=False)
-    #: Data read in place: the versions (ETag, file identity) of the objects it was opened
-    #: from, its content identity where no manifest records checksums; None: a store that
-    #: tells no version.
+    #: Without manifest checksums (data read in place, or a manifest without them): the
+    #: versions (ETag, file identity) of the objects it was opened from, its content
+    #: identity; None: a store that tells no version.
     versions: tuple[str | None, ...] = field(default=(), repr=False)
 
     @cached_property
@@ -151,8 +151,14 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
         msg = f"no dataset at {url}: {manifest_url} not found"
         raise NotFoundError(msg, manifest_url) from exc
     from .formats import INDEX_LOADERS
+    from .formats.npy import object_infos
 
     dataset = Dataset(root, Manifest.from_json(text, manifest_url), options)
+    if dataset.manifest.checksum is None:
+        # No checksums to tell these bytes from others of the same shape: their versions
+        # (one stat per shard) do, for resume states.
+        infos = await object_infos(store, dataset.shard_urls)
+        dataset = replace(dataset, versions=tuple(info.version for info in infos))
     load = INDEX_LOADERS.get(dataset.manifest.format)
     return dataset if load is None else await load(dataset, store)
 
@@ -167,7 +173,8 @@ def open_dataset(
     cache: DiskCache | str | os.PathLike[str] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
-    whatever the dataset's size.
+    whatever the dataset's size (a manifest without checksums: also one stat per shard,
+    whose versions identify its bytes).
 
     The layout is recognised by itself: an asyncbatch manifest at ``url`` or in the folder,
     or data in another layout an opener of :mod:`asyncbatch.formats` recognises;
