@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import errors
+from asyncbatch.workers import keep_batch
 
 ERRORS = [
     cls
@@ -64,18 +66,30 @@ def test_builtin_bases_let_callers_catch_by_kind() -> None:
     assert len(STORE_ERRORS) >= 10
 
 
+# torchdata 0.11 calls torch.set_vital on import, which torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader"])
 def test_a_worker_error_reaches_the_consumer_with_its_attributes(
-    http_root: tuple[Path, RangeHTTPServer], tokens: npt.NDArray[np.uint16]
+    http_root: tuple[Path, RangeHTTPServer], tokens: npt.NDArray[np.uint16], stateful: bool
 ) -> None:
     root, server = http_root
-    written = ab.write_tokens(str(root / "broken-in-workers"), tokens, shard_size=4096)
+    name = f"broken-in-workers-{stateful}"
+    written = ab.write_tokens(str(root / name), tokens, shard_size=4096)
     last = written.manifest.shards[-1]
-    (root / "broken-in-workers" / last.path).write_bytes(b"\0" * 100)  # truncated after open
-    url = f"{server.url}/broken-in-workers"
+    (root / name / last.path).write_bytes(b"\0" * 100)  # truncated after writing
+    url = f"{server.url}/{name}"
     source = ab.LoaderDataset(url, batch_size=4, seq_len=64, shuffle=False, verify="off")
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        batches: Iterable[ab.Batch] = StatefulDataLoader(
+            source, batch_size=None, collate_fn=keep_batch, num_workers=2, timeout=60
+        )
+    else:
+        batches = source.dataloader(num_workers=2, timeout=60)
     taken = 0
     with pytest.raises(ab.ShortReadError) as caught:
-        for _ in source.dataloader(num_workers=2, timeout=60):
+        for _ in batches:
             taken += 1
     assert taken > 0  # the epoch broke midway, at the last shard
     error = caught.value
