@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -36,6 +36,10 @@ class Dataset:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     #: Index arrays a format reads at open (document offsets, ...), kept in memory.
     arrays: Mapping[str, npt.NDArray[Any]] = field(default_factory=dict, compare=False, repr=False)
+    #: Without manifest checksums (data read in place, or a manifest without them): the
+    #: versions (ETag, file identity) of the objects it was opened from, its content
+    #: identity; None: a store that tells no version.
+    versions: tuple[str | None, ...] = field(default=(), repr=False)
 
     @cached_property
     def shard_urls(self) -> list[str]:
@@ -48,19 +52,22 @@ class Dataset:
         return ShardMap(counts, self.manifest.dtype.itemsize, offsets)
 
     def fingerprint(self) -> str:
-        """Identifies the data (not where it lives), for checking resume states: its shape
-        and, when the manifest records shard checksums, its bytes."""
+        """Identifies the data for checking resume states: its shape and its bytes, by the
+        manifest's shard checksums, else by the versions of the objects read in place."""
         m = self.manifest
         arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
         return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}{self._content}"
 
     @cached_property
     def _content(self) -> str:
-        """``:<algorithm>=<digest of every shard's checksum>``, or "" without checksums
-        (computed once: ``state_dict()`` asks for the fingerprint every time)."""
+        """``:<algorithm>=<digest of every shard's checksum>``, else ``:versions=<digest of
+        the objects' versions>``, or "" with neither (computed once: ``state_dict()`` asks
+        for the fingerprint every time)."""
         m = self.manifest
         if m.checksum is None:
-            return ""
+            if not self.versions or None in self.versions:
+                return ""
+            return f":versions={format_digest(digest(repr(self.versions).encode()))}"
         checksums = np.array([shard.checksum or 0 for shard in m.shards], dtype="<u8")
         return f":{m.checksum}={format_digest(digest(checksums.tobytes()))}"
 
@@ -144,8 +151,14 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
         msg = f"no dataset at {url}: {manifest_url} not found"
         raise NotFoundError(msg, manifest_url) from exc
     from .formats import INDEX_LOADERS
+    from .formats.npy import object_infos
 
     dataset = Dataset(root, Manifest.from_json(text, manifest_url), options)
+    if dataset.manifest.checksum is None:
+        # No checksums to tell these bytes from others of the same shape: their versions
+        # (one stat per shard) do, for resume states.
+        infos = await object_infos(store, dataset.shard_urls)
+        dataset = replace(dataset, versions=tuple(info.version for info in infos))
     load = INDEX_LOADERS.get(dataset.manifest.format)
     return dataset if load is None else await load(dataset, store)
 
@@ -160,7 +173,8 @@ def open_dataset(
     cache: DiskCache | str | os.PathLike[str] | None = None,
 ) -> Dataset:
     """Open the dataset at ``url``; reads only its manifest (or headers and index arrays),
-    whatever the dataset's size.
+    whatever the dataset's size (a manifest without checksums: also one stat per shard,
+    whose versions identify its bytes).
 
     The layout is recognised by itself: an asyncbatch manifest at ``url`` or in the folder,
     or data in another layout an opener of :mod:`asyncbatch.formats` recognises;

@@ -1,9 +1,9 @@
 """Exceptions raised by asyncbatch.
 
-Every error names what went wrong and where (URL, byte range, field and value) in its message,
-because only the type and message survive a DataLoader worker (torch rebuilds a worker's error
-from them). Pickled, an error keeps every attribute (``url``, ``start``, ``end``, ``attempts``,
-``retry_after``)::
+Every error names what went wrong and where (URL, byte range, field and value) in its message.
+Pickled, an error keeps every attribute (``url``, ``start``, ``end``, ``attempts``,
+``retry_after``); one raised in a ``LoaderDataset``'s DataLoader worker reaches the caller
+whole (torch alone would rebuild it from its type and message)::
 
     AsyncBatchError
     ├── ConfigError(ValueError)            a bad argument, URL or storage option; no retry can help

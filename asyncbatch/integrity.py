@@ -24,7 +24,7 @@ import binascii
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -42,8 +42,9 @@ ALGORITHM = "xxh3_64"
 #: Bytes per checksum block written by default: one block shuffle block (loader.BLOCK_BYTES),
 #: ~11 manifest bytes per MiB of data.
 DEFAULT_CHECKSUM_BLOCK = 2**20
-VERIFY_LEVELS = ("off", "size", "block", "full")
-DEFAULT_VERIFY = "size"
+Verify: TypeAlias = Literal["off", "size", "block", "full"]
+VERIFY_LEVELS: tuple[Verify, ...] = get_args(Verify)
+DEFAULT_VERIFY: Verify = "size"
 #: Bytes read per request when a shard is read whole (``full``, ``asyncbatch verify``).
 SCAN_CHUNK = 8 * 2**20
 #: Shards read whole at once by one loader (``full``): bounds its memory to a few chunks.

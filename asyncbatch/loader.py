@@ -37,13 +37,15 @@ from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats import Source, make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
-from .integrity import DEFAULT_VERIFY, check_level
+from .integrity import DEFAULT_VERIFY, Verify, check_level
 from .mixture import Mixture
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
     TAILS,
     EpochOrder,
     SampleOrder,
+    Shuffle,
+    Tail,
     derive_key,
     make_sample_order,
     normalize_shuffle,
@@ -133,9 +135,18 @@ def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int,
                 f"cannot resume: the state has {key}={state.get(key)!r}, this loader {mine[key]!r}"
             )
     if mine["dataset"] is not None and state.get("dataset") not in (None, mine["dataset"]):
+        why = ""
+        if (
+            str(state.get("dataset")).split(":versions=")[0]
+            == mine["dataset"].split(":versions=")[0]
+        ):
+            why = (
+                ": the same shape, other object versions (other bytes, or a copy of local files;"
+                ' state["dataset"] = None resumes it anyway)'
+            )
         raise ResumeStateError(
             f"cannot resume: the state is for dataset {state.get('dataset')!r},"
-            f" this loader reads {mine['dataset']!r}"
+            f" this loader reads {mine['dataset']!r}{why}"
         )
     epoch, done = state.get("epoch"), state.get("batches_done")
     if (
@@ -175,35 +186,44 @@ def _segments(value: Any, global_batch: int, done: int) -> list[Segment] | None:
 
 
 class _LoaderBase:
-    """Arguments, state and the meaning of queue items, shared by both loaders."""
+    """Arguments, state and the meaning of queue items, shared by both loaders.
+
+    The public classes spell out the arguments with their defaults (so ``help()``, mypy and
+    a misspelt name's TypeError all show the public class) and hand them here as given.
+    """
+
+    #: ``(index, count)`` of the DataLoader worker this loader reads for: its batches
+    #: ``index, index + count, ...`` (set before ``__init__`` by :meth:`_for_worker`).
+    _worker: tuple[int, int] = (0, 1)
+    #: The public ``__init__``'s keyword arguments as given (a pickle rebuilds from them).
+    _args: dict[str, Any]
 
     def __init__(
         self,
         dataset: Dataset | Mixture | str,
         *,
         batch_size: int,
-        seq_len: int | None = None,
-        shuffle: bool | str = True,
-        seed: int = 0,
-        prefetch: int | None = None,
-        max_inflight: int = MAX_INFLIGHT,
-        next_token: bool = False,
-        dtype: npt.DTypeLike | torch.dtype | None = None,
-        drop_last: bool = True,
-        tail: str = "drop",
-        block_size: int | None = None,
-        window: int | None = None,
-        infinite: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        coalesce_gap: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        format_options: Mapping[str, Any] | None = None,
-        verify: str = DEFAULT_VERIFY,
-        cache: DiskCache | str | os.PathLike[str] | None = None,
-        transform: Transform | None = None,
-        _worker: tuple[int, int] = (0, 1),
+        seq_len: int | None,
+        shuffle: Shuffle,
+        seed: int,
+        prefetch: int | None,
+        max_inflight: int,
+        next_token: bool,
+        dtype: npt.DTypeLike | torch.dtype | None,
+        drop_last: bool,
+        tail: Tail,
+        block_size: int | None,
+        window: int | None,
+        infinite: bool,
+        rank: int | None,
+        world_size: int | None,
+        coalesce_gap: int | None,
+        storage_options: Mapping[str, Any] | None,
+        retry: RetryPolicy | None,
+        format_options: Mapping[str, Any] | None,
+        verify: Verify,
+        cache: DiskCache | str | os.PathLike[str] | None,
+        transform: Transform | None,
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
         self.seq_len = None if seq_len is None else _positive("seq_len", seq_len)
@@ -235,7 +255,6 @@ class _LoaderBase:
         if self.shuffle == "block" and self.window is None:
             self.window = DEFAULT_WINDOW
         self.infinite = bool(infinite)
-        self._worker = _worker
         self.seed = seed
         self.next_token = bool(next_token)
         self.dtype = dtype
@@ -488,9 +507,19 @@ class _LoaderBase:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as its arguments and position, never its thread, loop or stores (spawn)."""
         dataset = self._data if self._data is not None else self._dataset_arg
-        args = getattr(self, "_args", {})
         state = (self._epoch, self._position, self._history, self._closed)
-        return (_restore, (type(self), dataset, args, state))
+        return (_restore, (type(self), dataset, self._args, self._worker, state))
+
+    @classmethod
+    def _for_worker(
+        cls, worker: tuple[int, int], dataset: Dataset | Mixture | str, args: Mapping[str, Any]
+    ) -> Self:
+        """``cls(dataset, **args)`` reading DataLoader worker ``worker``'s share of the batches
+        (an argument no public signature shows)."""
+        loader = cls.__new__(cls)
+        loader._worker = worker  # before __init__, which builds the engine with it
+        cls.__init__(loader, dataset, **args)
+        return loader
 
     def _check_open(self) -> None:
         if self._closed:
@@ -519,22 +548,97 @@ def _restore(
     cls: type[_LoaderBase],
     dataset: Dataset | Mixture | str,
     args: dict[str, Any],
+    worker: tuple[int, int],
     state: tuple[int, int, History, bool],
 ) -> _LoaderBase:
-    loader = cls(dataset, **args)
+    loader = cls._for_worker(worker, dataset, args)
     loader._epoch, loader._position, loader._history, loader._closed = state
     return loader
+
+
+def given_arguments(frame_locals: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a loader's ``__init__``, from its ``locals()`` taken first
+    thing: the signature is spelt out once per public class, and not again to pass it on."""
+    return {k: v for k, v in frame_locals.items() if k not in ("self", "dataset", "__class__")}
 
 
 class Loader(_LoaderBase):
     """Synchronous, stateful batch iterator; the engine runs on its own background thread.
 
     Use as ``with Loader(...) as loader: for batch in loader: ...``, or call :meth:`close`.
+    Each ``for`` loop is one epoch. Bad values raise :class:`~asyncbatch.ConfigError` here,
+    naming the argument; so does a loader with nothing to read. A URL is opened here.
+
+    Args:
+        dataset: A :class:`~asyncbatch.Dataset`, a :class:`~asyncbatch.Mixture`, or the URL
+            of a dataset (local path, ``s3://``, ``http(s)://``, any fsspec URL).
+        batch_size: Samples per batch on this rank.
+        seq_len: Tokens per sample (a window over the token stream); ``None``: the format's
+            own sample (a document, a record).
+        shuffle: ``True`` or ``"global"``: an exact shuffle of all samples, new each epoch;
+            ``"block"``: blocks of ``block_size`` samples in random order, mixed within
+            ``window`` blocks (one read per block); ``False`` or ``"none"``: in order.
+        seed: Seed of the shuffle; the order depends only on it and the epoch.
+        prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
+            2 to 128, or two block-shuffle windows.
+        max_inflight: Read requests in flight at once.
+        next_token: One more token per window, for next-token targets.
+        dtype: Output dtype (numpy or torch); ``None``: as stored. One that cannot hold
+            every stored value is a ConfigError.
+        drop_last: Drop the last, partial batch of each epoch.
+        tail: With ``drop_last=False``, what a rank does with the samples left over:
+            ``"drop"`` them, or ``"wrap"`` to the epoch's start so every rank yields as many
+            batches.
+        block_size: Samples per block of ``shuffle="block"``; ``None``: about 1 MiB of
+            samples, or the format's own block (LLMBATCH: one batch).
+        window: Blocks shuffled together by ``shuffle="block"``; ``None``: 8.
+        infinite: Go on to the next epoch without stopping.
+        rank: This rank; ``None`` (with ``world_size``): from ``torch.distributed`` when
+            initialised, else 0.
+        world_size: Ranks reading together; each reads its own share, with no communication.
+        coalesce_gap: What one more request costs, in bytes: a gap between two reads is
+            fetched when cheaper; ``None``: the store's (128 KiB remote, 16 KiB local).
+        storage_options: Passed to the store (e.g. s3fs's ``endpoint_url``, ``key``).
+        retry: An :class:`~asyncbatch.RetryPolicy`; ``None``: the default policy.
+        format_options: Options of the dataset's format (see docs/format.md).
+        verify: ``"size"``: each shard's size checked on first use; ``"block"`` /
+            ``"full"``: bytes checked against the manifest's checksums; ``"off"``.
+        cache: A path or :class:`~asyncbatch.DiskCache`: a node-local cache of the bytes
+            read; ``None``: none.
+        transform: Called on each batch off the consumer's thread, in order, within the
+            prefetch bound: takes the :class:`~asyncbatch.Batch`, returns a Batch or a dict
+            of tensors; what it raises reaches ``next()`` as a TransformError.
     """
 
-    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self._args = dict(kwargs)
+    def __init__(
+        self,
+        dataset: Dataset | Mixture | str,
+        *,
+        batch_size: int,
+        seq_len: int | None = None,
+        shuffle: Shuffle = True,
+        seed: int = 0,
+        prefetch: int | None = None,
+        max_inflight: int = MAX_INFLIGHT,
+        next_token: bool = False,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+        drop_last: bool = True,
+        tail: Tail = "drop",
+        block_size: int | None = None,
+        window: int | None = None,
+        infinite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        coalesce_gap: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        format_options: Mapping[str, Any] | None = None,
+        verify: Verify = DEFAULT_VERIFY,
+        cache: DiskCache | str | os.PathLike[str] | None = None,
+        transform: Transform | None = None,
+    ) -> None:
+        self._args = given_arguments(locals())  # first: locals() is the arguments yet
+        super().__init__(dataset, **self._args)
         if isinstance(dataset, str):
             dataset = open_dataset(
                 dataset, self.storage_options, retry=self.retry, cache=self.cache
@@ -664,12 +768,41 @@ def _run_loop(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None
 class AsyncLoader(_LoaderBase):
     """The same batches as :class:`Loader`, for ``async for`` in the caller's event loop.
 
-    Use as ``async with AsyncLoader(...) as loader: async for batch in loader: ...``.
+    Use as ``async with AsyncLoader(...) as loader: async for batch in loader: ...``. A URL
+    is opened on entry (or the first batch), in the caller's loop.
+
+    Args: those of :class:`Loader`.
     """
 
-    def __init__(self, dataset: Dataset | Mixture | str, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self._args = dict(kwargs)
+    def __init__(
+        self,
+        dataset: Dataset | Mixture | str,
+        *,
+        batch_size: int,
+        seq_len: int | None = None,
+        shuffle: Shuffle = True,
+        seed: int = 0,
+        prefetch: int | None = None,
+        max_inflight: int = MAX_INFLIGHT,
+        next_token: bool = False,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+        drop_last: bool = True,
+        tail: Tail = "drop",
+        block_size: int | None = None,
+        window: int | None = None,
+        infinite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        coalesce_gap: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        format_options: Mapping[str, Any] | None = None,
+        verify: Verify = DEFAULT_VERIFY,
+        cache: DiskCache | str | os.PathLike[str] | None = None,
+        transform: Transform | None = None,
+    ) -> None:
+        self._args = given_arguments(locals())  # first: locals() is the arguments yet
+        super().__init__(dataset, **self._args)
         if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
@@ -757,3 +890,21 @@ class AsyncLoader(_LoaderBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def args_section(cls: type) -> str:
+    """The "Args:" section of ``cls``'s docstring ("" without docstrings, ``python -OO``)."""
+    doc = cls.__doc__ or ""
+    start = doc.find("\n    Args:\n")
+    return doc[start:].rstrip() if start >= 0 else ""
+
+
+def share_args_doc(cls: type) -> None:
+    """Let ``help(cls)`` show :class:`Loader`'s per-argument docs in place of the pointer
+    ``Args: those of :class:`Loader`.`` (the signatures are the same, tests check it)."""
+    pointer = "\n    Args: those of :class:`Loader`."
+    if cls.__doc__ and pointer in cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace(pointer, args_section(Loader))
+
+
+share_args_doc(AsyncLoader)

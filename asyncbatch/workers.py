@@ -10,18 +10,27 @@ arguments or ``torch.distributed``) and travel to the workers with the dataset.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn, cast
 
+import numpy.typing as npt
 import torch
 import torch.utils.data
+from torch._utils import ExceptionWrapper
 
 from .batch import Batch
 from .dataset import Dataset, open_dataset
-from .errors import ConfigError, ShardChangedError
-from .loader import Loader, check_state, resolve_rank
+from .defaults import MAX_INFLIGHT
+from .errors import AsyncBatchError, ConfigError, ShardChangedError
+from .integrity import DEFAULT_VERIFY, Verify
+from .loader import Loader, check_state, given_arguments, resolve_rank, share_args_doc
 from .mixture import Mixture
+from .sampling.order import Shuffle, Tail
 from .sampling.windows import History
+from .stores.disk_cache import DiskCache
+from .stores.retry import RetryPolicy
+from .transform import Transform
 
 
 def keep_batch(batch: Batch) -> Batch:
@@ -29,8 +38,26 @@ def keep_batch(batch: Batch) -> Batch:
     return batch
 
 
+class WorkerError(ExceptionWrapper):
+    """An asyncbatch error of a DataLoader worker, on its way to the parent whole.
+
+    torch rebuilds a worker's error from its type and message, losing ``url``, ``start``,
+    ``end``, ``attempts``, ...; this wrapper (torch's own kind, so the DataLoader and its
+    pin-memory thread treat it as an error) pickles the error itself and re-raises it.
+    """
+
+    def __init__(self, error: AsyncBatchError, worker: int) -> None:
+        where = f"in DataLoader worker process {worker}"
+        super().__init__((type(error), error, error.__traceback__), where)  # type: ignore[no-untyped-call]
+        self.error = error
+
+    def reraise(self) -> NoReturn:
+        self.error.add_note(f"Raised {self.where}:\n{self.exc_msg.rstrip()}")
+        raise self.error
+
+
 class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
-    """The batches of ``Loader(dataset, **loader_args)`` for a DataLoader with workers.
+    """The batches of ``Loader(dataset, ...)`` for a DataLoader with workers.
 
     Use :meth:`dataloader` (it sets ``batch_size=None`` and a collate function that keeps
     each :class:`Batch` whole). Call :meth:`set_epoch` before each epoch unless the
@@ -44,22 +71,46 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     It is ``Stateful`` as torchdata's ``StatefulDataLoader`` expects: with ``batch_size=None``
     that loader's own ``state_dict()`` resumes right after the last batch it yielded, with
     or without workers (restore it into a loader with the same ``num_workers``).
+
+    An asyncbatch error in a worker reaches the DataLoader's caller as itself, with its
+    attributes (``url``, ``start``, ``end``, ``attempts``, ...), not rebuilt from its message.
+
+    Args: those of :class:`Loader`.
     """
 
-    def __init__(self, dataset: Dataset | Mixture | str, **loader_args: Any) -> None:
-        if "_worker" in loader_args:
-            raise ConfigError("_worker is set per DataLoader worker by LoaderDataset")
-        rank, world_size = resolve_rank(
-            loader_args.pop("rank", None), loader_args.pop("world_size", None)
-        )
+    def __init__(
+        self,
+        dataset: Dataset | Mixture | str,
+        *,
+        batch_size: int,
+        seq_len: int | None = None,
+        shuffle: Shuffle = True,
+        seed: int = 0,
+        prefetch: int | None = None,
+        max_inflight: int = MAX_INFLIGHT,
+        next_token: bool = False,
+        dtype: npt.DTypeLike | torch.dtype | None = None,
+        drop_last: bool = True,
+        tail: Tail = "drop",
+        block_size: int | None = None,
+        window: int | None = None,
+        infinite: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        coalesce_gap: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        format_options: Mapping[str, Any] | None = None,
+        verify: Verify = DEFAULT_VERIFY,
+        cache: DiskCache | str | os.PathLike[str] | None = None,
+        transform: Transform | None = None,
+    ) -> None:
+        loader_args = given_arguments(locals())  # first: locals() is the arguments yet
+        # Fixed here, in the parent: workers must not ask torch.distributed themselves.
+        rank, world_size = resolve_rank(rank, world_size)
         self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
         if isinstance(dataset, str):
-            dataset = open_dataset(
-                dataset,
-                loader_args.get("storage_options"),
-                retry=loader_args.get("retry"),
-                cache=loader_args.get("cache"),
-            )
+            dataset = open_dataset(dataset, storage_options, retry=retry, cache=cache)
         self.dataset = dataset
         # A loader that never starts: checks the arguments now, in the parent process.
         probe = Loader(dataset, **self.loader_args)
@@ -109,10 +160,21 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
 
     def __iter__(self) -> Iterator[Batch]:
         info = torch.utils.data.get_worker_info()
-        worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is None:
+            yield from self._batches((0, 1))
+            return
+        try:
+            yield from self._batches((info.id, info.num_workers))
+        except AsyncBatchError as exc:
+            # Raised here, torch would send the parent only the type and message; as an item
+            # it travels whole, and the DataLoader raises it (never yields it).
+            yield cast(Batch, WorkerError(exc, info.id))
+
+    def _batches(self, worker: tuple[int, int]) -> Iterator[Batch]:
+        """The batches of DataLoader worker ``worker`` (index, count) from the position."""
         if self._changed is not None:
             raise self._changed.with_traceback(None)
-        with Loader(self.dataset, **self.loader_args, _worker=worker) as loader:
+        with Loader._for_worker(worker, self.dataset, self.loader_args) as loader:
             loader.load_state_dict(self.state_dict())
             try:
                 for batch in loader:
@@ -141,3 +203,6 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
 
     def __repr__(self) -> str:
         return f"LoaderDataset({self.dataset!r}, epoch={self._epoch}, position={self._position})"
+
+
+share_args_doc(LoaderDataset)

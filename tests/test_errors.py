@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
+from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import errors
+from asyncbatch.workers import keep_batch
 
 ERRORS = [
     cls
@@ -58,3 +64,37 @@ def test_builtin_bases_let_callers_catch_by_kind() -> None:
     assert issubclass(ab.FormatError, ValueError)
     assert {errors.CredentialsError, errors.EndpointError} <= set(STORE_ERRORS)
     assert len(STORE_ERRORS) >= 10
+
+
+# torchdata 0.11 calls torch.set_vital on import, which torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "StatefulDataLoader"])
+def test_a_worker_error_reaches_the_consumer_with_its_attributes(
+    http_root: tuple[Path, RangeHTTPServer], tokens: npt.NDArray[np.uint16], stateful: bool
+) -> None:
+    root, server = http_root
+    name = f"broken-in-workers-{stateful}"
+    written = ab.write_tokens(str(root / name), tokens, shard_size=4096)
+    last = written.manifest.shards[-1]
+    (root / name / last.path).write_bytes(b"\0" * 100)  # truncated after writing
+    url = f"{server.url}/{name}"
+    source = ab.LoaderDataset(url, batch_size=4, seq_len=64, shuffle=False, verify="off")
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        batches: Iterable[ab.Batch] = StatefulDataLoader(
+            source, batch_size=None, collate_fn=keep_batch, num_workers=2, timeout=60
+        )
+    else:
+        batches = source.dataloader(num_workers=2, timeout=60)
+    taken = 0
+    with pytest.raises(ab.ShortReadError) as caught:
+        for _ in batches:
+            taken += 1
+    assert taken > 0  # the epoch broke midway, at the last shard
+    error = caught.value
+    assert error.url == f"{url}/{last.path}"
+    assert error.start is not None and error.end is not None
+    assert error.end > 100  # past the end of what is left of the shard
+    assert f"bytes [{error.start}, {error.end})" in str(error)
+    assert "DataLoader worker process" in error.__notes__[-1]

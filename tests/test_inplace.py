@@ -18,6 +18,7 @@ from make_megatron import random_documents, write_megatron
 import asyncbatch as ab
 from asyncbatch.formats import FORMATS
 from asyncbatch.formats.base import natural_key
+from asyncbatch.stores.base import ObjectInfo
 from asyncbatch.stores.local import LocalStore
 
 _names = itertools.count()
@@ -31,6 +32,9 @@ class CountingStore(LocalStore):
 
     async def size(self, url: str) -> int:
         return await super().size(_local(url))
+
+    async def stat(self, url: str) -> ObjectInfo:
+        return await super().stat(_local(url))
 
     async def list(self, url: str) -> list[str]:
         return [f"counting://{u}" for u in await super().list(_local(url))]
@@ -515,3 +519,46 @@ def test_opening_over_http_reads_only_headers(tmp_path: Path, http_root: tuple[P
         " another layout, name its format with format= (one of 'megatron', 'npy', 'raw',"
         " 'llmbatch')"
     )
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+@pytest.mark.parametrize("layout", ["megatron", "npy"])
+def test_a_state_from_other_bytes_read_in_place_is_refused(
+    place: Place, tmp_path: Path, layout: str
+) -> None:
+    # No manifest, no checksums: the objects' versions (file identity, ETag) stand for the bytes.
+    folder = tmp_path / layout
+    folder.mkdir()
+    documents = random_documents(3, 12)
+
+    def write(flip: bool) -> tuple[str, dict[str, Any]]:
+        """The same shape every time; the tokens reversed with ``flip``."""
+        sequences = [[s[::-1] if flip else s for s in doc] for doc in documents]
+        if layout == "megatron":
+            write_megatron(folder / "corpus", sequences)
+        else:
+            for i, doc in enumerate(sequences):
+                np.save(folder / f"part-{i}.npy", np.concatenate(doc))
+        url, options = place(folder)
+        return (f"{url}/corpus.bin" if layout == "megatron" else url), options
+
+    def loader(url: str, options: dict[str, Any]) -> ab.Loader:
+        return ab.Loader(url, storage_options=options, batch_size=2, seq_len=16, shuffle=False)
+
+    url, options = write(flip=False)
+    with loader(url, options) as first:
+        next(first)
+        state = first.state_dict()
+    with loader(url, options) as same:  # the same objects, unchanged
+        same.load_state_dict(state)
+        assert same.state_dict()["batches_done"] == 1
+    url, options = write(flip=True)  # rewritten in place (local), or a new upload (S3)
+    with loader(url, options) as other:
+        shape = other.state_dict()["dataset"].split(":versions=")[0]
+        assert shape == state["dataset"].split(":versions=")[0]
+        with pytest.raises(
+            ab.ResumeStateError, match="dataset .*:versions=.*other object versions"
+        ):
+            other.load_state_dict(state)
+        state["dataset"] = None  # the documented way past the check
+        other.load_state_dict(state)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import os
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
-from conftest import asyncbatch_threads, expected_windows
+from conftest import WriteDataset, asyncbatch_threads, expected_windows
 
 import asyncbatch as ab
 from asyncbatch.errors import ConfigError, LoaderClosedError, ResumeStateError
@@ -381,3 +383,33 @@ def test_a_state_from_other_bytes_of_the_same_shape_is_refused(
     with ab.Loader(copy, batch_size=4, seq_len=16) as resumed:  # the same bytes elsewhere
         resumed.load_state_dict(state)
         assert resumed.state_dict()["batches_done"] == 1
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_without_checksums_a_state_from_other_bytes_is_refused(
+    write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16]
+) -> None:
+    url, options = write_dataset(tokens, shard_size=2222)
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    manifest = ab.open_dataset(url, options).manifest
+    bare = dataclasses.replace(  # as an outside writer may leave it: no checksums
+        manifest,
+        checksum=None,
+        checksum_block=None,
+        shards=tuple(
+            dataclasses.replace(s, checksum=None, block_checksums=None) for s in manifest.shards
+        ),
+    )
+    fs.pipe(f"{root}/manifest.json", bare.to_json().encode())
+    with ab.Loader(url, batch_size=4, seq_len=16, storage_options=options) as loader:
+        next(loader)
+        state = loader.state_dict()
+    with ab.Loader(url, batch_size=4, seq_len=16, storage_options=options) as same:
+        same.load_state_dict(state)  # the same objects, unchanged
+    shard = f"{root}/{manifest.shards[0].path}"
+    fs.pipe(shard, fs.cat(shard)[::-1])  # other bytes, the same size
+    with (
+        ab.Loader(url, batch_size=4, seq_len=16, storage_options=options) as other,
+        pytest.raises(ResumeStateError, match="other object versions"),
+    ):
+        other.load_state_dict(state)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from ..portal import run_sync
 from ..stores import open_store
 from ..stores.base import Store
 from .base import Opener, PlannedSource
+from .npy import object_infos
 from .tokens import TOKENS_FIELD, output_dtype
 
 FORMAT = "llmbatch"
@@ -219,12 +220,13 @@ async def open_llmbatch(
     """Open the LLMBATCH file at ``url``: its size and one read of the 4096-byte header."""
     if options:
         raise ConfigError(f"{url}: LLMBATCH files take no open options, got {sorted(options)}")
-    size = await store.size(url)
+    (info,) = await object_infos(store, [url])
+    size = info.size
     data = bytearray(min(size, HEADER_SIZE))
     if size >= HEADER_SIZE:
         await store.read_ranges(url, starts=[0], ends=[HEADER_SIZE], buffers=[memoryview(data)])
     header = LLMBatchHeader.parse(bytes(data), url, size)
-    return llmbatch_dataset(url, header, size, storage_options)
+    return replace(llmbatch_dataset(url, header, size, storage_options), versions=(info.version,))
 
 
 OPENER = Opener(FORMAT, open_llmbatch, claims)

@@ -34,7 +34,7 @@ from ..errors import ConfigError, FormatError, NotFoundError
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import Store
 from .base import Opener
-from .npy import gather_limited, parent_and_name
+from .npy import object_infos, parent_and_name
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_VERSION = 1
@@ -77,7 +77,8 @@ async def open_megatron(
         raise ConfigError(f"options unit={unit!r}: expected one of {UNITS}")
     prefix = megatron_prefix(url)
     idx_url, bin_url = f"{prefix}.idx", f"{prefix}.bin"
-    idx_size, bin_size = await gather_limited([store.size(idx_url), store.size(bin_url)])
+    idx, bin_ = await object_infos(store, [idx_url, bin_url])
+    idx_size, bin_size = idx.size, bin_.size
     index = await read_index(store, idx_url, idx_size)
     dtype, lengths, pointers, documents = parse_index(index, idx_url)
     offsets = sequence_offsets(lengths, pointers, dtype, idx_url, bin_url, bin_size)
@@ -97,7 +98,8 @@ async def open_megatron(
         "documents": int(documents.size - 1),
     }
     manifest = Manifest("documents", dtype, (shard,), metadata)
-    return Dataset(root, manifest, storage_options, {"document_offsets": offsets})
+    versions = (idx.version, bin_.version)
+    return Dataset(root, manifest, storage_options, {"document_offsets": offsets}, versions)
 
 
 async def read_index(store: Store, idx_url: str, idx_size: int) -> npt.NDArray[np.uint8]:

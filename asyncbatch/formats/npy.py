@@ -25,7 +25,7 @@ from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
 from ..manifest import Manifest, ShardInfo
 from ..stores import scheme_of
-from ..stores.base import Store
+from ..stores.base import ObjectInfo, Store, Versioned
 from .base import Opener, natural_key
 
 T = TypeVar("T")
@@ -139,6 +139,14 @@ async def npy_shard(store: Store, url: str, size: int) -> tuple[np.dtype[Any], S
     return dtype, ShardInfo(name, nbytes, elements, offset)
 
 
+async def object_infos(store: Store, urls: Iterable[str]) -> list[ObjectInfo]:
+    """Size and version of each of ``urls`` (version None where the store tells none): data
+    read in place has no checksums, so its versions identify its bytes (resume states)."""
+    if isinstance(store, Versioned):
+        return await gather_limited(store.stat(u) for u in urls)
+    return [ObjectInfo(size, None) for size in await gather_limited(store.size(u) for u in urls)]
+
+
 def may_list(url: str) -> bool:
     """Whether listing ``url`` is safe: over HTTP a listing GETs the whole object, so only
     URLs ending in ``/`` are listed there."""
@@ -169,10 +177,15 @@ def _relative(root: str, url: str) -> str:
 
 
 def _dataset(
-    root: str, dtype: np.dtype[Any], shards: list[ShardInfo], options: Mapping[str, Any], kind: str
+    root: str,
+    dtype: np.dtype[Any],
+    shards: list[ShardInfo],
+    options: Mapping[str, Any],
+    kind: str,
+    infos: Sequence[ObjectInfo],
 ) -> Dataset:
     manifest = Manifest("tokens", dtype, tuple(shards), {"read_in_place": kind})
-    return Dataset(root, manifest, options)
+    return Dataset(root, manifest, options, versions=tuple(i.version for i in infos))
 
 
 def _one_dtype(urls: Sequence[str], dtypes: Sequence[np.dtype[Any]]) -> np.dtype[Any]:
@@ -190,14 +203,16 @@ async def open_npy(
         raise ConfigError(f".npy files take no options, got {sorted(options)}")
     is_file = url.rstrip("/").endswith(NPY_SUFFIX)
     root, urls = await _files(url, store, lambda u: u.endswith(NPY_SUFFIX), file=is_file)
-    sizes = await gather_limited(store.size(u) for u in urls)
-    parsed = await gather_limited(npy_shard(store, u, s) for u, s in zip(urls, sizes, strict=True))
+    infos = await object_infos(store, urls)
+    parsed = await gather_limited(
+        npy_shard(store, u, i.size) for u, i in zip(urls, infos, strict=True)
+    )
     dtype = _one_dtype(urls, [d for d, _ in parsed])
     shards = [
         ShardInfo(_relative(root, u), s.nbytes, s.elements, s.offset)
         for u, (_, s) in zip(urls, parsed, strict=True)
     ]
-    return _dataset(root, dtype, shards, storage_options, "npy")
+    return _dataset(root, dtype, shards, storage_options, "npy", infos)
 
 
 async def probe_npy(url: str, store: Store) -> bool:
@@ -229,16 +244,16 @@ async def open_raw(
         raise ConfigError(f"options dtype={options['dtype']!r} is not a numpy dtype") from exc
     check_token_dtype(dtype, f"{url}: options dtype")
     root, urls = await _files(url, store, lambda u: not parent_and_name(u)[1].startswith("."))
-    sizes = await gather_limited(store.size(u) for u in urls)
+    infos = await object_infos(store, urls)
     shards = []
-    for file_url, size in zip(urls, sizes, strict=True):
+    for file_url, size in zip(urls, (i.size for i in infos), strict=True):
         if size % dtype.itemsize:
             raise FormatError(
                 f"{file_url}: {size} bytes is not a whole number of {dtype} elements"
                 f" ({dtype.itemsize} bytes each): wrong dtype or truncated file"
             )
         shards.append(ShardInfo(_relative(root, file_url), size, size // dtype.itemsize))
-    return _dataset(root, dtype, shards, storage_options, "raw")
+    return _dataset(root, dtype, shards, storage_options, "raw", infos)
 
 
 NPY_OPENER = Opener(

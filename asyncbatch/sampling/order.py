@@ -23,7 +23,7 @@ short); ``tail="wrap"`` fills them with the first samples of the same epoch's or
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Protocol
+from typing import Literal, Protocol, TypeAlias, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -37,8 +37,13 @@ from .windows import History, RankWindows
 
 Int64Array = npt.NDArray[np.int64]
 
-SHUFFLES = ("none", "global", "block")
-TAILS = ("drop", "wrap")
+#: The shuffles by name; ``shuffle=True`` means "global", ``False`` "none".
+ShuffleName: TypeAlias = Literal["none", "global", "block"]
+Shuffle: TypeAlias = bool | ShuffleName
+#: What a rank does with the samples left after its last whole batch.
+Tail: TypeAlias = Literal["drop", "wrap"]
+SHUFFLES: tuple[ShuffleName, ...] = get_args(ShuffleName)
+TAILS: tuple[Tail, ...] = get_args(Tail)
 
 #: Positions whose sample ids are computed (and cached) together.
 ID_BLOCK = 16384
