@@ -141,7 +141,7 @@ def check_state(state: Mapping[str, Any], mine: Mapping[str, Any]) -> tuple[int,
             == mine["dataset"].split(":versions=")[0]
         ):
             why = (
-                ": the same shape, other object versions (other bytes, or a copy of local files;"
+                ": the same shape, other object versions (other bytes, or an upload made again;"
                 ' state["dataset"] = None resumes it anyway)'
             )
         raise ResumeStateError(

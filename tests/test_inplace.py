@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import struct
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 from conftest import BUCKET, expected_windows, s3_options
 from make_megatron import random_documents, write_megatron
 
@@ -562,3 +564,34 @@ def test_a_state_from_other_bytes_read_in_place_is_refused(
             other.load_state_dict(state)
         state["dataset"] = None  # the documented way past the check
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("layout", ["megatron", "npy"])
+def test_a_local_copy_of_the_same_bytes_resumes_the_state(tmp_path: Path, layout: str) -> None:
+    # Each node of a job often reads its own copy: new inodes and mtimes, the same bytes.
+    documents = random_documents(3, 12)
+    (tmp_path / "a").mkdir()
+    if layout == "megatron":
+        write_megatron(tmp_path / "a" / "corpus", documents)
+    else:
+        for i, doc in enumerate(documents):
+            np.save(tmp_path / "a" / f"part-{i}.npy", np.concatenate(doc))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # copy2: the mtime too, so touch them
+    for path in (tmp_path / "b").iterdir():
+        os.utime(path, ns=(0, 0))
+
+    def loader(folder: str) -> ab.Loader:
+        url = (
+            str(tmp_path / folder / "corpus.bin")
+            if layout == "megatron"
+            else str(tmp_path / folder)
+        )
+        return ab.Loader(url, batch_size=2, seq_len=16, shuffle=True)
+
+    with loader("a") as first:
+        next(first)
+        state = first.state_dict()
+        expected = next(first)
+    with loader("b") as copy:
+        copy.load_state_dict(state)
+        assert torch.equal(next(copy)["tokens"], expected["tokens"])

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
+from ..integrity import digest, format_digest
 from ..manifest import Manifest, ShardInfo
 from ..stores import scheme_of
 from ..stores.base import ObjectInfo, Store, Versioned
@@ -139,12 +140,36 @@ async def npy_shard(store: Store, url: str, size: int) -> tuple[np.dtype[Any], S
     return dtype, ShardInfo(name, nbytes, elements, offset)
 
 
+#: Bytes read from each end of a local file to tell its contents from others' (resume states).
+SAMPLE_BYTES = 64 * 1024
+
+
 async def object_infos(store: Store, urls: Iterable[str]) -> list[ObjectInfo]:
     """Size and version of each of ``urls`` (version None where the store tells none): data
-    read in place has no checksums, so its versions identify its bytes (resume states)."""
+    read in place has no checksums, so its versions identify its bytes (resume states).
+
+    A local file's version is a digest of its size and first and last 64 KiB rather than its
+    inode and mtime, so each node's own copy of a dataset is the same dataset to a resume
+    state (two reads per file at open)."""
+    urls = list(urls)
     if isinstance(store, Versioned):
-        return await gather_limited(store.stat(u) for u in urls)
-    return [ObjectInfo(size, None) for size in await gather_limited(store.size(u) for u in urls)]
+        infos = await gather_limited(store.stat(u) for u in urls)
+    else:
+        infos = [ObjectInfo(n, None) for n in await gather_limited(store.size(u) for u in urls)]
+    local = [i for i, url in enumerate(urls) if scheme_of(url) == "file"]
+    sampled = await gather_limited(_sample_version(store, urls[i], infos[i].size) for i in local)
+    for i, version in zip(local, sampled, strict=True):
+        infos[i] = ObjectInfo(infos[i].size, version)
+    return infos
+
+
+async def _sample_version(store: Store, url: str, size: int) -> str:
+    head = min(size, SAMPLE_BYTES)
+    tail_start = max(head, size - SAMPLE_BYTES)
+    buffers = [memoryview(bytearray(head)), memoryview(bytearray(size - tail_start))]
+    await store.read_ranges(url, starts=[0, tail_start], ends=[head, size], buffers=buffers)
+    sample = size.to_bytes(8, "little") + bytes(buffers[0]) + bytes(buffers[1])
+    return "sample-" + format_digest(digest(sample))
 
 
 def may_list(url: str) -> bool:
