@@ -1,0 +1,609 @@
+"""Parquet datasets, read the Reimu way: footers only at open, row groups as the unit read,
+only the columns asked for, decoded by pyarrow from bytes the engine fetched.
+
+Opening reads each file's footer and nothing else: one tail read of :data:`FOOTER_PROBE`
+bytes (a second read when the footer is larger), every file at once. A dataset is a
+``Manifest("parquet")`` with one shard per file (its elements: its rows) and, in
+``Dataset.arrays``, per row group (numbered through the files): its rows, its file, its
+number in the file, and the byte range of every leaf column chunk; the footers themselves are
+kept so that decoding never reads them again. A sample is a row: sample ``i`` is found by
+``np.searchsorted`` over the cumulative row counts, never by a per-row table.
+
+Reading a group of batches plans one byte range per selected column chunk of each row group
+it touches (coalesced, retried, pinned, cached and counted like every read), then pyarrow
+decodes those row groups from the fetched bytes (:class:`KnownRanges` stands in for the
+file, as fsspec's ``parquet`` module does) in the decode thread; pyarrow drops the GIL.
+
+Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of numbers
+``[B, L]``, a list of numbers a :class:`~asyncbatch.batch.Jagged` column, a string or binary
+column a :class:`~asyncbatch.batch.Strings` column. A null is a FormatError naming the file,
+row group and column, unless the dataset was opened with ``options={"nulls": "fill"}``
+(numbers read 0, or NaN when floating; lists and strings read empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import fnmatch
+import io
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..batch import FieldSchema, Jagged, Strings
+from ..dataset import Dataset
+from ..errors import ConfigError, FormatError, NotFoundError
+from ..integrity import digest, format_digest
+from ..layout import ShardMap
+from ..manifest import Manifest, ShardInfo
+from ..stores.base import Store
+from .base import Offload, Opener, ReadFn, natural_key
+from .npy import gather_limited, may_list, parent_and_name, read_range
+
+Int64Array = npt.NDArray[np.int64]
+
+FORMAT = "parquet"
+SUFFIX = ".parquet"
+MAGIC = b"PAR1"
+#: Bytes read from the end of every file at open; a footer this size or less needs no more.
+FOOTER_PROBE = 64 << 10
+#: open_dataset's options for Parquet.
+OPTIONS = ("columns", "nulls")
+NULLS = ("error", "fill")
+_GLOB = re.compile(r"[*?\[]")
+# Dataset.arrays keys.
+ROWS, FILE, LOCAL, RANGES, RAW = "rg_rows", "rg_file", "rg_local", "rg_ranges", "rg_raw_bytes"
+FOOTERS, FOOTER_OFFSETS = "footers", "footer_offsets"
+
+
+def pyarrow_modules() -> tuple[Any, Any]:
+    """``(pyarrow, pyarrow.parquet)``, or a ConfigError saying how to install them."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:
+        raise ConfigError(
+            "Parquet datasets need pyarrow: pip install 'asyncbatch[parquet]'"
+        ) from exc
+    return pyarrow, pyarrow.parquet
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the files
+
+
+def claims(url: str) -> bool:
+    """A ``.parquet`` URL, or a glob of them."""
+    return url.rstrip("/").endswith(SUFFIX)
+
+
+async def probe_parquet(url: str, store: Store) -> bool:
+    """Whether ``url`` is a folder or prefix holding ``.parquet`` files (at any depth)."""
+    return may_list(url) and bool(await _walk(store, url))
+
+
+async def _walk(store: Store, url: str) -> list[str]:
+    """``.parquet`` files under ``url``, recursively (into names without a dot: folders;
+    names starting with ``.`` or ``_``, such as ``_SUCCESS``, are skipped)."""
+    try:
+        listed = await store.list(url.rstrip("/"))
+    except (NotFoundError, NotADirectoryError):
+        return []
+    files, folders = [], []
+    for child in listed:
+        name = child.rstrip("/").rpartition("/")[2]
+        if child.rstrip("/") == url.rstrip("/") or name.startswith((".", "_")):
+            continue
+        if name.endswith(SUFFIX):
+            files.append(child)
+        elif "." not in name and may_list(child + "/"):
+            folders.append(child)
+    for nested in await gather_limited(_walk(store, folder) for folder in folders):
+        files.extend(nested)
+    return files
+
+
+async def parquet_files(url: str, store: Store) -> tuple[str, list[str]]:
+    """The dataset root and its files, in natural order: ``url`` itself, the files matching a
+    glob, or every ``.parquet`` under a folder or prefix."""
+    url = url.rstrip("/") if not url.endswith("//") else url
+    match = _GLOB.search(url)
+    if match is None and url.endswith(SUFFIX):
+        return parent_and_name(url)[0], [url]
+    root = url[: match.start()].rpartition("/")[0] if match else url
+    if not may_list(root + "/") or not may_list(url + "/"):
+        raise ConfigError(
+            f"{url}: this store cannot list a folder; name the files instead:"
+            " ab.open_dataset([url, ...], format='parquet')"
+        )
+    found = await _walk(store, root)
+    if match is not None:
+        found = [u for u in found if fnmatch.fnmatchcase(u, url)]
+    if not found:
+        raise NotFoundError(f"no {SUFFIX} files at {url}", url)
+    return root, sorted(found, key=lambda u: natural_key(u[len(root) :]))
+
+
+def common_root(urls: Sequence[str]) -> str:
+    """The deepest folder holding every URL of a list."""
+    parents = [parent_and_name(u)[0].split("/") for u in urls]
+    shared = parents[0]
+    for parts in parents[1:]:
+        same = 0
+        while same < min(len(shared), len(parts)) and shared[same] == parts[same]:
+            same += 1
+        shared = shared[:same]
+    root = "/".join(shared)
+    if not root or root.endswith(":/") or root.endswith(":"):
+        raise ConfigError(f"the files {list(urls)[:3]}... share no folder or bucket")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Footers
+
+
+async def read_footer(store: Store, url: str) -> bytes:
+    """The Thrift footer of the Parquet file ``url`` (one tail read, two for a large one)."""
+    size = await store.size(url)
+    if size < 12:
+        raise FormatError(f"{url}: {size} bytes is too short for a Parquet file (12 at least)")
+    probe = min(size, FOOTER_PROBE)
+    tail = await read_range(store, url, size - probe, size)
+    if tail[-4:] != MAGIC:
+        raise FormatError(
+            f"{url}: not a Parquet file: its last 4 bytes are {tail[-4:]!r}, not {MAGIC!r}"
+            " (truncated, corrupt or encrypted)"
+        )
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 12 > size:
+        raise FormatError(
+            f"{url}: its footer says {length} bytes, more than the file's {size} (truncated?)"
+        )
+    if length + 8 > probe:
+        tail = await read_range(store, url, size - 8 - length, size - probe) + tail
+    return tail[-8 - length : -8] + size.to_bytes(8, "little")
+
+
+def parse_footer(footer: bytes, url: str) -> Any:
+    """pyarrow's ``FileMetaData`` of a footer :func:`read_footer` returned."""
+    pa, pq = pyarrow_modules()
+    body = footer[:-8]
+    framed = body + len(body).to_bytes(4, "little") + MAGIC
+    try:
+        return pq.read_metadata(pa.BufferReader(framed))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise FormatError(f"{url}: corrupt Parquet footer: {exc}") from exc
+
+
+def footer_arrays(
+    metadata: Any, leaves: Sequence[str], size: int, body: int, url: str
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Rows per row group, ``[row group, leaf, (start, end)]`` byte ranges of the column
+    chunks and their decoded sizes; every range must lie inside the file before its footer."""
+    groups = metadata.num_row_groups
+    rows = np.empty(groups, dtype=np.int64)
+    ranges = np.zeros((groups, len(leaves), 2), dtype=np.int64)
+    raw = np.zeros((groups, len(leaves)), dtype=np.int64)
+    for g in range(groups):
+        group = metadata.row_group(g)
+        rows[g] = group.num_rows
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            start = chunk.data_page_offset
+            if chunk.has_dictionary_page and 0 < chunk.dictionary_page_offset < start:
+                start = chunk.dictionary_page_offset
+            ranges[g, c] = start, start + chunk.total_compressed_size
+            raw[g, c] = chunk.total_uncompressed_size
+    end = size - 8 - body
+    # An empty row group is never read (pyarrow writes an empty table as one at offset 0).
+    outside = ((ranges[..., 0] < 4) | (ranges[..., 1] > end)).any(axis=1)
+    bad = np.flatnonzero(outside & (rows > 0))
+    if bad.size:
+        g = int(bad[0])
+        raise FormatError(
+            f"{url}: row group {g} has column chunks outside bytes [4, {end}) of the file"
+            " (truncated or corrupt)"
+        )
+    return rows, ranges, raw
+
+
+async def open_parquet(
+    url: str, store: Store, storage_options: Mapping[str, Any], options: Mapping[str, Any]
+) -> Dataset:
+    """A ``.parquet`` file, a folder or prefix of them, or a glob (reads only footers)."""
+    root, urls = await parquet_files(url, store)
+    return await _open_files(root, urls, store, storage_options, options)
+
+
+async def open_parquet_list(
+    urls: Sequence[str],
+    store: Store,
+    storage_options: Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> Dataset:
+    """The Parquet files ``urls``, in the order given (reads only footers)."""
+    return await _open_files(common_root(urls), list(urls), store, storage_options, options)
+
+
+async def _open_files(
+    root: str,
+    urls: list[str],
+    store: Store,
+    storage_options: Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> Dataset:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown options {unknown} for Parquet (known: {', '.join(OPTIONS)})")
+    nulls = options.get("nulls", "error")
+    if nulls not in NULLS:
+        raise ConfigError(f"options nulls={nulls!r}: expected one of {NULLS}")
+    pyarrow_modules()  # the ConfigError saying how to install it, before any read
+    footers = await gather_limited(read_footer(store, u) for u in urls)
+    metas = await asyncio.to_thread(
+        lambda: [parse_footer(f, u) for f, u in zip(footers, urls, strict=True)]
+    )
+    schema = metas[0].schema.to_arrow_schema()
+    for file_url, meta in zip(urls, metas, strict=True):
+        if not meta.schema.to_arrow_schema().equals(schema):
+            raise FormatError(f"{file_url}: its columns differ from those of {urls[0]}")
+    columns = list(options.get("columns") or schema.names)
+    missing = [name for name in columns if name not in schema.names]
+    if missing or not columns:
+        raise ConfigError(f"options columns={columns!r}: the files hold {schema.names}")
+    leaves = [metas[0].schema.column(c).path for c in range(len(metas[0].schema))]
+    parts = [
+        footer_arrays(meta, leaves, int.from_bytes(f[-8:], "little"), len(f) - 8, u)
+        for meta, f, u in zip(metas, footers, urls, strict=True)
+    ]
+    rows = np.concatenate([p[0] for p in parts])
+    counts = [p[0].size for p in parts]
+    arrays = {
+        ROWS: rows,
+        FILE: np.repeat(np.arange(len(urls), dtype=np.int64), counts),
+        LOCAL: np.concatenate([np.arange(n, dtype=np.int64) for n in counts]),
+        RANGES: np.concatenate([p[1] for p in parts]).reshape(-1, len(leaves), 2),
+        RAW: np.concatenate([p[2] for p in parts]).reshape(-1, len(leaves)),
+        FOOTERS: np.frombuffer(b"".join(footers), dtype=np.uint8),
+        FOOTER_OFFSETS: np.cumsum([0, *(len(f) for f in footers)]).astype(np.int64),
+    }
+    prefix = root.rstrip("/") + "/"
+    shards = tuple(
+        ShardInfo(
+            u[len(prefix) :] if u.startswith(prefix) else u,
+            int.from_bytes(f[-8:], "little"),
+            int(p[0].sum()),
+        )
+        for u, f, p in zip(urls, footers, parts, strict=True)
+    )
+    metadata = {
+        "read_in_place": FORMAT,
+        "columns": columns,
+        "types": {name: str(schema.field(name).type) for name in schema.names},
+        "leaves": leaves,
+        "nulls": nulls,
+        "row_groups": int(rows.size),
+        # Footers hold every row group's size and statistics: two datasets of one shape
+        # still differ here, so a resume state of one is refused on the other.
+        "fingerprint": format_digest(digest(b"".join(footers))),
+    }
+    return Dataset(
+        root, Manifest(FORMAT, np.dtype(np.uint8), shards, metadata), storage_options, arrays
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class KnownRanges(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only some ranges are at hand (the column
+    chunks fetched); pyarrow reads nothing else of it, and anything else is a FormatError."""
+
+    def __init__(self, url: str, size: int, starts: list[int], pieces: list[memoryview]) -> None:
+        super().__init__()
+        self.url, self.size = url, size
+        self.starts, self.pieces = starts, pieces
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def read(self, size: int | None = -1) -> bytes:
+        at = self.position
+        want = self.size - at if size is None or size < 0 else min(size, self.size - at)
+        if want <= 0:
+            return b""
+        # pyarrow may read neighbouring column chunks in one call: join pieces that touch.
+        i = bisect.bisect_right(self.starts, at) - 1
+        parts, end = [], at
+        while i >= 0 and i < len(self.starts) and end < at + want:
+            offset = end - self.starts[i]
+            if offset < 0 or offset >= len(self.pieces[i]):
+                break
+            part = self.pieces[i][offset : offset + at + want - end]
+            parts.append(part)
+            end += len(part)
+            i += 1
+        if end < at + want:
+            raise FormatError(
+                f"{self.url}: bytes [{at}, {at + want}) were read outside the column chunks"
+                " fetched (a column chunk larger than its footer says?)"
+            )
+        self.position = end
+        return b"".join(parts)
+
+
+class ParquetRows:
+    """Sample ``i`` is row ``i`` of the files one after another (of the datasets of a mixture
+    one after another); fields are the selected columns."""
+
+    #: Decoding runs in the engine's decode thread (pyarrow drops the GIL).
+    converts = True
+
+    def __init__(self, datasets: Sequence[Dataset]) -> None:
+        self.datasets: Sequence[Dataset] = list(datasets)
+        first = self.datasets[0].manifest.metadata
+        self.columns: list[str] = list(first["columns"])
+        self.types: dict[str, str] = dict(first["types"])
+        for one in self.datasets[1:]:
+            if one.manifest.metadata["types"] != self.types:
+                raise ConfigError(f"{one.url} has other columns than {self.datasets[0].url}")
+        self.nulls = first["nulls"]
+        leaves: list[str] = first["leaves"]
+        self.leaves = np.array(
+            [i for i, leaf in enumerate(leaves) if leaf.split(".")[0] in self.columns],
+            dtype=np.int64,
+        )
+        self.shard_urls: Sequence[str] = [u for d in self.datasets for u in d.shard_urls]
+        files = [len(d.manifest.shards) for d in self.datasets]
+        self.shard_dataset = np.repeat(np.arange(len(files), dtype=np.int64), files)
+        file_base = np.cumsum([0, *files])[:-1]
+        self.rows = np.concatenate([d.arrays[ROWS] for d in self.datasets])
+        self.rg_file = np.concatenate(
+            [d.arrays[FILE] + b for d, b in zip(self.datasets, file_base.tolist(), strict=True)]
+        )
+        self.rg_local = np.concatenate([d.arrays[LOCAL] for d in self.datasets])
+        self.ranges = np.concatenate([d.arrays[RANGES] for d in self.datasets])[:, self.leaves]
+        raw = np.concatenate([d.arrays[RAW] for d in self.datasets])[:, self.leaves]
+        self.ends = np.cumsum(self.rows)
+        self.sizes = np.array([d.manifest.total_elements for d in self.datasets], dtype=np.int64)
+        self.num_samples = int(self.sizes.sum())
+        sizes = [s.nbytes for d in self.datasets for s in d.manifest.shards]
+        self.file_sizes = np.array(sizes, dtype=np.int64)
+        self.file_map = ShardMap(self.file_sizes, 1)
+        self.sample_bytes = max(1, int(raw.sum()) // max(1, self.num_samples))
+        nonempty = self.rows[self.rows > 0]
+        #: A block shuffle's blocks: a whole row group (the largest), as Reimu reads.
+        self.default_block_size = int(nonempty.max()) if nonempty.size else 1
+        self._metadata: dict[int, Any] = {}
+        pa, _ = pyarrow_modules()
+        schema = parse_footer(self._footer(0), self.shard_urls[0]).schema.to_arrow_schema()
+        self.schema = {
+            name: _field_schema(name, schema.field(name).type, pa) for name in self.columns
+        }
+
+    def _footer(self, file: int) -> bytes:
+        for d in self.datasets:
+            n = len(d.manifest.shards)
+            if file < n:
+                at = d.arrays[FOOTER_OFFSETS]
+                return bytes(d.arrays[FOOTERS][at[file] : at[file + 1]])
+            file -= n
+        raise IndexError(file)
+
+    def _file_metadata(self, file: int) -> Any:
+        meta = self._metadata.get(file)
+        if meta is None:
+            meta = self._metadata[file] = parse_footer(self._footer(file), self.shard_urls[file])
+        return meta
+
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        groups = np.searchsorted(self.ends, ids, side="right")
+        needed = np.unique(groups)
+        spans = self.ranges[needed]  # [row groups, leaves, (start, end)]
+        starts = (spans[..., 0] + (self.file_map.starts[self.rg_file[needed]])[:, None]).ravel()
+        lengths = (spans[..., 1] - spans[..., 0]).ravel()
+        buffer = await read(self.file_map.plan(starts, lengths, gap))
+        fields: dict[str, Any] = await offload(
+            lambda: self._decode(buffer, ids, groups, needed, spans)
+        )
+        return fields
+
+    def _decode(
+        self,
+        buffer: npt.NDArray[np.uint8],
+        ids: Int64Array,
+        groups: Int64Array,
+        needed: Int64Array,
+        spans: Int64Array,
+    ) -> dict[str, Any]:
+        pa, pq = pyarrow_modules()
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        lengths = (spans[..., 1] - spans[..., 0]).reshape(needed.size, -1)
+        at = np.cumsum(lengths.ravel()) - lengths.ravel()
+        tables = []
+        files = self.rg_file[needed]
+        for file in np.unique(files).tolist():
+            mine = np.flatnonzero(files == file)
+            chunk_at = at.reshape(needed.size, -1)[mine].ravel().tolist()
+            chunk_start = spans[mine, :, 0].ravel().tolist()
+            chunk_len = lengths[mine].ravel().tolist()
+            order = np.argsort(chunk_start, kind="stable").tolist()
+            known = KnownRanges(
+                self.shard_urls[file],
+                int(self.file_sizes[file]),
+                [chunk_start[i] for i in order],
+                [view[chunk_at[i] : chunk_at[i] + chunk_len[i]] for i in order],
+            )
+            local = self.rg_local[needed[mine]].tolist()
+            try:
+                reader = pq.ParquetFile(known, metadata=self._file_metadata(file), pre_buffer=False)
+                table = reader.read_row_groups(local, columns=self.columns, use_threads=False)
+            except (pa.ArrowException, OSError) as exc:
+                raise FormatError(
+                    f"{self.shard_urls[file]}: row groups {local} do not decode: {exc}"
+                ) from exc
+            self._check_nulls(table, file, needed[mine], pa)
+            tables.append(table)
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        base = np.cumsum(self.rows[needed]) - self.rows[needed]
+        rows = base[np.searchsorted(needed, groups)] + ids - (self.ends - self.rows)[groups]
+        taken = table.take(pa.array(rows))
+        return {
+            name: _to_field(taken.column(name).combine_chunks(), self.nulls == "fill", pa)
+            for name in self.columns
+        }
+
+    def _check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
+        """A null anywhere in a column (a list's items too) is a FormatError naming where,
+        unless nulls are filled."""
+        if self.nulls == "fill":
+            return
+        for name in self.columns:
+            column = table.column(name)
+            inner = column
+            while (
+                pa.types.is_list(inner.type)
+                or pa.types.is_large_list(inner.type)
+                or (pa.types.is_fixed_size_list(inner.type))
+            ):
+                if inner.null_count:
+                    break
+                inner = inner.combine_chunks().flatten()
+            if not inner.null_count:
+                continue
+            where = "" if inner is not column else self._null_group(column, groups, pa)
+            raise FormatError(
+                f"{self.shard_urls[file]}:{where} column {name!r} holds nulls; open with"
+                " options={'nulls': 'fill'} to read them as 0 / NaN / empty"
+            )
+
+    def _null_group(self, column: Any, groups: Int64Array, pa: Any) -> str:
+        nulls = np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))
+        g = int(np.searchsorted(np.cumsum(self.rows[groups]), nulls[0], side="right"))
+        return f" row group {int(self.rg_local[groups[g]])},"
+
+
+def _field_schema(name: str, kind: Any, pa: Any) -> FieldSchema:
+    """What a column of Arrow type ``kind`` becomes; a type asyncbatch cannot batch is a
+    ConfigError naming the column."""
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return FieldSchema(dtype=str(kind.to_pandas_dtype()().dtype), shape=())
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return FieldSchema(dtype="str", shape=(-1,), nested=True, tensor=False)
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return FieldSchema(dtype="bytes", shape=(-1,), nested=True, tensor=False)
+    item = getattr(kind, "value_type", None)
+    if item is not None and (pa.types.is_integer(item) or pa.types.is_floating(item)):
+        dtype = str(item.to_pandas_dtype()().dtype)
+        if pa.types.is_fixed_size_list(kind):
+            return FieldSchema(dtype=dtype, shape=(kind.list_size,))
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            return FieldSchema(dtype=dtype, shape=(-1,), nested=True)
+    raise ConfigError(
+        f"column {name!r} has Arrow type {kind}; asyncbatch batches numbers, (fixed-size)"
+        " lists of numbers, strings and binary: leave it out with options={'columns': [...]}"
+    )
+
+
+def _numbers(array: Any) -> torch.Tensor:
+    return torch.from_numpy(array.to_numpy(zero_copy_only=False, writable=True))
+
+
+def _filled(array: Any, pa: Any) -> Any:
+    """``array`` with nulls read as 0 (NaN when floating, False), or empty."""
+    kind = array.type
+    if pa.types.is_floating(kind):
+        return array.fill_null(float("nan"))
+    if pa.types.is_boolean(kind):
+        return array.fill_null(False)
+    if pa.types.is_integer(kind):
+        return array.fill_null(0)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return array.fill_null("")
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return array.fill_null(b"")
+    if pa.types.is_fixed_size_list(kind):
+        return array.fill_null(pa.scalar([0] * kind.list_size, kind))
+    return array.fill_null(pa.scalar([], kind))
+
+
+def _to_field(array: Any, fill: bool, pa: Any) -> Any:
+    """The batch field of one column of the taken rows (a contiguous Arrow array)."""
+    kind = array.type
+    if fill and array.null_count:
+        array = _filled(array, pa)
+    if pa.types.is_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_string(kind):
+        array = array.cast(pa.large_binary())
+    if pa.types.is_large_binary(array.type):
+        _, offsets_buffer, data_buffer = array.buffers()
+        offsets = np.frombuffer(offsets_buffer, dtype=np.int64)[
+            array.offset : array.offset + len(array) + 1
+        ]
+        data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer else np.empty(0, np.uint8)
+        data = np.array(data[offsets[0] : offsets[-1]])
+        binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        return Strings(torch.from_numpy(data), torch.from_numpy(offsets - offsets[0]), binary)
+    if pa.types.is_fixed_size_list(kind):
+        values = array.flatten()
+        if fill and values.null_count:
+            values = values.fill_null(0)
+        return _numbers(values).reshape(len(array), kind.list_size)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        values = array.flatten()
+        if fill and values.null_count:
+            values = values.fill_null(0)
+        return Jagged(_numbers(values), torch.from_numpy(offsets - offsets[0]))
+    return _numbers(array)
+
+
+def parquet_rows(
+    datasets: Sequence[Dataset],
+    *,
+    seq_len: int | None,
+    next_token: bool,
+    dtype: Any,
+    **options: Any,
+) -> ParquetRows:
+    """Source factory of the ``parquet`` format: rows as samples."""
+    if options:
+        raise ConfigError(
+            f"Parquet takes no format_options, got {sorted(options)}; choose columns and nulls"
+            " with ab.open_dataset(..., options={'columns': [...], 'nulls': 'fill'})"
+        )
+    if seq_len is not None or next_token:
+        raise ConfigError("seq_len= (packing) is not available for Parquet datasets yet")
+    if dtype is not None:
+        raise ConfigError("dtype= does not apply to Parquet: fields keep their Arrow types")
+    return ParquetRows(datasets)
+
+
+PARQUET_OPENER = Opener(
+    FORMAT,
+    open_parquet,
+    claims=claims,
+    probe=probe_parquet,
+    probes_for="no .parquet files listed under it",
+    open_many=open_parquet_list,
+)

@@ -1,0 +1,285 @@
+"""Parquet: rows read exactly once per epoch through every store, fields by Arrow type,
+footers only at open, only the selected columns fetched.
+
+Every expectation comes from the values the test wrote with pyarrow: row ``i`` of the
+dataset holds ``id == i`` and columns computed from ``i`` by :func:`make_table`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import BUCKET, s3_options
+
+import asyncbatch as ab
+from asyncbatch.batch import FieldSchema, Jagged, Strings
+from asyncbatch.errors import FormatError, ResumeStateError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+_names = itertools.count()
+#: Rows per file and the row-group size each file is written with: unequal row groups.
+FILES = [(37, 10), (0, 10), (55, 16), (8, 8)]
+
+
+def make_table(first: int, count: int) -> Any:
+    """Rows ``first .. first + count - 1``: every column a function of the row's id."""
+    ids = np.arange(first, first + count, dtype=np.int64)
+    lengths = ids % 7
+    tokens = [list(range(int(i), int(i) + int(n))) for i, n in zip(ids, lengths, strict=True)]
+    return pa.table(
+        {
+            "id": pa.array(ids),
+            "tokens": pa.array(tokens, type=pa.list_(pa.int32())),
+            "text": pa.array([f"row {i} " + "é" * int(i % 3) for i in ids.tolist()], pa.string()),
+            "vec": pa.array(
+                [[float(i), float(i) / 2, -float(i)] for i in ids.tolist()],
+                type=pa.list_(pa.float32(), 3),
+            ),
+            "score": pa.array((ids * 0.25).tolist(), type=pa.float64()),
+        }
+    )
+
+
+Write = Callable[[str, Any, int], None]
+
+
+def writer_for(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[str, Write, dict[str, Any]]:
+    """``(root URL, write(relative path, table, row group size), storage options)``."""
+    name = f"pq-{next(_names)}"
+    if store == "s3":
+        import s3fs
+
+        options = s3_options(request.getfixturevalue("s3_endpoint"))
+        fs = s3fs.S3FileSystem(**options)
+        root = f"s3://{BUCKET}/{name}"
+
+        def write_s3(path: str, table: Any, group: int) -> None:
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, row_group_size=group)
+            fs.pipe(f"{root}/{path}", sink.getvalue().to_pybytes())
+
+        return root, write_s3, options
+    if store == "http":
+        base, server = request.getfixturevalue("http_root")
+        folder, root = base / name, f"{server.url}/{name}"
+    else:
+        folder = tmp_path / name
+        root = str(folder)
+
+    def write_file(path: str, table: Any, group: int) -> None:
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, folder / path, row_group_size=group)
+
+    return root, write_file, {}
+
+
+def write_files(write: Write, names: list[str]) -> int:
+    """The files of :data:`FILES` under ``names``; returns the rows written."""
+    first = 0
+    for name, (rows, group) in zip(names, FILES, strict=True):
+        write(name, make_table(first, rows), group)
+        first += rows
+    return first
+
+
+def check_batch(batch: ab.Batch) -> None:
+    """Every field equals what :func:`make_table` wrote for the batch's ids."""
+    ids = batch["id"].numpy()
+    np.testing.assert_array_equal(ids, batch.global_indexes)
+    tokens = batch["tokens"]
+    assert isinstance(tokens, Jagged)
+    assert tokens.values.dtype == torch.int32
+    for k, i in enumerate(ids.tolist()):
+        assert tokens[k].tolist() == list(range(i, i + i % 7))
+    text = batch["text"]
+    assert isinstance(text, Strings)
+    assert text.to_pylist() == [f"row {i} " + "é" * (i % 3) for i in ids.tolist()]
+    assert batch["vec"].shape == (ids.size, 3)
+    np.testing.assert_array_equal(batch["vec"][:, 0].numpy(), ids.astype(np.float32))
+    np.testing.assert_array_equal(batch["score"].numpy(), ids * 0.25)
+
+
+@pytest.mark.parametrize("shuffle", ["block", True, False])
+def test_every_row_once_per_epoch_every_store(
+    store: str, shuffle: Any, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    if store != "local" and shuffle is not True:
+        pytest.skip("the orders are store-independent: one order per remote store")
+    root, write, options = writer_for(store, request, tmp_path)
+    names = [f"part-{n}.parquet" for n in (2, 10, 11, 100)]
+    total = write_files(write, names)
+    if store == "http":  # no listing over plain HTTP: a list of files
+        dataset = ab.open_dataset([f"{root}/{n}" for n in names], options)
+    else:
+        dataset = ab.open_dataset(root, options)
+    assert [s.path for s in dataset.manifest.shards] == names  # natural order
+    assert dataset.manifest.total_elements == total
+    extra = {"window": 2} if shuffle == "block" else {}
+    with ab.Loader(dataset, batch_size=6, shuffle=shuffle, drop_last=False, **extra) as loader:
+        seen = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            ids = []
+            for batch in loader:
+                check_batch(batch)
+                ids.extend(batch.global_indexes.tolist())
+            assert sorted(ids) == list(range(total))
+            seen.append(ids)
+    if shuffle is False:
+        assert seen[0] == list(range(total))
+    else:
+        assert seen[0] != seen[1]
+
+
+def test_huggingface_layout_by_glob_and_folder(tmp_path: Path) -> None:
+    root = tmp_path / "hub"
+    names = [f"train-{n:05d}-of-00003.parquet" for n in range(3)]
+    first = 0
+    for name, rows in zip(names, [9, 4, 12], strict=True):
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        pq.write_table(make_table(first, rows), root / "data" / name, row_group_size=5)
+        first += rows
+    pq.write_table(make_table(0, 3), root / "data" / "test-00000-of-00001.parquet")
+    (root / "README.md").write_text("card")
+    train = ab.open_dataset(f"{root}/data/train-*.parquet")
+    assert [s.path for s in train.manifest.shards] == names
+    everything = ab.open_dataset(str(root))  # a folder: .parquet at any depth
+    assert len(everything.manifest.shards) == 4
+    assert everything.manifest.shards[0].path == "data/test-00000-of-00001.parquet"
+    with ab.Loader(train, batch_size=25, shuffle=False) as loader:
+        (batch,) = list(loader)
+    check_batch(batch)
+
+
+def test_empty_file_and_empty_row_group(tmp_path: Path) -> None:
+    table = make_table(0, 12)
+    with pq.ParquetWriter(tmp_path / "a.parquet", table.schema) as out:
+        out.write_table(table.slice(0, 5))
+        out.write_table(table.slice(5, 0))  # an empty row group
+        out.write_table(table.slice(5, 7))
+    pq.write_table(table.slice(0, 0), tmp_path / "b.parquet")  # no rows at all
+    pq.write_table(make_table(12, 3), tmp_path / "c.parquet")
+    dataset = ab.open_dataset(str(tmp_path))
+    assert dataset.manifest.total_elements == 15
+    with ab.Loader(dataset, batch_size=4, shuffle="block", drop_last=False) as loader:
+        ids = []
+        for batch in loader:
+            check_batch(batch)
+            ids += batch.global_indexes.tolist()
+    assert sorted(ids) == list(range(15))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "footer", "magic", "tiny"])
+def test_corrupt_files_name_the_file(tmp_path: Path, damage: str) -> None:
+    pq.write_table(make_table(0, 20), tmp_path / "good.parquet", row_group_size=5)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(make_table(20, 20), bad, row_group_size=5)
+    data = bytearray(bad.read_bytes())
+    if damage == "truncated":  # cut inside the data: the footer survives a rewrite elsewhere
+        data = data[:100] + data[-(int.from_bytes(data[-8:-4], "little") + 8) :]
+    elif damage == "footer":
+        length = int.from_bytes(data[-8:-4], "little")
+        data[-8 - length : -8 - length + 40] = b"\xff" * 40
+    elif damage == "magic":
+        data = data[:-3]
+    else:
+        data = data[:7]
+    bad.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="bad.parquet"):
+        ab.open_dataset(str(tmp_path))
+
+
+def test_projection_fetches_only_its_column(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    columns = {f"c{k}": rng.integers(0, 2**62, 4000) for k in range(5)}
+    path = tmp_path / "wide.parquet"
+    pq.write_table(pa.table(columns), path, row_group_size=1000, compression="none")
+    dataset = ab.open_dataset(str(path), options={"columns": ["c3"]})
+    with ab.Loader(dataset, batch_size=100, shuffle="block", drop_last=False) as loader:
+        got = np.concatenate([b["c3"].numpy()[np.argsort(b.global_indexes)] for b in loader])
+        stats = loader.statistics()
+    assert sorted(got.tolist()) == sorted(columns["c3"].tolist())
+    assert list(batch_fields(dataset)) == ["c3"]
+    assert 0 < stats.bytes_fetched <= 0.3 * path.stat().st_size
+
+
+def batch_fields(dataset: ab.Dataset) -> list[str]:
+    with ab.Loader(dataset, batch_size=1, shuffle=False) as loader:
+        return list(next(iter(loader)))
+
+
+def test_nulls_are_an_error_unless_filled(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "x": pa.array([1, 2, None, 4, 5, 6], type=pa.int32()),
+            "t": pa.array([[1], None, [2, 3], [], [4], [5]], type=pa.list_(pa.int64())),
+            "s": pa.array(["a", "b", "c", None, "e", "f"]),
+        }
+    )
+    pq.write_table(table, tmp_path / "n.parquet", row_group_size=2)
+    dataset = ab.open_dataset(str(tmp_path / "n.parquet"))
+    with (
+        ab.Loader(dataset, batch_size=6, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"n\.parquet: row group [01], column 'x'"),
+    ):
+        next(iter(loader))
+    filled = ab.open_dataset(str(tmp_path / "n.parquet"), options={"nulls": "fill"})
+    with ab.Loader(filled, batch_size=6, shuffle=False) as loader:
+        (batch,) = list(loader)
+    assert batch["x"].tolist() == [1, 2, 0, 4, 5, 6]
+    assert [batch["t"][i].tolist() for i in range(6)] == [[1], [], [2, 3], [], [4], [5]]
+    assert batch["s"].to_pylist() == ["a", "b", "c", "", "e", "f"]
+
+
+def test_resume_and_another_datasets_state(tmp_path: Path) -> None:
+    for name, first in (("one", 0), ("two", 1000)):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(first, 50), tmp_path / name / "p.parquet", row_group_size=9)
+    one = ab.open_dataset(str(tmp_path / "one"))
+    args: dict[str, Any] = dict(batch_size=4, shuffle="block", window=2, seed=3, prefetch=3)
+    with ab.Loader(one, **args) as loader:
+        full = [b.global_indexes.tolist() for b in loader]
+    with ab.Loader(one, **args) as loader:
+        it = iter(loader)
+        head = [next(it).global_indexes.tolist() for _ in range(3)]
+        state = loader.state_dict()
+    with ab.Loader(one, **args) as loader:
+        loader.load_state_dict(state)
+        assert head + [b.global_indexes.tolist() for b in loader] == full
+    two = ab.open_dataset(str(tmp_path / "two"))  # same shape, other rows
+    with ab.Loader(two, **args) as loader, pytest.raises(ResumeStateError, match="dataset"):
+        loader.load_state_dict(state)
+
+
+def test_strings_pickle_and_slice() -> None:
+    data = torch.tensor(list(b"abcdef"), dtype=torch.uint8)
+    column = Strings(data, torch.tensor([0, 1, 1, 6]))
+    assert column.to_pylist() == ["a", "", "bcdef"]
+    assert column[1:].to_pylist() == ["", "bcdef"]
+    assert column[-1] == "bcdef"
+    schema = {"s": FieldSchema(dtype="str", shape=(-1,), nested=True, tensor=False)}
+    batch = ab.Batch(np.arange(3), {"s": column}, schema)
+    header, buffers = batch.to_buffers()
+    again = ab.Batch.from_buffers(header, buffers)
+    assert isinstance(again["s"], Strings)
+    assert again["s"].to_pylist() == ["a", "", "bcdef"]
+
+
+def test_inspect_lists_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pq.write_table(make_table(0, 30), tmp_path / "p.parquet", row_group_size=7)
+    from asyncbatch.cli import main
+
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "row groups: 5" in out
+    assert "tokens: list<element: int32>" in out
