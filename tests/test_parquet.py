@@ -283,3 +283,29 @@ def test_inspect_lists_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "row groups: 5" in out
     assert "tokens: list<element: int32>" in out
+
+
+def test_ranks_read_only_their_own_row_groups(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    for k in range(4):
+        columns = {f"c{j}": rng.integers(0, 2**62, 600) for j in range(2)}
+        pq.write_table(pa.table(columns), tmp_path / f"f{k}.parquet", row_group_size=100)
+    dataset = ab.open_dataset(str(tmp_path), options={"columns": ["c0"]})
+    # No coalescing across the other column: bytes fetched are exactly the chunks read.
+    args: dict[str, Any] = dict(batch_size=50, shuffle="block", window=2, seed=5, coalesce_gap=0)
+    with ab.Loader(dataset, **args) as loader:
+        list(loader)
+        alone = loader.statistics().bytes_fetched
+    ids: list[int] = []
+    fetched = 0
+    for rank in range(2):
+        with ab.Loader(dataset, rank=rank, world_size=2, **args) as loader:
+            ids += [i for b in loader for i in b.global_indexes.tolist()]
+            fetched += loader.statistics().bytes_fetched
+    assert sorted(ids) == list(range(2400))
+    chunks = 0
+    for k in range(4):
+        meta = pq.read_metadata(tmp_path / f"f{k}.parquet")
+        chunks += sum(meta.row_group(g).column(0).total_compressed_size for g in range(6))
+    assert alone == chunks  # row groups are the blocks: each read once, whole
+    assert fetched == chunks  # and by one rank only

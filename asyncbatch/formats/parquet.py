@@ -393,6 +393,8 @@ class ParquetRows:
         nonempty = self.rows[self.rows > 0]
         #: A block shuffle's blocks: a whole row group (the largest), as Reimu reads.
         self.default_block_size = int(nonempty.max()) if nonempty.size else 1
+        #: Blocks start at row 0 every epoch, so equal row groups are whole blocks.
+        self.aligned_blocks = True
         self._metadata: dict[int, Any] = {}
         pa, _ = pyarrow_modules()
         schema = parse_footer(self._footer(0), self.shard_urls[0]).schema.to_arrow_schema()
