@@ -309,3 +309,29 @@ def test_ranks_read_only_their_own_row_groups(tmp_path: Path) -> None:
         chunks += sum(meta.row_group(g).column(0).total_compressed_size for g in range(6))
     assert alone == chunks  # row groups are the blocks: each read once, whole
     assert fetched == chunks  # and by one rank only
+
+
+@pytest.mark.parametrize("shuffle", ["block", True])
+def test_elastic_resume_two_ranks_to_three(tmp_path: Path, shuffle: Any) -> None:
+    for k in range(3):
+        pq.write_table(make_table(40 * k, 40), tmp_path / f"p{k}.parquet", row_group_size=8)
+    dataset = ab.open_dataset(str(tmp_path))
+    extra = {"window": 2} if shuffle == "block" else {}
+
+    def loader(rank: int, world: int) -> ab.Loader:
+        return ab.Loader(
+            dataset, batch_size=12 // world, rank=rank, world_size=world, shuffle=shuffle, **extra
+        )
+
+    delivered: list[int] = []
+    states = []
+    for rank in range(2):
+        with loader(rank, 2) as first:
+            it = iter(first)
+            delivered += [i for _ in range(3) for i in next(it).global_indexes.tolist()]
+            states.append(first.state_dict())
+    for rank in range(3):
+        with loader(rank, 3) as rest:
+            rest.load_state_dict(states[0])
+            delivered += [i for b in rest for i in b.global_indexes.tolist()]
+    assert sorted(delivered) == list(range(120))
