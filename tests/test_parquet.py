@@ -8,6 +8,7 @@ dataset holds ``id == i`` and columns computed from ``i`` by :func:`make_table`.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -335,3 +336,26 @@ def test_elastic_resume_two_ranks_to_three(tmp_path: Path, shuffle: Any) -> None
             rest.load_state_dict(states[0])
             delivered += [i for b in rest for i in b.global_indexes.tolist()]
     assert sorted(delivered) == list(range(120))
+
+
+def test_without_pyarrow_a_config_error_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pq.write_table(make_table(0, 3), tmp_path / "p.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ab.ConfigError, match=r"asyncbatch\[parquet\]"):
+        ab.open_dataset(str(tmp_path / "p.parquet"))
+
+
+def test_list_of_s3_urls(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    root, write, options = writer_for("s3", request, tmp_path)
+    names = [f"d/x-{n}.parquet" for n in range(4)]
+    total = write_files(write, names)
+    dataset = ab.open_dataset([f"{root}/{n}" for n in reversed(names)], options)
+    # In the order given, relative to the folder they share.
+    assert [s.path for s in dataset.manifest.shards] == [n[2:] for n in reversed(names)]
+    assert dataset.url == f"{root}/d"
+    with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
+        ids = [i for b in loader for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(total))
