@@ -359,3 +359,14 @@ def test_list_of_s3_urls(request: pytest.FixtureRequest, tmp_path: Path) -> None
     with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
         ids = [i for b in loader for i in b["id"].tolist()]
     assert sorted(ids) == list(range(total))
+
+
+def test_a_null_item_inside_a_list_names_the_row_groups(tmp_path: Path) -> None:
+    lists = pa.array([[1, 2], [3, None], [4]], type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({"t": lists}), tmp_path / "i.parquet", row_group_size=2)
+    dataset = ab.open_dataset(str(tmp_path / "i.parquet"))
+    with (
+        ab.Loader(dataset, batch_size=3, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"i\.parquet: row groups \[0, 1\], items of column 't'"),
+    ):
+        next(iter(loader))

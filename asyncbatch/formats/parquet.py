@@ -111,7 +111,7 @@ async def _walk(store: Store, url: str) -> list[str]:
 async def parquet_files(url: str, store: Store) -> tuple[str, list[str]]:
     """The dataset root and its files, in natural order: ``url`` itself, the files matching a
     glob, or every ``.parquet`` under a folder or prefix."""
-    url = url.rstrip("/") if not url.endswith("//") else url
+    url = url.rstrip("/")
     match = _GLOB.search(url)
     if match is None and url.endswith(SUFFIX):
         return parent_and_name(url)[0], [url]
@@ -494,7 +494,11 @@ class ParquetRows:
                 inner = inner.combine_chunks().flatten()
             if not inner.null_count:
                 continue
-            where = "" if inner is not column else self._null_group(column, groups, pa)
+            where = (
+                self._null_group(column, groups, pa)
+                if inner is column
+                else f" row groups {self.rg_local[groups].tolist()}, items of"
+            )
             raise FormatError(
                 f"{self.shard_urls[file]}:{where} column {name!r} holds nulls; open with"
                 " options={'nulls': 'fill'} to read them as 0 / NaN / empty"
