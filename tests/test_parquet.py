@@ -370,3 +370,15 @@ def test_a_null_item_inside_a_list_names_the_row_groups(tmp_path: Path) -> None:
         pytest.raises(FormatError, match=r"i\.parquet: row groups \[0, 1\], items of column 't'"),
     ):
         next(iter(loader))
+
+
+def test_a_mixture_of_two_parquet_datasets(tmp_path: Path) -> None:
+    for name, first in (("a", 0), ("b", 100)):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(first, 30), tmp_path / name / "p.parquet", row_group_size=7)
+    blend = ab.mix([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], samples=40)
+    with ab.Loader(blend, batch_size=8, shuffle="block", window=2) as loader:
+        ids = [i for b in loader for i in b["id"].tolist()]
+    assert len(ids) == 40
+    assert {i // 100 for i in ids} == {0, 1}  # rows of both
+    assert all(i % 100 < 30 for i in ids)
