@@ -58,6 +58,8 @@ NULLS = ("error", "fill")
 _GLOB = re.compile(r"[*?\[]")
 # Dataset.arrays keys.
 ROWS, FILE, LOCAL, RANGES, RAW = "rg_rows", "rg_file", "rg_local", "rg_ranges", "rg_raw_bytes"
+#: Values of each column chunk (a list column's items, when no list is empty or null).
+VALUES = "rg_values"
 FOOTERS, FOOTER_OFFSETS = "footers", "footer_offsets"
 
 
@@ -183,13 +185,14 @@ def parse_footer(footer: bytes, url: str) -> Any:
 
 def footer_arrays(
     metadata: Any, leaves: Sequence[str], size: int, body: int, url: str
-) -> tuple[Int64Array, Int64Array, Int64Array]:
+) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
     """Rows per row group, ``[row group, leaf, (start, end)]`` byte ranges of the column
-    chunks and their decoded sizes; every range must lie inside the file before its footer."""
+    chunks, their decoded sizes and their value counts; every range must lie inside the file before its footer."""
     groups = metadata.num_row_groups
     rows = np.empty(groups, dtype=np.int64)
     ranges = np.zeros((groups, len(leaves), 2), dtype=np.int64)
     raw = np.zeros((groups, len(leaves)), dtype=np.int64)
+    values = np.zeros((groups, len(leaves)), dtype=np.int64)
     for g in range(groups):
         group = metadata.row_group(g)
         rows[g] = group.num_rows
@@ -200,6 +203,7 @@ def footer_arrays(
                 start = chunk.dictionary_page_offset
             ranges[g, c] = start, start + chunk.total_compressed_size
             raw[g, c] = chunk.total_uncompressed_size
+            values[g, c] = chunk.num_values
     end = size - 8 - body
     # An empty row group is never read (pyarrow writes an empty table as one at offset 0).
     outside = ((ranges[..., 0] < 4) | (ranges[..., 1] > end)).any(axis=1)
@@ -210,7 +214,7 @@ def footer_arrays(
             f"{url}: row group {g} has column chunks outside bytes [4, {end}) of the file"
             " (truncated or corrupt)"
         )
-    return rows, ranges, raw
+    return rows, ranges, raw, values
 
 
 async def open_parquet(
@@ -270,6 +274,7 @@ async def _open_files(
         LOCAL: np.concatenate([np.arange(n, dtype=np.int64) for n in counts]),
         RANGES: np.concatenate([p[1] for p in parts]).reshape(-1, len(leaves), 2),
         RAW: np.concatenate([p[2] for p in parts]).reshape(-1, len(leaves)),
+        VALUES: np.concatenate([p[3] for p in parts]).reshape(-1, len(leaves)),
         FOOTERS: np.frombuffer(b"".join(footers), dtype=np.uint8),
         FOOTER_OFFSETS: np.cumsum([0, *(len(f) for f in footers)]).astype(np.int64),
     }
@@ -358,10 +363,10 @@ class ParquetRows:
     #: Decoding runs in the engine's decode thread (pyarrow drops the GIL).
     converts = True
 
-    def __init__(self, datasets: Sequence[Dataset]) -> None:
+    def __init__(self, datasets: Sequence[Dataset], columns: Sequence[str] | None = None) -> None:
         self.datasets: Sequence[Dataset] = list(datasets)
         first = self.datasets[0].manifest.metadata
-        self.columns: list[str] = list(first["columns"])
+        self.columns: list[str] = list(columns or first["columns"])
         self.types: dict[str, str] = dict(first["types"])
         for one in self.datasets[1:]:
             if one.manifest.metadata["types"] != self.types:
@@ -422,23 +427,38 @@ class ParquetRows:
     ) -> dict[str, Any]:
         groups = np.searchsorted(self.ends, ids, side="right")
         needed = np.unique(groups)
-        spans = self.ranges[needed]  # [row groups, leaves, (start, end)]
-        starts = (spans[..., 0] + (self.file_map.starts[self.rg_file[needed]])[:, None]).ravel()
-        lengths = (spans[..., 1] - spans[..., 0]).ravel()
-        buffer = await read(self.file_map.plan(starts, lengths, gap))
-        fields: dict[str, Any] = await offload(
-            lambda: self._decode(buffer, ids, groups, needed, spans)
-        )
+        buffer, spans = await self.read_groups(needed, read, gap)
+
+        def decode() -> dict[str, Any]:
+            pa, _ = pyarrow_modules()
+            table = self.decode_groups(buffer, needed, spans)
+            base = np.cumsum(self.rows[needed]) - self.rows[needed]
+            rows = base[np.searchsorted(needed, groups)] + ids - (self.ends - self.rows)[groups]
+            taken = table.take(pa.array(rows))
+            fill = self.nulls == "fill"
+            return {
+                name: _to_field(taken.column(name).combine_chunks(), fill, pa)
+                for name in self.columns
+            }
+
+        fields: dict[str, Any] = await offload(decode)
         return fields
 
-    def _decode(
-        self,
-        buffer: npt.NDArray[np.uint8],
-        ids: Int64Array,
-        groups: Int64Array,
-        needed: Int64Array,
-        spans: Int64Array,
-    ) -> dict[str, Any]:
+    async def read_groups(
+        self, needed: Int64Array, read: ReadFn, gap: int
+    ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
+        """The selected column chunks of row groups ``needed`` (ascending), one read plan;
+        returns the buffer and the chunks' ``[row group, leaf, (start, end)]`` byte ranges."""
+        spans = self.ranges[needed]
+        starts = (spans[..., 0] + (self.file_map.starts[self.rg_file[needed]])[:, None]).ravel()
+        lengths = (spans[..., 1] - spans[..., 0]).ravel()
+        return await read(self.file_map.plan(starts, lengths, gap)), spans
+
+    def decode_groups(
+        self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array
+    ) -> Any:
+        """The rows of row groups ``needed`` (ascending) as one Arrow table, decoded by pyarrow
+        from the bytes :meth:`read_groups` fetched; nulls checked."""
         pa, pq = pyarrow_modules()
         view = memoryview(buffer)  # type: ignore[arg-type]
         lengths = (spans[..., 1] - spans[..., 0]).reshape(needed.size, -1)
@@ -467,14 +487,7 @@ class ParquetRows:
                 ) from exc
             self._check_nulls(table, file, needed[mine], pa)
             tables.append(table)
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        base = np.cumsum(self.rows[needed]) - self.rows[needed]
-        rows = base[np.searchsorted(needed, groups)] + ids - (self.ends - self.rows)[groups]
-        taken = table.take(pa.array(rows))
-        return {
-            name: _to_field(taken.column(name).combine_chunks(), self.nulls == "fill", pa)
-            for name in self.columns
-        }
+        return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
     def _check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
         """A null anywhere in a column (a list's items too) is a FormatError naming where,
