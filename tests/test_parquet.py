@@ -382,3 +382,70 @@ def test_a_mixture_of_two_parquet_datasets(tmp_path: Path) -> None:
     assert len(ids) == 40
     assert {i // 100 for i in ids} == {0, 1}  # rows of both
     assert all(i % 100 < 30 for i in ids)
+
+
+def write_documents_files(folder: Path, lengths: list[list[int]], group: int) -> list[list[int]]:
+    """Files of one ``input_ids`` list column (document ``d`` of file ``f``: ``lengths[f][d]``
+    tokens, values numbered through the stream); returns every document's tokens."""
+    documents: list[list[int]] = []
+    at = 0
+    for number, file_lengths in enumerate(lengths):
+        docs = [
+            list(range(at + sum(file_lengths[:d]), at + sum(file_lengths[: d + 1])))
+            for d in range(len(file_lengths))
+        ]
+        at += sum(file_lengths)
+        table = pa.table(
+            {
+                "input_ids": pa.array(docs, type=pa.list_(pa.int32())),
+                "id": pa.array(range(len(documents), len(documents) + len(docs)), type=pa.int64()),
+            }
+        )
+        pq.write_table(table, folder / f"p-{number}.parquet", row_group_size=group)
+        documents += docs
+    return documents
+
+
+@pytest.mark.parametrize("next_token", [False, True])
+def test_packing_is_token_windows_plus_boundaries(tmp_path: Path, next_token: bool) -> None:
+    rng = np.random.default_rng(2)
+    lengths = [(1 + rng.geometric(1 / 9, n)).tolist() for n in (30, 1, 45)]
+    documents = write_documents_files(tmp_path, lengths, group=7)
+    stream = np.concatenate([np.array(d) for d in documents])
+    doc_of = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
+    starts = np.cumsum([0] + [len(d) for d in documents])
+    seq_len = 16
+    window = seq_len + int(next_token)
+    dataset = ab.open_dataset(str(tmp_path))
+    with ab.Loader(
+        dataset,
+        batch_size=5,
+        seq_len=seq_len,
+        next_token=next_token,
+        shuffle="block",
+        drop_last=False,
+    ) as loader:
+        seen = []
+        for batch in loader:
+            for k, i in enumerate(batch.global_indexes.tolist()):
+                lo = i * seq_len
+                assert batch["tokens"][k].tolist() == stream[lo : lo + window].tolist()
+                assert batch["document_ids"][k].tolist() == doc_of[lo : lo + window].tolist()
+                position = np.arange(lo, lo + window) - np.maximum(
+                    starts[doc_of[lo : lo + window]], lo
+                )
+                assert batch["position_ids"][k].tolist() == position.tolist()
+                inner = [int(s) - lo for s in starts if lo < s < lo + seq_len]
+                assert batch["cu_seqlens"][k].tolist() == [0, *inner, seq_len]
+                seen.append(i)
+    assert sorted(seen) == list(range((stream.size - int(next_token)) // seq_len))
+
+
+def test_packing_refuses_empty_documents(tmp_path: Path) -> None:
+    write_documents_files(tmp_path, [[3, 0, 4, 5]], group=2)
+    dataset = ab.open_dataset(str(tmp_path))
+    with (
+        ab.Loader(dataset, batch_size=1, seq_len=4, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"row group 0, column 'input_ids'.*non-empty"),
+    ):
+        list(loader)

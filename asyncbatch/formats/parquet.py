@@ -43,7 +43,9 @@ from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import Store
 from .base import Offload, Opener, ReadFn, natural_key
+from .documents import boundaries
 from .npy import gather_limited, may_list, parent_and_name, read_range
+from .tokens import TOKENS_FIELD
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -187,7 +189,8 @@ def footer_arrays(
     metadata: Any, leaves: Sequence[str], size: int, body: int, url: str
 ) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
     """Rows per row group, ``[row group, leaf, (start, end)]`` byte ranges of the column
-    chunks, their decoded sizes and their value counts; every range must lie inside the file before its footer."""
+    chunks, their decoded sizes and their value counts; every range must lie inside the
+    file before its footer."""
     groups = metadata.num_row_groups
     rows = np.empty(groups, dtype=np.int64)
     ranges = np.zeros((groups, len(leaves), 2), dtype=np.int64)
@@ -597,6 +600,150 @@ def _to_field(array: Any, fill: bool, pa: Any) -> Any:
     return _numbers(array)
 
 
+class PackedParquet:
+    """Token windows over a list column's documents one after another, with the documents'
+    boundaries inside each (``cu_seqlens``, ``document_ids``, ``position_ids``), exactly as
+    :class:`~asyncbatch.formats.documents.PackedDocuments` gives them (the same
+    :func:`~asyncbatch.formats.documents.boundaries`).
+
+    The tokens of each row group are its column chunk's value count in the footer, so window
+    ``i`` (tokens ``[i·L, i·L + W)``) maps to its row groups by ``np.searchsorted`` with no
+    scan; documents are numbered by row. This holds when no document is empty or null (then a
+    chunk holds one value per token): a row group where it does not is a FormatError.
+    """
+
+    converts = True
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        seq_len: int,
+        *,
+        next_token: bool = False,
+        column: str | None = None,
+        token_ids: bool = True,
+    ) -> None:
+        if len(datasets) != 1:
+            raise ConfigError("packing (seq_len=) reads one Parquet dataset, not a mixture")
+        if not isinstance(token_ids, bool):
+            raise ConfigError(f"format_options token_ids must be True or False, got {token_ids!r}")
+        dataset = datasets[0]
+        metadata = dataset.manifest.metadata
+        lists = [
+            name
+            for name in metadata["columns"]
+            if metadata["types"][name].startswith(("list<", "large_list<"))
+        ]
+        if column is None:
+            if len(lists) != 1:
+                raise ConfigError(
+                    f"{dataset.url}: seq_len= packs one list column of tokens; name it with"
+                    f" format_options={{'column': ...}} (list columns: {lists})"
+                )
+            column = lists[0]
+        if column not in metadata["types"]:
+            raise ConfigError(
+                f"format_options column={column!r}: the files hold {list(metadata['types'])}"
+            )
+        self.rows = ParquetRows(datasets, [column])
+        kind = self.rows.schema[column]
+        if not kind.nested or kind.dtype.startswith("float"):
+            raise ConfigError(
+                f"column {column!r} ({metadata['types'][column]}) is not a list of integer tokens"
+            )
+        self.column, self.token_ids = column, token_ids
+        self.datasets, self.shard_urls = self.rows.datasets, self.rows.shard_urls
+        self.shard_dataset = self.rows.shard_dataset
+        (leaf,) = self.rows.leaves.tolist()
+        self.tokens = np.ascontiguousarray(dataset.arrays[VALUES][:, leaf])
+        self.token_ends = np.cumsum(self.tokens)
+        total = int(self.token_ends[-1]) if self.token_ends.size else 0
+        self.seq_len, self.window = seq_len, seq_len + int(next_token)
+        self.num_samples = max(0, (total - int(next_token)) // seq_len)
+        self.sizes = np.array([self.num_samples], dtype=np.int64)
+        itemsize = np.dtype(kind.dtype).itemsize
+        self.sample_bytes = self.window * itemsize + 8 + (self.window * 16 if token_ids else 0)
+        per_group = self.tokens[self.tokens > 0]
+        #: A block shuffle's blocks: about one row group of windows.
+        self.default_block_size = (
+            max(1, int(np.median(per_group)) // seq_len) if per_group.size else 1
+        )
+        self.schema = {
+            TOKENS_FIELD: FieldSchema(dtype=kind.dtype, shape=(self.window,)),
+            "cu_seqlens": FieldSchema(dtype="int32", shape=(-1,), nested=True),
+        }
+        if token_ids:
+            self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+            self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        starts = ids * self.seq_len
+        first = np.searchsorted(self.token_ends, starts, side="right")
+        last = np.searchsorted(self.token_ends, starts + self.window - 1, side="right")
+        # Every row group from each window's first to its last.
+        spans = last - first + 1
+        needed = np.unique(
+            np.repeat(first, spans)
+            + np.arange(int(spans.sum()))
+            - np.repeat(np.cumsum(spans) - spans, spans)
+        )
+        buffer, chunk_spans = await self.rows.read_groups(needed, read, gap)
+        fields: dict[str, Any] = await offload(
+            lambda: self._decode(buffer, chunk_spans, needed, starts)
+        )
+        return fields
+
+    def _decode(
+        self,
+        buffer: npt.NDArray[np.uint8],
+        spans: Int64Array,
+        needed: Int64Array,
+        starts: Int64Array,
+    ) -> dict[str, Any]:
+        table = self.rows.decode_groups(buffer, needed, spans)
+        array = table.column(self.column).combine_chunks()
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        values = array.flatten().to_numpy(zero_copy_only=False)
+        offsets = offsets - offsets[0]
+        tokens, rows = self.tokens[needed], self.rows.rows[needed]
+        # Tokens of each row group decoded, against its footer's count.
+        row_ends = np.cumsum(rows)
+        counted = offsets[row_ends] - offsets[row_ends - rows]
+        wrong = np.flatnonzero(counted != tokens)
+        if wrong.size:
+            g = int(needed[wrong[0]])
+            raise FormatError(
+                f"{self.shard_urls[self.rows.rg_file[g]]}: row group {self.rows.rg_local[g]},"
+                f" column {self.column!r}: {counted[wrong[0]]} tokens in its lists but"
+                f" {tokens[wrong[0]]} values in its footer (empty or null documents): packing"
+                " needs every document non-empty"
+            )
+        group_start = self.token_ends[needed] - tokens  # in the whole stream
+        group_base = np.cumsum(tokens) - tokens  # in ``values``
+        # Each window's tokens: a gather from the row groups decoded.
+        at = starts[:, None] + np.arange(self.window)[None, :]
+        which = np.searchsorted(self.token_ends[needed], at, side="right")
+        window_tokens = values[at - group_start[which] + group_base[which]]
+        # Document starts in stream positions (a gap between row groups not read is never
+        # inside a window), then the end of the last.
+        row_group = np.repeat(np.arange(needed.size), rows)
+        doc_starts = offsets[:-1] - group_base[row_group] + group_start[row_group]
+        stream_offsets = np.append(doc_starts, group_start[-1] + tokens[-1])
+        fields: dict[str, Any] = {TOKENS_FIELD: torch.from_numpy(window_tokens)}
+        fields.update(boundaries(stream_offsets, starts, self.seq_len, self.window, self.token_ids))
+        if self.token_ids:
+            # Rows numbered through the dataset: the document id of a row.
+            first_row = (self.rows.ends - self.rows.rows)[needed]
+            row_ids = np.append(
+                first_row[row_group] + np.arange(row_group.size) - np.repeat(row_ends - rows, rows),
+                -1,
+            )
+            fields["document_ids"] = torch.from_numpy(row_ids[fields["document_ids"].numpy()])
+        return fields
+
+
 def parquet_rows(
     datasets: Sequence[Dataset],
     *,
@@ -604,17 +751,25 @@ def parquet_rows(
     next_token: bool,
     dtype: Any,
     **options: Any,
-) -> ParquetRows:
-    """Source factory of the ``parquet`` format: rows as samples."""
-    if options:
-        raise ConfigError(
-            f"Parquet takes no format_options, got {sorted(options)}; choose columns and nulls"
-            " with ab.open_dataset(..., options={'columns': [...], 'nulls': 'fill'})"
-        )
-    if seq_len is not None or next_token:
-        raise ConfigError("seq_len= (packing) is not available for Parquet datasets yet")
+) -> ParquetRows | PackedParquet:
+    """Source factory of the ``parquet`` format: rows as samples; with ``seq_len`` a token
+    list column packed into windows (``format_options``: ``column``, ``token_ids``)."""
     if dtype is not None:
         raise ConfigError("dtype= does not apply to Parquet: fields keep their Arrow types")
+    if seq_len is not None:
+        unknown = sorted(set(options) - {"column", "token_ids"})
+        if unknown:
+            raise ConfigError(
+                f"unknown format_options {unknown} for packed Parquet (known: column, token_ids)"
+            )
+        return PackedParquet(datasets, seq_len, next_token=next_token, **options)
+    if options:
+        raise ConfigError(
+            f"Parquet rows take no format_options, got {sorted(options)}; choose columns and"
+            " nulls with ab.open_dataset(..., options={'columns': [...], 'nulls': 'fill'})"
+        )
+    if next_token:
+        raise ConfigError("next_token=True needs seq_len= (packing); a row is whole")
     return ParquetRows(datasets)
 
 
