@@ -1,9 +1,9 @@
 """Parquet datasets, read the Reimu way: footers only at open, row groups as the unit read,
 only the columns asked for, decoded by pyarrow from bytes the engine fetched.
 
-Opening reads each file's footer and nothing else: one tail read of :data:`FOOTER_PROBE`
-bytes (a second read when the footer is larger), every file at once. A dataset is a
-``Manifest("parquet")`` with one shard per file (its elements: its rows) and, in
+Opening reads each file's footer and nothing else: its size, then one tail read of
+:data:`FOOTER_PROBE` bytes (a second read when the footer is larger), every file at once.
+A dataset is a ``Manifest("parquet")`` with one shard per file (its elements: its rows) and, in
 ``Dataset.arrays``, per row group (numbered through the files): its rows, its file, its
 number in the file, and the byte range of every leaf column chunk; the footers themselves are
 kept so that decoding never reads them again. A sample is a row: sample ``i`` is found by
@@ -18,7 +18,8 @@ Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of
 ``[B, L]``, a list of numbers a :class:`~asyncbatch.batch.Jagged` column, a string or binary
 column a :class:`~asyncbatch.batch.Strings` column. A null is a FormatError naming the file,
 row group and column, unless the dataset was opened with ``options={"nulls": "fill"}``
-(numbers read 0, or NaN when floating; lists and strings read empty).
+(numbers read 0, or NaN when floating; lists and strings read empty). With ``seq_len``,
+:class:`PackedParquet` packs a token list column into windows as the documents format does.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def common_root(urls: Sequence[str]) -> str:
 
 
 async def read_footer(store: Store, url: str) -> bytes:
-    """The Thrift footer of the Parquet file ``url`` (one tail read, two for a large one)."""
+    """The Thrift footer of the Parquet file ``url`` followed by the file's size (8 bytes,
+    little-endian), the form ``Dataset.arrays`` keeps (one tail read, two for a large one)."""
     size = await store.size(url)
     if size < 12:
         raise FormatError(f"{url}: {size} bytes is too short for a Parquet file (12 at least)")
