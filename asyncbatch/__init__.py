@@ -50,6 +50,7 @@ if _typing.TYPE_CHECKING:
     from .batch import Batch as Batch
     from .batch import FieldSchema as FieldSchema
     from .batch import Jagged as Jagged
+    from .batch import Strings as Strings
     from .dataset import Dataset as Dataset
     from .dataset import open_dataset as open_dataset
     from .dataset import open_dataset_async as open_dataset_async
@@ -77,6 +78,7 @@ _LAZY: dict[str, str] = {
     "Batch": "batch",
     "FieldSchema": "batch",
     "Jagged": "batch",
+    "Strings": "batch",
     "Dataset": "dataset",
     "open_dataset": "dataset",
     "open_dataset_async": "dataset",
@@ -144,6 +146,7 @@ __all__ = [
     "ShortReadError",
     "StoreError",
     "StoreTimeoutError",
+    "Strings",
     "ThrottledError",
     "TransformError",
     "UnknownSchemeError",

@@ -110,6 +110,58 @@ class Jagged:
         return f"Jagged(samples={len(self)}, values={tuple(getattr(self.values, 'shape', ()))})"
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class Strings:
+    """Strings (or bytes) of every sample in Arrow's layout: sample ``i`` is
+    ``data[offsets[i]:offsets[i + 1]]``, UTF-8 unless ``binary``.
+
+    ``data`` is one uint8 tensor, ``offsets`` int64 with one entry more than there are
+    samples; no Python object per sample exists until asked for (``column[i]``,
+    :meth:`to_pylist`). Slicing samples gives a view with rebased offsets.
+    """
+
+    data: torch.Tensor
+    offsets: torch.Tensor
+    binary: bool = False
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Bytes of each sample."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            part = Jagged(self.data, self.offsets)[index]
+            return Strings(part.values, part.offsets, self.binary)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of a string column of {len(self)}")
+        index %= len(self)
+        raw = self.data[int(self.offsets[index]) : int(self.offsets[index + 1])].numpy().tobytes()
+        return raw if self.binary else raw.decode()
+
+    def to_pylist(self) -> list[Any]:
+        """Every sample as ``str`` (``bytes`` if ``binary``)."""
+        raw = self.data.numpy().tobytes()
+        base = int(self.offsets[0]) if len(self.offsets) else 0
+        cuts = (self.offsets - base).tolist()
+        items = [raw[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        return items if self.binary else [item.decode() for item in items]
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Strings:
+        """Strings stay on the CPU: only numbers move to an accelerator."""
+        return self
+
+    def pin_memory(self) -> Strings:
+        return self
+
+    def __repr__(self) -> str:
+        kind = "bytes" if self.binary else "str"
+        return f"Strings(samples={len(self)}, {kind}, bytes={int(self.data.numel())})"
+
+
 @dataclass(eq=False, slots=True)
 class Batch(MutableMapping[str, Any]):
     """``batch["tokens"]`` is a field; ``batch.global_indexes`` names the samples.
@@ -184,6 +236,10 @@ class Batch(MutableMapping[str, Any]):
                 spec["jagged"] = True
                 spec["values"] = _add_buffer(value.values, buffers)
                 spec["offsets"] = _add_buffer(value.offsets, buffers)
+            elif isinstance(value, Strings):
+                spec["strings"] = "binary" if value.binary else "utf8"
+                spec["values"] = _add_buffer(value.data, buffers)
+                spec["offsets"] = _add_buffer(value.offsets, buffers)
             else:
                 spec["values"] = _add_buffer(value, buffers)
             header["fields"].append(spec)
@@ -200,6 +256,9 @@ class Batch(MutableMapping[str, Any]):
             value = _from_buffer(spec["values"], next(rest))
             if spec.get("jagged"):
                 value = Jagged(value, _from_buffer(spec["offsets"], next(rest)))
+            elif spec.get("strings"):
+                offsets = _from_buffer(spec["offsets"], next(rest))
+                value = Strings(value, offsets, spec["strings"] == "binary")
             fields[spec["name"]] = value
             schema[spec["name"]] = spec["schema"]
         return cls(indexes.copy(), fields, schema, dict(header["extra"]))

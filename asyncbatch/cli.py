@@ -146,6 +146,12 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  {shard.path}  {human_bytes(shard.nbytes)}  {shard.elements:,} elements")
     if len(manifest.shards) > args.shards:
         print(f"  ... {len(manifest.shards) - args.shards} more")
+    if manifest.format == "parquet":  # files read in place: their row groups and columns
+        print(f"row groups: {manifest.metadata['row_groups']}")
+        print("columns:")
+        for name, kind in manifest.metadata["types"].items():
+            chosen = "" if name in manifest.metadata["columns"] else "  (not selected)"
+            print(f"  {name}: {kind}{chosen}")
     return 0
 
 

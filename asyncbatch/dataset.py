@@ -4,7 +4,7 @@ layout), and nothing else."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -56,7 +56,12 @@ class Dataset:
         manifest's shard checksums, else by the versions of the objects read in place."""
         m = self.manifest
         arrays = "".join(f":{name}={array.size}" for name, array in sorted(self.arrays.items()))
-        return f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}{self._content}"
+        # Data read in place may name its own (a digest of Parquet footers).
+        own = f":{m.metadata['fingerprint']}" if "fingerprint" in m.metadata else ""
+        return (
+            f"{m.format}:{m.dtype.str}:{len(m.shards)}:{m.total_elements}{arrays}{own}"
+            f"{self._content}"
+        )
 
     @cached_property
     def _content(self) -> str:
@@ -88,7 +93,7 @@ async def read_object(store: Store, url: str) -> bytes:
 
 
 async def open_dataset_async(
-    url: str,
+    url: str | Sequence[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
     format: str | None = None,
@@ -105,6 +110,8 @@ async def open_dataset_async(
         raise ConfigError(f"format={format!r} is not one asyncbatch opens (known: {known})")
     extra = dict(options or {})
     store_options = dict(storage_options or {})
+    if not isinstance(url, str):
+        return await _open_list(list(url), store_options, format, extra, retry, cache)
     store = open_store(url, store_options, retry=retry, cache=DiskCache.of(cache))
     try:
         if format is not None and format != "manifest":
@@ -140,6 +147,39 @@ async def open_dataset_async(
         await store.close()
 
 
+async def _open_list(
+    urls: list[str],
+    store_options: dict[str, Any],
+    format: str | None,
+    options: dict[str, Any],
+    retry: RetryPolicy | None,
+    cache: DiskCache | str | os.PathLike[str] | None,
+) -> Dataset:
+    """``open_dataset([url, ...])``: the files of a list, by an opener that takes one."""
+    from .formats import OPENERS
+
+    if not urls or not all(isinstance(u, str) for u in urls):
+        raise ConfigError(f"a list of URLs must hold at least one URL string, got {urls!r}")
+    openers = [
+        o
+        for o in OPENERS
+        if o.open_many is not None
+        and (o.name == format or (format is None and all(o.claims(u) for u in urls)))
+    ]
+    if not openers:
+        takes = ", ".join(repr(o.name) for o in OPENERS if o.open_many is not None)
+        raise ConfigError(
+            f"format={format!r} does not open a list of URLs (formats that do: {takes})"
+        )
+    open_many = openers[0].open_many
+    assert open_many is not None
+    store = open_store(urls[0], store_options, retry=retry, cache=DiskCache.of(cache))
+    try:
+        return await open_many(urls, store, store_options, options)
+    finally:
+        await store.close()
+
+
 async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dataset:
     root = (
         url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
@@ -164,7 +204,7 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
 
 
 def open_dataset(
-    url: str,
+    url: str | Sequence[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
     format: str | None = None,

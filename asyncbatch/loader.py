@@ -325,6 +325,8 @@ class _LoaderBase:
             block_size=self.block_size or 1,
             window=self.window or 1,
             samples=samples,
+            # A format whose blocks are its read units keeps block edges on them.
+            aligned_blocks=bool(getattr(source, "aligned_blocks", False)),
         )
         if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
             raise ConfigError(self._nothing_to_read(data, num_samples))

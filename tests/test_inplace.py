@@ -517,9 +517,9 @@ def test_opening_over_http_reads_only_headers(tmp_path: Path, http_root: tuple[P
         ab.open_dataset(f"{base}/nothing-here")
     assert str(caught.value) == (
         f"no dataset at {base}/nothing-here: no manifest ({base}/nothing-here/manifest.json"
-        " not found), no Megatron .idx beside it, no .npy files listed in it; for data in"
-        " another layout, name its format with format= (one of 'megatron', 'npy', 'raw',"
-        " 'llmbatch')"
+        " not found), no Megatron .idx beside it, no .npy files listed in it, no .parquet"
+        " files listed under it; for data in another layout, name its format with format="
+        " (one of 'megatron', 'npy', 'raw', 'llmbatch', 'parquet')"
     )
 
 

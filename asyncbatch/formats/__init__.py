@@ -21,6 +21,7 @@ from .llmbatch import llmbatch_records
 from .megatron import MEGATRON_OPENER
 from .metadata import load_metadata_layout, metadata_windows
 from .npy import NPY_OPENER, RAW_OPENER
+from .parquet import PARQUET_OPENER, parquet_rows
 from .tokens import TokenWindows as TokenWindows
 from .tokens import token_windows
 
@@ -32,6 +33,8 @@ INDEX_LOADERS["metadata_stream"] = load_metadata_layout
 OPENERS.extend([MEGATRON_OPENER, NPY_OPENER, RAW_OPENER])
 FORMATS["llmbatch"] = llmbatch_records
 OPENERS.append(LLMBATCH_OPENER)
+FORMATS["parquet"] = parquet_rows
+OPENERS.append(PARQUET_OPENER)
 
 __all__ = [
     "FORMATS",

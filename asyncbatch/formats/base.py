@@ -139,6 +139,13 @@ class Opener:
     probe: Callable[[str, Store], Awaitable[bool]] | None = None
     #: What ``probe`` looks for, for the error when nothing is found ("a Megatron .idx").
     probes_for: str = ""
+    #: ``open_many(urls, store, storage_options, options)``: a dataset of the files ``urls``
+    #: in that order (``open_dataset([url, ...])``: over HTTP, which cannot list); None: a
+    #: list is refused.
+    open_many: (
+        Callable[[Sequence[str], Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
+        | None
+    ) = None
 
 
 _DIGITS = re.compile(r"(\d+)")

@@ -109,8 +109,13 @@ class BlockShuffle:
     docs/sampling.md for the measured quality).
     """
 
-    def __init__(self, num_samples: int, seed: int, block_size: int, window: int) -> None:
+    def __init__(
+        self, num_samples: int, seed: int, block_size: int, window: int, aligned: bool = False
+    ) -> None:
         self.num_samples = num_samples
+        #: Blocks start at sample 0 every epoch: a format whose blocks are its read units
+        #: (Parquet row groups) keeps their edges where the units' are.
+        self.aligned = aligned
         self.seed = seed
         self.block_size = block_size
         self.window = window
@@ -122,7 +127,7 @@ class BlockShuffle:
 
     def _make_blocks(self, epoch: int) -> tuple[FeistelPermutation | None, int]:
         key = epoch_key(self.seed, epoch)
-        offset = derive_key(key, 0) % self.num_samples
+        offset = 0 if self.aligned else derive_key(key, 0) % self.num_samples
         if not self.full_blocks:
             return None, offset
         return FeistelPermutation(self.full_blocks, derive_key(key, 1)), offset
@@ -177,13 +182,18 @@ class BlockShuffle:
 
 
 def make_sample_order(
-    num_samples: int, shuffle: str, seed: int, block_size: int = 1, window: int = 1
+    num_samples: int,
+    shuffle: str,
+    seed: int,
+    block_size: int = 1,
+    window: int = 1,
+    aligned_blocks: bool = False,
 ) -> SampleOrder:
     """The sample order named by ``shuffle`` (already normalised)."""
     if shuffle == "global":
         return GlobalShuffle(num_samples, seed)
     if shuffle == "block":
-        return BlockShuffle(num_samples, seed, block_size, window)
+        return BlockShuffle(num_samples, seed, block_size, window, aligned_blocks)
     return Sequential(num_samples)
 
 
@@ -218,6 +228,7 @@ class EpochOrder:
         block_size: int = 1,
         window: int = 1,
         samples: SampleOrder | None = None,
+        aligned_blocks: bool = False,
     ) -> None:
         if tail not in TAILS:
             raise ConfigError(f"tail={tail!r}: expected one of {TAILS}")
@@ -230,7 +241,7 @@ class EpochOrder:
         self.drop_last = drop_last
         self.tail = tail
         self.samples = samples or make_sample_order(
-            num_samples, self.shuffle, seed, block_size, window
+            num_samples, self.shuffle, seed, block_size, window, aligned_blocks
         )
         #: Global positions per epoch: num_samples minus the dropped or plus the wrapped tail.
         self.positions_per_epoch = positions_per_epoch(

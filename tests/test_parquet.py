@@ -1,0 +1,451 @@
+"""Parquet: rows read exactly once per epoch through every store, fields by Arrow type,
+footers only at open, only the selected columns fetched.
+
+Every expectation comes from the values the test wrote with pyarrow: row ``i`` of the
+dataset holds ``id == i`` and columns computed from ``i`` by :func:`make_table`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import BUCKET, s3_options
+
+import asyncbatch as ab
+from asyncbatch.batch import FieldSchema, Jagged, Strings
+from asyncbatch.errors import FormatError, ResumeStateError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+_names = itertools.count()
+#: Rows per file and the row-group size each file is written with: unequal row groups.
+FILES = [(37, 10), (0, 10), (55, 16), (8, 8)]
+
+
+def make_table(first: int, count: int) -> Any:
+    """Rows ``first .. first + count - 1``: every column a function of the row's id."""
+    ids = np.arange(first, first + count, dtype=np.int64)
+    lengths = ids % 7
+    tokens = [list(range(int(i), int(i) + int(n))) for i, n in zip(ids, lengths, strict=True)]
+    return pa.table(
+        {
+            "id": pa.array(ids),
+            "tokens": pa.array(tokens, type=pa.list_(pa.int32())),
+            "text": pa.array([f"row {i} " + "é" * int(i % 3) for i in ids.tolist()], pa.string()),
+            "vec": pa.array(
+                [[float(i), float(i) / 2, -float(i)] for i in ids.tolist()],
+                type=pa.list_(pa.float32(), 3),
+            ),
+            "score": pa.array((ids * 0.25).tolist(), type=pa.float64()),
+        }
+    )
+
+
+Write = Callable[[str, Any, int], None]
+
+
+def writer_for(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[str, Write, dict[str, Any]]:
+    """``(root URL, write(relative path, table, row group size), storage options)``."""
+    name = f"pq-{next(_names)}"
+    if store == "s3":
+        import s3fs
+
+        options = s3_options(request.getfixturevalue("s3_endpoint"))
+        fs = s3fs.S3FileSystem(**options)
+        root = f"s3://{BUCKET}/{name}"
+
+        def write_s3(path: str, table: Any, group: int) -> None:
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, row_group_size=group)
+            fs.pipe(f"{root}/{path}", sink.getvalue().to_pybytes())
+
+        return root, write_s3, options
+    if store == "http":
+        base, server = request.getfixturevalue("http_root")
+        folder, root = base / name, f"{server.url}/{name}"
+    else:
+        folder = tmp_path / name
+        root = str(folder)
+
+    def write_file(path: str, table: Any, group: int) -> None:
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, folder / path, row_group_size=group)
+
+    return root, write_file, {}
+
+
+def write_files(write: Write, names: list[str]) -> int:
+    """The files of :data:`FILES` under ``names``; returns the rows written."""
+    first = 0
+    for name, (rows, group) in zip(names, FILES, strict=True):
+        write(name, make_table(first, rows), group)
+        first += rows
+    return first
+
+
+def check_batch(batch: ab.Batch) -> None:
+    """Every field equals what :func:`make_table` wrote for the batch's ids."""
+    ids = batch["id"].numpy()
+    np.testing.assert_array_equal(ids, batch.global_indexes)
+    tokens = batch["tokens"]
+    assert isinstance(tokens, Jagged)
+    assert tokens.values.dtype == torch.int32
+    for k, i in enumerate(ids.tolist()):
+        assert tokens[k].tolist() == list(range(i, i + i % 7))
+    text = batch["text"]
+    assert isinstance(text, Strings)
+    assert text.to_pylist() == [f"row {i} " + "é" * (i % 3) for i in ids.tolist()]
+    assert batch["vec"].shape == (ids.size, 3)
+    np.testing.assert_array_equal(batch["vec"][:, 0].numpy(), ids.astype(np.float32))
+    np.testing.assert_array_equal(batch["score"].numpy(), ids * 0.25)
+
+
+@pytest.mark.parametrize("shuffle", ["block", True, False])
+def test_every_row_once_per_epoch_every_store(
+    store: str, shuffle: Any, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    if store != "local" and shuffle is not True:
+        pytest.skip("the orders are store-independent: one order per remote store")
+    root, write, options = writer_for(store, request, tmp_path)
+    names = [f"part-{n}.parquet" for n in (2, 10, 11, 100)]
+    total = write_files(write, names)
+    if store == "http":  # no listing over plain HTTP: a list of files
+        dataset = ab.open_dataset([f"{root}/{n}" for n in names], options)
+    else:
+        dataset = ab.open_dataset(root, options)
+    assert [s.path for s in dataset.manifest.shards] == names  # natural order
+    assert dataset.manifest.total_elements == total
+    extra = {"window": 2} if shuffle == "block" else {}
+    with ab.Loader(dataset, batch_size=6, shuffle=shuffle, drop_last=False, **extra) as loader:
+        seen = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            ids = []
+            for batch in loader:
+                check_batch(batch)
+                ids.extend(batch.global_indexes.tolist())
+            assert sorted(ids) == list(range(total))
+            seen.append(ids)
+    if shuffle is False:
+        assert seen[0] == list(range(total))
+    else:
+        assert seen[0] != seen[1]
+
+
+def test_huggingface_layout_by_glob_and_folder(tmp_path: Path) -> None:
+    root = tmp_path / "hub"
+    names = [f"train-{n:05d}-of-00003.parquet" for n in range(3)]
+    first = 0
+    for name, rows in zip(names, [9, 4, 12], strict=True):
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        pq.write_table(make_table(first, rows), root / "data" / name, row_group_size=5)
+        first += rows
+    pq.write_table(make_table(0, 3), root / "data" / "test-00000-of-00001.parquet")
+    (root / "README.md").write_text("card")
+    train = ab.open_dataset(f"{root}/data/train-*.parquet")
+    assert [s.path for s in train.manifest.shards] == names
+    everything = ab.open_dataset(str(root))  # a folder: .parquet at any depth
+    assert len(everything.manifest.shards) == 4
+    assert everything.manifest.shards[0].path == "data/test-00000-of-00001.parquet"
+    with ab.Loader(train, batch_size=25, shuffle=False) as loader:
+        (batch,) = list(loader)
+    check_batch(batch)
+
+
+def test_empty_file_and_empty_row_group(tmp_path: Path) -> None:
+    table = make_table(0, 12)
+    with pq.ParquetWriter(tmp_path / "a.parquet", table.schema) as out:
+        out.write_table(table.slice(0, 5))
+        out.write_table(table.slice(5, 0))  # an empty row group
+        out.write_table(table.slice(5, 7))
+    pq.write_table(table.slice(0, 0), tmp_path / "b.parquet")  # no rows at all
+    pq.write_table(make_table(12, 3), tmp_path / "c.parquet")
+    dataset = ab.open_dataset(str(tmp_path))
+    assert dataset.manifest.total_elements == 15
+    with ab.Loader(dataset, batch_size=4, shuffle="block", drop_last=False) as loader:
+        ids = []
+        for batch in loader:
+            check_batch(batch)
+            ids += batch.global_indexes.tolist()
+    assert sorted(ids) == list(range(15))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "footer", "magic", "tiny"])
+def test_corrupt_files_name_the_file(tmp_path: Path, damage: str) -> None:
+    pq.write_table(make_table(0, 20), tmp_path / "good.parquet", row_group_size=5)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(make_table(20, 20), bad, row_group_size=5)
+    data = bytearray(bad.read_bytes())
+    if damage == "truncated":  # cut inside the data: the footer survives a rewrite elsewhere
+        data = data[:100] + data[-(int.from_bytes(data[-8:-4], "little") + 8) :]
+    elif damage == "footer":
+        length = int.from_bytes(data[-8:-4], "little")
+        data[-8 - length : -8 - length + 40] = b"\xff" * 40
+    elif damage == "magic":
+        data = data[:-3]
+    else:
+        data = data[:7]
+    bad.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="bad.parquet"):
+        ab.open_dataset(str(tmp_path))
+
+
+def test_projection_fetches_only_its_column(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    columns = {f"c{k}": rng.integers(0, 2**62, 4000) for k in range(5)}
+    path = tmp_path / "wide.parquet"
+    pq.write_table(pa.table(columns), path, row_group_size=1000, compression="none")
+    dataset = ab.open_dataset(str(path), options={"columns": ["c3"]})
+    with ab.Loader(dataset, batch_size=100, shuffle="block", drop_last=False) as loader:
+        got = np.concatenate([b["c3"].numpy()[np.argsort(b.global_indexes)] for b in loader])
+        stats = loader.statistics()
+    assert sorted(got.tolist()) == sorted(columns["c3"].tolist())
+    assert list(batch_fields(dataset)) == ["c3"]
+    assert 0 < stats.bytes_fetched <= 0.3 * path.stat().st_size
+
+
+def batch_fields(dataset: ab.Dataset) -> list[str]:
+    with ab.Loader(dataset, batch_size=1, shuffle=False) as loader:
+        return list(next(iter(loader)))
+
+
+def test_nulls_are_an_error_unless_filled(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "x": pa.array([1, 2, None, 4, 5, 6], type=pa.int32()),
+            "t": pa.array([[1], None, [2, 3], [], [4], [5]], type=pa.list_(pa.int64())),
+            "s": pa.array(["a", "b", "c", None, "e", "f"]),
+        }
+    )
+    pq.write_table(table, tmp_path / "n.parquet", row_group_size=2)
+    dataset = ab.open_dataset(str(tmp_path / "n.parquet"))
+    with (
+        ab.Loader(dataset, batch_size=6, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"n\.parquet: row group [01], column 'x'"),
+    ):
+        next(iter(loader))
+    filled = ab.open_dataset(str(tmp_path / "n.parquet"), options={"nulls": "fill"})
+    with ab.Loader(filled, batch_size=6, shuffle=False) as loader:
+        (batch,) = list(loader)
+    assert batch["x"].tolist() == [1, 2, 0, 4, 5, 6]
+    assert [batch["t"][i].tolist() for i in range(6)] == [[1], [], [2, 3], [], [4], [5]]
+    assert batch["s"].to_pylist() == ["a", "b", "c", "", "e", "f"]
+
+
+def test_resume_and_another_datasets_state(tmp_path: Path) -> None:
+    for name, first in (("one", 0), ("two", 1000)):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(first, 50), tmp_path / name / "p.parquet", row_group_size=9)
+    one = ab.open_dataset(str(tmp_path / "one"))
+    args: dict[str, Any] = dict(batch_size=4, shuffle="block", window=2, seed=3, prefetch=3)
+    with ab.Loader(one, **args) as loader:
+        full = [b.global_indexes.tolist() for b in loader]
+    with ab.Loader(one, **args) as loader:
+        it = iter(loader)
+        head = [next(it).global_indexes.tolist() for _ in range(3)]
+        state = loader.state_dict()
+    with ab.Loader(one, **args) as loader:
+        loader.load_state_dict(state)
+        assert head + [b.global_indexes.tolist() for b in loader] == full
+    two = ab.open_dataset(str(tmp_path / "two"))  # same shape, other rows
+    with ab.Loader(two, **args) as loader, pytest.raises(ResumeStateError, match="dataset"):
+        loader.load_state_dict(state)
+
+
+def test_strings_pickle_and_slice() -> None:
+    data = torch.tensor(list(b"abcdef"), dtype=torch.uint8)
+    column = Strings(data, torch.tensor([0, 1, 1, 6]))
+    assert column.to_pylist() == ["a", "", "bcdef"]
+    assert column[1:].to_pylist() == ["", "bcdef"]
+    assert column[-1] == "bcdef"
+    schema = {"s": FieldSchema(dtype="str", shape=(-1,), nested=True, tensor=False)}
+    batch = ab.Batch(np.arange(3), {"s": column}, schema)
+    header, buffers = batch.to_buffers()
+    again = ab.Batch.from_buffers(header, buffers)
+    assert isinstance(again["s"], Strings)
+    assert again["s"].to_pylist() == ["a", "", "bcdef"]
+
+
+def test_inspect_lists_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pq.write_table(make_table(0, 30), tmp_path / "p.parquet", row_group_size=7)
+    from asyncbatch.cli import main
+
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "row groups: 5" in out
+    assert "tokens: list<element: int32>" in out
+
+
+def test_ranks_read_only_their_own_row_groups(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    for k in range(4):
+        columns = {f"c{j}": rng.integers(0, 2**62, 600) for j in range(2)}
+        pq.write_table(pa.table(columns), tmp_path / f"f{k}.parquet", row_group_size=100)
+    dataset = ab.open_dataset(str(tmp_path), options={"columns": ["c0"]})
+    # No coalescing across the other column: bytes fetched are exactly the chunks read.
+    args: dict[str, Any] = dict(batch_size=50, shuffle="block", window=2, seed=5, coalesce_gap=0)
+    with ab.Loader(dataset, **args) as loader:
+        list(loader)
+        alone = loader.statistics().bytes_fetched
+    ids: list[int] = []
+    fetched = 0
+    for rank in range(2):
+        with ab.Loader(dataset, rank=rank, world_size=2, **args) as loader:
+            ids += [i for b in loader for i in b.global_indexes.tolist()]
+            fetched += loader.statistics().bytes_fetched
+    assert sorted(ids) == list(range(2400))
+    chunks = 0
+    for k in range(4):
+        meta = pq.read_metadata(tmp_path / f"f{k}.parquet")
+        chunks += sum(meta.row_group(g).column(0).total_compressed_size for g in range(6))
+    assert alone == chunks  # row groups are the blocks: each read once, whole
+    assert fetched == chunks  # and by one rank only
+
+
+@pytest.mark.parametrize("shuffle", ["block", True])
+def test_elastic_resume_two_ranks_to_three(tmp_path: Path, shuffle: Any) -> None:
+    for k in range(3):
+        pq.write_table(make_table(40 * k, 40), tmp_path / f"p{k}.parquet", row_group_size=8)
+    dataset = ab.open_dataset(str(tmp_path))
+    extra = {"window": 2} if shuffle == "block" else {}
+
+    def loader(rank: int, world: int) -> ab.Loader:
+        return ab.Loader(
+            dataset, batch_size=12 // world, rank=rank, world_size=world, shuffle=shuffle, **extra
+        )
+
+    delivered: list[int] = []
+    states = []
+    for rank in range(2):
+        with loader(rank, 2) as first:
+            it = iter(first)
+            delivered += [i for _ in range(3) for i in next(it).global_indexes.tolist()]
+            states.append(first.state_dict())
+    for rank in range(3):
+        with loader(rank, 3) as rest:
+            rest.load_state_dict(states[0])
+            delivered += [i for b in rest for i in b.global_indexes.tolist()]
+    assert sorted(delivered) == list(range(120))
+
+
+def test_without_pyarrow_a_config_error_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pq.write_table(make_table(0, 3), tmp_path / "p.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ab.ConfigError, match=r"asyncbatch\[parquet\]"):
+        ab.open_dataset(str(tmp_path / "p.parquet"))
+
+
+def test_list_of_s3_urls(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    root, write, options = writer_for("s3", request, tmp_path)
+    names = [f"d/x-{n}.parquet" for n in range(4)]
+    total = write_files(write, names)
+    dataset = ab.open_dataset([f"{root}/{n}" for n in reversed(names)], options)
+    # In the order given, relative to the folder they share.
+    assert [s.path for s in dataset.manifest.shards] == [n[2:] for n in reversed(names)]
+    assert dataset.url == f"{root}/d"
+    with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
+        ids = [i for b in loader for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(total))
+
+
+def test_a_null_item_inside_a_list_names_the_row_groups(tmp_path: Path) -> None:
+    lists = pa.array([[1, 2], [3, None], [4]], type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({"t": lists}), tmp_path / "i.parquet", row_group_size=2)
+    dataset = ab.open_dataset(str(tmp_path / "i.parquet"))
+    with (
+        ab.Loader(dataset, batch_size=3, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"i\.parquet: row groups \[0, 1\], items of column 't'"),
+    ):
+        next(iter(loader))
+
+
+def test_a_mixture_of_two_parquet_datasets(tmp_path: Path) -> None:
+    for name, first in (("a", 0), ("b", 100)):
+        (tmp_path / name).mkdir()
+        pq.write_table(make_table(first, 30), tmp_path / name / "p.parquet", row_group_size=7)
+    blend = ab.mix([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], samples=40)
+    with ab.Loader(blend, batch_size=8, shuffle="block", window=2) as loader:
+        ids = [i for b in loader for i in b["id"].tolist()]
+    assert len(ids) == 40
+    assert {i // 100 for i in ids} == {0, 1}  # rows of both
+    assert all(i % 100 < 30 for i in ids)
+
+
+def write_documents_files(folder: Path, lengths: list[list[int]], group: int) -> list[list[int]]:
+    """Files of one ``input_ids`` list column (document ``d`` of file ``f``: ``lengths[f][d]``
+    tokens, values numbered through the stream); returns every document's tokens."""
+    documents: list[list[int]] = []
+    at = 0
+    for number, file_lengths in enumerate(lengths):
+        docs = [
+            list(range(at + sum(file_lengths[:d]), at + sum(file_lengths[: d + 1])))
+            for d in range(len(file_lengths))
+        ]
+        at += sum(file_lengths)
+        table = pa.table(
+            {
+                "input_ids": pa.array(docs, type=pa.list_(pa.int32())),
+                "id": pa.array(range(len(documents), len(documents) + len(docs)), type=pa.int64()),
+            }
+        )
+        pq.write_table(table, folder / f"p-{number}.parquet", row_group_size=group)
+        documents += docs
+    return documents
+
+
+@pytest.mark.parametrize("next_token", [False, True])
+def test_packing_is_token_windows_plus_boundaries(tmp_path: Path, next_token: bool) -> None:
+    rng = np.random.default_rng(2)
+    lengths = [(1 + rng.geometric(1 / 9, n)).tolist() for n in (30, 1, 45)]
+    documents = write_documents_files(tmp_path, lengths, group=7)
+    stream = np.concatenate([np.array(d) for d in documents])
+    doc_of = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
+    starts = np.cumsum([0] + [len(d) for d in documents])
+    seq_len = 16
+    window = seq_len + int(next_token)
+    dataset = ab.open_dataset(str(tmp_path))
+    with ab.Loader(
+        dataset,
+        batch_size=5,
+        seq_len=seq_len,
+        next_token=next_token,
+        shuffle="block",
+        drop_last=False,
+    ) as loader:
+        seen = []
+        for batch in loader:
+            for k, i in enumerate(batch.global_indexes.tolist()):
+                lo = i * seq_len
+                assert batch["tokens"][k].tolist() == stream[lo : lo + window].tolist()
+                assert batch["document_ids"][k].tolist() == doc_of[lo : lo + window].tolist()
+                position = np.arange(lo, lo + window) - np.maximum(
+                    starts[doc_of[lo : lo + window]], lo
+                )
+                assert batch["position_ids"][k].tolist() == position.tolist()
+                inner = [int(s) - lo for s in starts if lo < s < lo + seq_len]
+                assert batch["cu_seqlens"][k].tolist() == [0, *inner, seq_len]
+                seen.append(i)
+    assert sorted(seen) == list(range((stream.size - int(next_token)) // seq_len))
+
+
+def test_packing_refuses_empty_documents(tmp_path: Path) -> None:
+    write_documents_files(tmp_path, [[3, 0, 4, 5]], group=2)
+    dataset = ab.open_dataset(str(tmp_path))
+    with (
+        ab.Loader(dataset, batch_size=1, seq_len=4, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"row group 0, column 'input_ids'.*non-empty"),
+    ):
+        list(loader)
