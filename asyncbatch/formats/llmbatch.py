@@ -275,6 +275,8 @@ class LLMBatchRecords(PlannedSource):
         self.shard_dataset = np.arange(len(self.datasets), dtype=np.int64)
         #: ``shuffle="block"``'s default block: the files' batch size (if they share one).
         self.default_block_size = first.batch_size if len(set(self._batch.tolist())) == 1 else None
+        #: ``shuffle="batch"``'s unit: the records of one slot (one file only).
+        self.slot_rows = first.batch_size if len(self.datasets) == 1 else None
         self.out_dtype = output_dtype(dtype, first.dtype, self.datasets[0].url)
         self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
         out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0

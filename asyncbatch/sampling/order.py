@@ -37,7 +37,7 @@ from .windows import History, RankWindows
 
 Int64Array = npt.NDArray[np.int64]
 
-SHUFFLES = ("none", "global", "block")
+SHUFFLES = ("none", "global", "block", "batch")
 TAILS = ("drop", "wrap")
 
 #: Positions whose sample ids are computed (and cached) together.
@@ -174,7 +174,10 @@ class BlockShuffle:
 def make_sample_order(
     num_samples: int, shuffle: str, seed: int, block_size: int = 1, window: int = 1
 ) -> SampleOrder:
-    """The sample order named by ``shuffle`` (already normalised)."""
+    """The sample order named by ``shuffle`` (already normalised); ``"batch"`` orders whole
+    batches, not samples (:class:`~asyncbatch.sampling.batches.BatchOrder`)."""
+    if shuffle == "batch":
+        raise ConfigError("shuffle='batch' orders a file's batches, not samples: use BatchOrder")
     if shuffle == "global":
         return GlobalShuffle(num_samples, seed)
     if shuffle == "block":
