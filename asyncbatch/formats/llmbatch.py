@@ -21,7 +21,9 @@ A sample is one *record* (``seq_len`` tokens): record ``r`` lives in slot ``r //
 at row ``r % batch_size``, so the engine's index math, shuffles, ranks and resume states
 work unchanged. ``shuffle="block"`` defaults to blocks of the file's ``batch_size``: with a
 loader ``batch_size`` equal to it, each batch is one range read (rows of one slot, or of two
-neighbouring slots merged across the padding).
+neighbouring slots merged across the padding). ``shuffle="batch"``
+(:mod:`asyncbatch.sampling.batches`) asks for whole slots, which are planned as one read per
+slot straight into the batch buffer, without the record-level planner.
 """
 
 from __future__ import annotations
@@ -277,6 +279,7 @@ class LLMBatchRecords(PlannedSource):
         self.default_block_size = first.batch_size if len(set(self._batch.tolist())) == 1 else None
         #: ``shuffle="batch"``'s unit: the records of one slot (one file only).
         self.slot_rows = first.batch_size if len(self.datasets) == 1 else None
+        self._rows = np.arange(first.batch_size, dtype=np.int64)
         self.out_dtype = output_dtype(dtype, first.dtype, self.datasets[0].url)
         self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
         out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
@@ -299,7 +302,43 @@ class LLMBatchRecords(PlannedSource):
         return starts
 
     def plan(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan:
-        return self.shard_map.plan(self.element_starts(ids), self.seq_len, gap)
+        slots = self.whole_slots(ids)
+        if slots is None:
+            return self.shard_map.plan(self.element_starts(ids), self.seq_len, gap)
+        rows = self.slot_rows
+        assert rows is not None
+        if (np.diff(slots) == 1).any():  # file neighbours in a row: the planner merges them
+            return self.shard_map.plan(self.element_starts(slots * rows), rows * self.seq_len, gap)
+        # The batch shuffle's path: one read per slot, straight to its place in the buffer
+        # (per group, a handful of numpy calls instead of the planner's ~40 over every record).
+        itemsize = self.stored_dtype.itemsize
+        raw = rows * self.seq_len * itemsize
+        starts = slots * (self._slot[0] * itemsize) + HEADER_SIZE
+        empty = np.empty(0, dtype=np.int64)
+        return ReadPlan(
+            read_shard=np.zeros(slots.size, dtype=np.int64),
+            read_start=starts,
+            read_end=starts + raw,
+            read_dest=np.arange(slots.size, dtype=np.int64) * raw,
+            piece_read=empty,
+            piece_src=empty,
+            piece_dest=empty,
+            piece_length=empty,
+            nbytes=int(slots.size) * raw,
+        )
+
+    def whole_slots(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | None:
+        """The slots ``ids`` are, if they are whole slots of one file each in row order
+        (``shuffle="batch"``), else None."""
+        rows = self.slot_rows
+        if rows is None or not ids.size or ids.size % rows:
+            return None
+        table = ids.reshape(-1, rows)
+        first = table[:, 0]
+        if (first % rows).any() or not (table == first[:, None] + self._rows).all():
+            return None
+        slots: npt.NDArray[np.int64] = first // rows
+        return slots
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         array = buffer.view(self.stored_dtype).reshape(ids.size, self.seq_len)
