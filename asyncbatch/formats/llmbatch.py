@@ -270,6 +270,9 @@ class LLMBatchRecords(PlannedSource):
         self._id_starts = np.cumsum(self.sizes) - self.sizes
         self._batch = np.array([h.batch_size for h in headers], dtype=np.int64)
         self._slot = np.array([h.slot_bytes // itemsize for h in headers], dtype=np.int64)
+        #: Elements of padding at the end of each file's slots.
+        self._padding = self._slot - self._batch * self.seq_len
+        self._padded = bool(self._padding.any())
         counts = np.array([d.manifest.shards[0].elements for d in self.datasets], dtype=np.int64)
         self._element_base = np.cumsum(counts) - counts
         self.shard_map = ShardMap(counts, itemsize, np.full(counts.size, HEADER_SIZE))
@@ -304,7 +307,8 @@ class LLMBatchRecords(PlannedSource):
     def plan(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan:
         slots = self.whole_slots(ids)
         if slots is None:
-            return self.shard_map.plan(self.element_starts(ids), self.seq_len, gap)
+            starts = self.element_starts(ids)
+            return self.shard_map.plan(starts, self.seq_len, gap, self._padding_between(starts))
         rows = self.slot_rows
         assert rows is not None
         if (np.diff(slots) == 1).any():  # file neighbours in a row: the planner merges them
@@ -326,6 +330,21 @@ class LLMBatchRecords(PlannedSource):
             piece_length=empty,
             nbytes=int(slots.size) * raw,
         )
+
+    def _padding_between(self, starts: npt.NDArray[np.int64]) -> int:
+        """Bytes of slot padding between records of ``starts`` that are neighbours across a
+        slot's end. The planner may read across them on top of its budget: padding is no
+        record's bytes, and a slot's padding is within the store's gap, cheaper than one
+        more request (so a block of records that straddles two slots is still one read)."""
+        if not self._padded:
+            return 0
+        ordered = np.sort(starts)
+        which = np.searchsorted(self._element_base, ordered, side="right") - 1
+        padding = self._padding[which]
+        opens_slot = (ordered - self._element_base[which]) % self._slot[which] == 0
+        after_last_row = np.diff(ordered) == self.seq_len + padding[1:]
+        crossing = opens_slot[1:] & after_last_row
+        return int(padding[1:][crossing].sum()) * self.stored_dtype.itemsize
 
     def whole_slots(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64] | None:
         """The slots ``ids`` are, if they are whole slots of one file each in row order
