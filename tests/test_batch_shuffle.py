@@ -3,6 +3,7 @@ between ranks, one read each, resumable on any world size with the same global b
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 from typing import Any
@@ -284,3 +285,22 @@ def test_slot_plans_read_exactly_the_slots(tmp_path: Path, seq_len: int) -> None
         plan = source.plan(ids.astype(np.int64), 0)
         want = records[ids].astype("<u4").view(np.uint8).reshape(-1)
         np.testing.assert_array_equal(carry_out(plan, data), want)
+
+
+@pytest.mark.parametrize("store", ["local"])
+def test_async_loader_and_infinite_runs_give_the_same_batches(
+    batch_file: tuple[str, dict[str, Any]],
+) -> None:
+    url, _ = batch_file
+    args: dict[str, Any] = {"batch_size": ROWS, "shuffle": "batch", "seed": 5}
+    with ab.Loader(url, **args) as loader:
+        epochs = [[slots_of(b)[0] for b in loader] for _ in range(2)]
+
+    async def read_async() -> list[int]:
+        async with ab.AsyncLoader(url, **args) as loader:
+            return [slots_of(b)[0] async for b in loader]
+
+    assert asyncio.run(read_async()) == epochs[0]
+    with ab.Loader(url, infinite=True, **args) as loader:
+        endless = [slots_of(b)[0] for b in itertools.islice(loader, 2 * SLOTS)]
+    assert endless == epochs[0] + epochs[1]
