@@ -268,18 +268,19 @@ def test_slot_plans_read_exactly_the_slots(tmp_path: Path, seq_len: int) -> None
     ab.write_llmbatch(url, records, batch_size=ROWS, shuffle=False)
     data = Path(url).read_bytes()
     source = LLMBatchRecords([ab.open_dataset(url)])
-    for slots, reads in [
-        ([7, 2, 11, 0], 4),  # shuffled: one read per slot, each straight into place
-        ([3, 4, 9, 8], None),  # file neighbours in a row: the planner may merge them
+    padded = seq_len == SEQ_LEN
+    for slots, gap, reads, direct in [
+        ([7, 2, 11, 0], 2**17, 4, 4),  # shuffled: one read per slot, each straight into place
+        ([3, 4, 5, 9, 8], 0, 5 if padded else 3, 5 if padded else 3),  # 3, 4, 5 in a row
+        ([3, 4, 5, 9, 8], 2**17, 3, 2 if padded else 3),  # ... read across the padding
+        ([12, 0, 1], 2**17, 2, 1 if padded else 2),
     ]:
         ids = (np.asarray(slots)[:, None] * ROWS + np.arange(ROWS)).reshape(-1)
-        for gap in (0, 2**17):
-            plan = source.plan(ids, gap)
-            if reads is not None:
-                assert plan.num_reads == reads
-                assert (plan.read_dest >= 0).all()
-            want = records[ids].astype("<u4").view(np.uint8).reshape(-1)
-            np.testing.assert_array_equal(carry_out(plan, data), want)
+        plan = source.plan(ids, gap)
+        assert plan.num_reads == reads
+        assert (plan.read_dest >= 0).sum() == direct
+        want = records[ids].astype("<u4").view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(carry_out(plan, data), want)
     # Not whole slots (a row missing, rows out of order): the record planner, same bytes.
     for ids in (np.arange(8, 15), np.r_[np.arange(8, 16)[::-1]], np.arange(4, 12)):
         plan = source.plan(ids.astype(np.int64), 0)

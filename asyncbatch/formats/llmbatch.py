@@ -309,25 +309,53 @@ class LLMBatchRecords(PlannedSource):
         if slots is None:
             starts = self.element_starts(ids)
             return self.shard_map.plan(starts, self.seq_len, gap, self._padding_between(starts))
-        rows = self.slot_rows
-        assert rows is not None
-        if (np.diff(slots) == 1).any():  # file neighbours in a row: the planner merges them
-            return self.shard_map.plan(self.element_starts(slots * rows), rows * self.seq_len, gap)
-        # The batch shuffle's path: one read per slot, straight to its place in the buffer
-        # (per group, a handful of numpy calls instead of the planner's ~40 over every record).
+        return self.plan_slots(slots, gap)
+
+    def plan_slots(self, slots: npt.NDArray[np.int64], gap: int) -> ReadPlan:
+        """Reads of whole ``slots`` (of the one file) into consecutive places of a buffer: one
+        per slot (``shuffle="batch"``), or one per run of slots that follow each other in
+        the file, read across their padding when it is within ``gap`` (sequential order).
+
+        A handful of numpy calls per group, where the record planner takes ~40 over every
+        record; slots read alone or without padding land straight in place.
+        """
         itemsize = self.stored_dtype.itemsize
-        raw = rows * self.seq_len * itemsize
-        starts = slots * (self._slot[0] * itemsize) + HEADER_SIZE
-        empty = np.empty(0, dtype=np.int64)
+        raw = int(self._batch[0] * self.seq_len) * itemsize
+        slot_bytes = int(self._slot[0]) * itemsize
+        padding = slot_bytes - raw
+        starts = slots * slot_bytes + HEADER_SIZE
+        dest = np.arange(slots.size, dtype=np.int64) * raw
+        new_run = np.ones(slots.size, dtype=bool)
+        if padding <= gap:
+            np.not_equal(np.diff(slots), 1, out=new_run[1:])
+        if new_run.all():  # the batch shuffle's usual case: every slot alone, in place
+            empty = np.empty(0, dtype=np.int64)
+            return ReadPlan(
+                read_shard=np.zeros(slots.size, dtype=np.int64),
+                read_start=starts,
+                read_end=starts + raw,
+                read_dest=dest,
+                piece_read=empty,
+                piece_src=empty,
+                piece_dest=empty,
+                piece_length=empty,
+                nbytes=int(slots.size) * raw,
+            )
+        heads = np.flatnonzero(new_run)
+        lasts = np.append(heads[1:] - 1, slots.size - 1)
+        direct = (heads == lasts) | (padding == 0)
+        # Slots read together across padding land in scratch; each is copied into place.
+        run_of = np.cumsum(new_run) - 1
+        via = ~direct[run_of]
         return ReadPlan(
-            read_shard=np.zeros(slots.size, dtype=np.int64),
-            read_start=starts,
-            read_end=starts + raw,
-            read_dest=np.arange(slots.size, dtype=np.int64) * raw,
-            piece_read=empty,
-            piece_src=empty,
-            piece_dest=empty,
-            piece_length=empty,
+            read_shard=np.zeros(heads.size, dtype=np.int64),
+            read_start=starts[heads],
+            read_end=starts[lasts] + raw,
+            read_dest=np.where(direct, dest[heads], -1),
+            piece_read=run_of[via],
+            piece_src=(starts - starts[heads][run_of])[via],
+            piece_dest=dest[via],
+            piece_length=np.full(int(via.sum()), raw, dtype=np.int64),
             nbytes=int(slots.size) * raw,
         )
 
