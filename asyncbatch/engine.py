@@ -40,6 +40,7 @@ from .integrity import (
     size_error,
 )
 from .layout import ReadPlan
+from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
@@ -71,7 +72,7 @@ class Engine:
     def __init__(
         self,
         source: Source,
-        order: EpochOrder,
+        order: EpochOrder | BatchOrder,
         *,
         max_inflight: int,
         group: int = 1,

@@ -39,6 +39,7 @@ from .formats import Source, make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .integrity import DEFAULT_VERIFY, Verify, check_level
 from .mixture import Mixture
+from .sampling.batches import BatchOrder
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
     TAILS,
@@ -310,24 +311,28 @@ class _LoaderBase:
             )
         samples: SampleOrder | None = None
         num_samples = source.num_samples
-        if isinstance(data, Mixture):
+        if isinstance(data, Mixture) and self.shuffle != "batch":
             samples = self._mixture_order(data, source)
             num_samples = samples.num_samples
-        order = EpochOrder(
-            num_samples,
-            self.batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=self.drop_last,
-            tail=self.tail,
-            block_size=self.block_size or 1,
-            window=self.window or 1,
-            samples=samples,
-            # A format whose blocks are its read units keeps block edges on them.
-            aligned_blocks=bool(getattr(source, "aligned_blocks", False)),
-        )
+        order: EpochOrder | BatchOrder
+        if self.shuffle == "batch":
+            order = self._batch_order(data, source)
+        else:
+            order = EpochOrder(
+                num_samples,
+                self.batch_size,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                rank=self.rank,
+                world_size=self.world_size,
+                drop_last=self.drop_last,
+                tail=self.tail,
+                block_size=self.block_size or 1,
+                window=self.window or 1,
+                samples=samples,
+                # A format whose blocks are its read units keeps block edges on them.
+                aligned_blocks=bool(getattr(source, "aligned_blocks", False)),
+            )
         if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
             raise ConfigError(self._nothing_to_read(data, num_samples))
         self._data = data
@@ -372,6 +377,31 @@ class _LoaderBase:
         return (
             f"nothing to read: {what} {num_samples} samples{window}, fewer than the {need}"
             f" one batch on every rank needs ({cut})"
+        )
+
+    def _batch_order(self, data: Dataset | Mixture, source: Source) -> BatchOrder:
+        """``shuffle="batch"``: the order of a file's pre-built batches (one file only)."""
+        if isinstance(data, Mixture):
+            raise ConfigError(
+                f"shuffle='batch' keeps the batches of one LLMBATCH file whole; a mixture of"
+                f" {len(data.datasets)} datasets has no batches of its own (use True or 'block')"
+            )
+        # Formats stored as batches say how many records a slot holds (LLMBATCH).
+        rows: int | None = getattr(source, "slot_rows", None)
+        if rows is None:
+            raise ConfigError(
+                f"shuffle='batch' needs data stored as batches (LLMBATCH .batch files);"
+                f" {data.url} is format {data.manifest.format!r} (use True or 'block')"
+            )
+        return BatchOrder(
+            source.num_samples // rows,
+            rows,
+            self.batch_size,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            tail=self.tail,
         )
 
     def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
@@ -579,7 +609,9 @@ class Loader(_LoaderBase):
             own sample (a document, a record).
         shuffle: ``True`` or ``"global"``: an exact shuffle of all samples, new each epoch;
             ``"block"``: blocks of ``block_size`` samples in random order, mixed within
-            ``window`` blocks (one read per block); ``False`` or ``"none"``: in order.
+            ``window`` blocks (one read per block); ``"batch"``: an LLMBATCH file's
+            pre-built batches kept whole, in a new order each epoch; ``False`` or
+            ``"none"``: in order.
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
             2 to 128, or two block-shuffle windows.

@@ -11,6 +11,8 @@ batches. Page cache warm. Per round, interleaved (the order rotated each round):
   seq_len=512, shuffle=True, seed=0)``, the whole epoch;
 * ``llmbatch global``: the same over the ``.batch`` file (same batches, checked);
 * ``llmbatch block``: ``shuffle="block"`` (the format's default block: one file batch);
+* ``llmbatch batch``: ``shuffle="batch"``: the file's batches whole, in a shuffled order (one
+  read of one slot per batch);
 * ``mmap view``: the layout's own reader: ``mmap`` the file, then per batch (file batches
   in a shuffled order) slice, ``np.frombuffer``, reshape, ``torch.from_numpy`` (no copy);
 * ``mmap copy``: the same plus a copy into a fresh tensor (what the Loader hands over: a
@@ -130,6 +132,7 @@ def count_requests(folder: Path, size_mb: int) -> dict[str, float]:
             ("block gap 0", {"shuffle": "block", "coalesce_gap": 0}),
             ("global", {"shuffle": True}),
             ("global gap 0", {"shuffle": True, "coalesce_gap": 0}),
+            ("batch", {"shuffle": "batch"}),
         ]:
             before = server.requests
             with ab.Loader(dataset, batch_size=BATCH_SIZE, seed=0, **kwargs) as loader:
@@ -183,6 +186,7 @@ def main() -> None:
             "tokens global": lambda: time_loader(tokens, dtype, seq_len=SEQ_LEN, shuffle=True),
             "llmbatch global": lambda: time_loader(batch, dtype, shuffle=True),
             "llmbatch block": lambda: time_loader(batch, dtype, shuffle="block"),
+            "llmbatch batch": lambda: time_loader(batch, dtype, shuffle="batch"),
             "mmap view": lambda: time_mmap(path, copy=False, int64=args.int64),
             "mmap copy": lambda: time_mmap(path, copy=True, int64=args.int64),
             "preadv copy": lambda: time_preadv(path, int64=args.int64),
@@ -197,6 +201,7 @@ def main() -> None:
         planned = {
             "block": planned_reads(batch, shuffle="block"),
             "global": planned_reads(batch, shuffle=True),
+            "batch": planned_reads(batch, shuffle="batch"),
         }
         http_folder = root / "http"
         http_folder.mkdir()
@@ -208,12 +213,14 @@ def main() -> None:
         f"# {num_tokens / 1e6:.0f} M uint32 tokens, seq_len {SEQ_LEN}, batch {BATCH_SIZE},"
         f" {'int64' if args.int64 else 'stored uint32'}, {args.rounds} rounds, medians"
     )
-    base = times["tokens global"]
-    print(f"{'line':<18}{'M tokens/s':>12}{'vs tokens global':>18}")
+    # Paired ratios (above 1: faster) against the baseline and the layout's own reader: its
+    # view (no copy), and its copy (a batch that owns its memory, as the Loader's do).
+    against = [name for name in ("tokens global", "mmap view", "mmap copy") if name in times]
+    print(f"{'line':<18}{'M tokens/s':>12}" + "".join(f"{'vs ' + a:>18}" for a in against))
     for name, values in times.items():
         rate = num_tokens / statistics.median(values) / 1e6
-        ratio = paired_ratio(base, values)
-        print(f"{name:<18}{rate:>12.0f}{ratio:>17.2f}x")
+        ratios = "".join(f"{paired_ratio(times[a], values):>17.2f}x" for a in against)
+        print(f"{name:<18}{rate:>12.0f}{ratios}")
     print(f"# planned reads per batch, {args.size_mb} MiB file, coalesce_gap 128 KiB, one epoch")
     for name, value in planned.items():
         print(f"{'llmbatch ' + name:<24}{value:>8.3f}")

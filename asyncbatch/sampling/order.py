@@ -38,7 +38,7 @@ from .windows import History, RankWindows
 Int64Array = npt.NDArray[np.int64]
 
 #: The shuffles by name; ``shuffle=True`` means "global", ``False`` "none".
-ShuffleName: TypeAlias = Literal["none", "global", "block"]
+ShuffleName: TypeAlias = Literal["none", "global", "block", "batch"]
 Shuffle: TypeAlias = bool | ShuffleName
 #: What a rank does with the samples left after its last whole batch.
 Tail: TypeAlias = Literal["drop", "wrap"]
@@ -189,7 +189,10 @@ def make_sample_order(
     window: int = 1,
     aligned_blocks: bool = False,
 ) -> SampleOrder:
-    """The sample order named by ``shuffle`` (already normalised)."""
+    """The sample order named by ``shuffle`` (already normalised); ``"batch"`` orders whole
+    batches, not samples (:class:`~asyncbatch.sampling.batches.BatchOrder`)."""
+    if shuffle == "batch":
+        raise ConfigError("shuffle='batch' orders a file's batches, not samples: use BatchOrder")
     if shuffle == "global":
         return GlobalShuffle(num_samples, seed)
     if shuffle == "block":
