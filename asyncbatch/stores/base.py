@@ -8,7 +8,9 @@ exclusive ends. A store never completes a read with fewer bytes than asked for: 
 Optional protocols, detected by type: :class:`ReadsInto` (``read_into(urls, which, starts,
 ends, dest, dest_offsets)``: range ``i`` of ``urls[which[i]]`` into one numpy byte buffer at
 ``dest_offsets[i]``; the engine reads a whole group so when a store offers it, as the local
-store and the cache do, and through ``read_ranges`` otherwise), :class:`Versioned`
+store and the cache do, and through ``read_ranges`` otherwise), :class:`ReadsIntoConverted`
+(the same, converting each element to a wider dtype as it copies: ``dtype=`` at the cost of
+a copy), :class:`Versioned`
 (``stat(url)``: the size and the version a store pins, which the node-local cache keys its
 entries by) and :class:`Discards` (``discard(url, start, end)``: forget a cached copy of
 those bytes, so that the next read fetches them again).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import ShortReadError, describe_range
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 Buffer = memoryview
+#: (stored dtype, output dtype) of a converting read.
+Conversion = tuple["np.dtype[Any]", "np.dtype[Any]"]
 
 
 @runtime_checkable
@@ -83,6 +87,26 @@ class ReadsInto(Protocol):
     ) -> None:
         """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``,
         all or raise."""
+        ...
+
+
+@runtime_checkable
+class ReadsIntoConverted(Protocol):
+    """A store that reads into one buffer and converts the elements as it copies them."""
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion,
+    ) -> None:
+        """``read_into``, with the elements of ``convert[0]`` in each range written to
+        ``dest`` as ``convert[1]`` (a safe cast): ``starts`` and ``ends`` count stored bytes,
+        ``dest_offsets`` bytes of ``dest``."""
         ...
 
 
