@@ -206,11 +206,46 @@ typedef void (*convert_fn)(char *out, const char *in, int64_t count);
     }
 SAFE_CONVERSIONS(CONVERTER)
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* uint16 tokens widened to int32 / int64, the common case, with non-temporal stores: a
+ * group's output (4x its input for int64) is far larger than the caches and is read only
+ * when its batch is taken, so writing around the cache saves reading every line first
+ * (1.7x here). The scalar loop runs until the output is 16-byte aligned, and for the tail. */
+#define STREAM_U2(DST, DTYPE, WIDEN)                                                  \
+    static void stream_u2_##DST(char *out, const char *in, int64_t count) {         \
+        const u2_t *from = (const u2_t *)in;                                          \
+        DTYPE *to = (DTYPE *)out;                                                     \
+        int64_t k = 0;                                                                \
+        const __m128i zero = _mm_setzero_si128();                                     \
+        for (; k < count && ((uintptr_t)(to + k) & 15); k++) to[k] = (DTYPE)from[k];  \
+        for (; k + 8 <= count; k += 8) {                                              \
+            __m128i v = _mm_loadu_si128((const __m128i *)(from + k));                 \
+            __m128i lo = _mm_unpacklo_epi16(v, zero), hi = _mm_unpackhi_epi16(v, zero); \
+            WIDEN                                                                     \
+        }                                                                             \
+        for (; k < count; k++) to[k] = (DTYPE)from[k];                                \
+        _mm_sfence();                                                                 \
+    }
+STREAM_U2(i4, int32_t,
+          _mm_stream_si128((__m128i *)(to + k), lo);
+          _mm_stream_si128((__m128i *)(to + k + 4), hi);)
+STREAM_U2(i8, int64_t,
+          _mm_stream_si128((__m128i *)(to + k), _mm_unpacklo_epi32(lo, zero));
+          _mm_stream_si128((__m128i *)(to + k + 2), _mm_unpackhi_epi32(lo, zero));
+          _mm_stream_si128((__m128i *)(to + k + 4), _mm_unpacklo_epi32(hi, zero));
+          _mm_stream_si128((__m128i *)(to + k + 6), _mm_unpackhi_epi32(hi, zero));)
+#define FAST_CONVERSIONS {"u2>i4", stream_u2_i4}, {"u2>i8", stream_u2_i8},
+#else
+#define FAST_CONVERSIONS
+#endif
+
 #define ENTRY(SRC, DST, DTYPE) {#SRC ">" #DST, convert_##SRC##_##DST},
+/* Searched in order: a fast version first. */
 static const struct {
     const char *name;
     convert_fn fn;
-} conversions[] = {SAFE_CONVERSIONS(ENTRY)};
+} conversions[] = {FAST_CONVERSIONS SAFE_CONVERSIONS(ENTRY)};
 
 /* The converter named `name` ("u2>i8"), with its source and destination element sizes. */
 static convert_fn find_conversion(const char *name, int *in_size, int *out_size) {
