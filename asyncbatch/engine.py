@@ -44,9 +44,18 @@ from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
-from .stores.base import Buffer, Discards, ObjectInfo, ReadsInto, Store
+from .stores.base import (
+    Buffer,
+    Conversion,
+    Discards,
+    ObjectInfo,
+    ReadsInto,
+    ReadsIntoConverted,
+    Store,
+)
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
+from .stores.local import c_conversion, copy_pieces
 from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
@@ -323,12 +332,13 @@ class Engine:
 
         planned = [0]
 
-        async def read(plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        async def read(plan: ReadPlan, convert: Conversion | None = None) -> npt.NDArray[np.uint8]:
             # A group holds its buffers, and their scratch while they are read.
             planned[0] += plan.nbytes
+            scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
             scratch = scratch_bytes(plan)
-            _hold(queue, held, plan.nbytes + scratch)
-            buffer = await reader.read_plan(plan)
+            _hold(queue, held, plan.nbytes * scale + scratch)
+            buffer = await reader.read_plan(plan, convert)
             _hold(queue, held, -scratch)
             return buffer
 
@@ -386,26 +396,39 @@ class Reader:
         #: Shard checks under way or failed in this run, shared by the groups that wait.
         self._checking: dict[int, asyncio.Future[None]] = {}
         self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
+        #: Whether reads can convert as they copy: one store, which does.
+        self._converting = len(stores) == 1 and isinstance(stores[0], ReadsIntoConverted)
 
-    async def read_plan(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
-        """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes.
+    async def read_plan(
+        self, plan: ReadPlan, convert: Conversion | None = None
+    ) -> npt.NDArray[np.uint8]:
+        """Carry out ``plan``; returns the ``plan.nbytes`` bytes it describes (``convert``:
+        its elements as ``convert[1]``, so that many more bytes).
 
         Reads that land in place go straight to their offset in the buffer; merged reads whose
         pieces cannot (overlapping windows, gaps) land in a separate scratch buffer, freed on
-        return, and their pieces are copied into place, so the batches of a group keep only
-        their own bytes alive, never the scratch. With ``verify="block"`` every read is widened
-        to whole checksum blocks instead, and no byte is copied out before its block checked.
+        return, and their pieces are copied into place in one call, so the batches of a group
+        keep only their own bytes alive, never the scratch. With ``verify="block"`` every read
+        is widened to whole checksum blocks instead, and no byte is copied out before its block
+        checked. A store that converts as it copies (:class:`ReadsIntoConverted`) writes each
+        value once; otherwise the bytes read are cast afterwards, off the loop.
         """
         checks = self.checks
         if checks is not None and checks.level != "off":
             await self._check_shards(plan.read_shard)
             if checks.level == "block":
-                return await self._read_blocks(plan)
+                return await _cast_off_loop(await self._read_blocks(plan), convert)
+        name = None if convert is None else c_conversion(*convert)
+        if convert is not None and not (
+            self._converting and (name is not None or not plan.piece_read.size)
+        ):
+            return await _cast_off_loop(await self.read_plan(plan), convert)
+        scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
         shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
-        buffer = np.empty(plan.nbytes, dtype=np.uint8)
+        buffer = np.empty(plan.nbytes * scale, dtype=np.uint8)
         indirect = plan.read_dest < 0
         if not indirect.any():
-            await self._read_all(shards, starts, ends, buffer, plan.read_dest)
+            await self._read_all(shards, starts, ends, buffer, plan.read_dest * scale, convert)
             return buffer
         sizes = np.where(indirect, ends - starts, 0)
         scratch_at = np.cumsum(sizes) - sizes
@@ -413,18 +436,15 @@ class Reader:
         i, d = np.flatnonzero(indirect), np.flatnonzero(~indirect)
         to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
         if d.size:
-            to_buffer = self._read_all(shards[d], starts[d], ends[d], buffer, plan.read_dest[d])
+            to_buffer = self._read_all(
+                shards[d], starts[d], ends[d], buffer, plan.read_dest[d] * scale, convert
+            )
             await run_all((to_buffer, to_scratch))
         else:
             await to_scratch
         if plan.piece_read.size:
-            into = memoryview(buffer)  # type: ignore[arg-type]
-            source = memoryview(scratch)  # type: ignore[arg-type]
             sources = scratch_at[plan.piece_read] + plan.piece_src
-            for src, dest, length in zip(
-                sources.tolist(), plan.piece_dest.tolist(), plan.piece_length.tolist(), strict=True
-            ):
-                into[dest : dest + length] = source[src : src + length]
+            copy_pieces(scratch, sources, plan.piece_length, buffer, plan.piece_dest * scale, name)
         return buffer
 
     async def _read_all(
@@ -434,10 +454,12 @@ class Reader:
         ends: npt.NDArray[np.int64],
         buffer: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
     ) -> None:
-        """Read ``[starts[i], ends[i])`` of shard ``shards[i]`` to ``dest_offsets[i]``."""
+        """Read ``[starts[i], ends[i])`` of shard ``shards[i]`` to ``dest_offsets[i]``
+        (``convert``: converting, through the one store, which converts)."""
         if len(self.stores) == 1:
-            await self._read(self.stores[0], shards, starts, ends, buffer, dest_offsets)
+            await self._read(self.stores[0], shards, starts, ends, buffer, dest_offsets, convert)
             return
         store_of_read = self.shard_store[shards]
         picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
@@ -455,9 +477,15 @@ class Reader:
         ends: npt.NDArray[np.int64],
         buffer: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
     ) -> None:
         """Reads from one store."""
-        if isinstance(store, ReadsInto):
+        if convert is not None:
+            assert isinstance(store, ReadsIntoConverted)
+            await store.read_into_converted(
+                self.shard_urls, shards, starts, ends, buffer, dest_offsets, convert
+            )
+        elif isinstance(store, ReadsInto):
             await store.read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
         else:
             await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
@@ -592,6 +620,18 @@ class Reader:
         size = await store.size(url)
         if size != expected:
             raise size_error(url, expected, size)
+
+
+async def _cast_off_loop(
+    buffer: npt.NDArray[np.uint8], convert: Conversion | None
+) -> npt.NDArray[np.uint8]:
+    """``buffer``'s elements cast as ``convert`` says, in a thread (numpy drops the GIL)."""
+    if convert is None:
+        return buffer
+    source, target = convert
+    loop = asyncio.get_running_loop()
+    cast = await loop.run_in_executor(None, buffer.view(source).astype, target)
+    return cast.view(np.uint8)
 
 
 async def _read_ranges(

@@ -16,6 +16,16 @@ Measured, in interleaved rounds (the median is reported; the machine is shared a
 * ``DataLoader w0`` / ``w2``: ``torch.utils.data.DataLoader`` over a map-style dataset of
   ``np.memmap`` shards, batch 16, ``num_workers`` 0 and 2 (worker start-up included), fed
   the loader's shuffled order as its sampler;
+* ``loader infinite`` / ``loader loops``: steady state across epochs, the figure training
+  sees: one ``infinite=True`` Loader timed over ``--batches`` batches after a whole untimed
+  epoch, and one Loader whose second ``for`` loop (a new run of the same loader) is timed
+  after a first, untimed one;
+* ``litData w0``: litData's ``StreamingDataset`` with ``TokensLoader(block_size=2048)`` and
+  ``shuffle=True`` over the same tokens written with ``litdata.optimize`` (64 MiB chunks, once,
+  beside the dataset), ``StreamingDataLoader(batch_size=16, num_workers=0)``; skipped when
+  litdata is not installed (``scripts/bench-setup`` installs it);
+* CPU seconds per GB delivered: the process's CPU time (all its threads) over the bytes of
+  the batches, for every line measured in this process (all but ``DataLoader w2``);
 * the Loader's time to first batch and the consumer-thread time of ``next()`` when batches
   are already waiting in the prefetch queue.
 
@@ -27,12 +37,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime
+import functools
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -120,14 +131,60 @@ def bench_loader(dataset: ab.Dataset, dtype: torch.dtype | None = None) -> ab.Lo
     )
 
 
-def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) -> float:
-    """Seconds from constructing a Loader to holding its ``batches``-th batch."""
-    start = time.perf_counter()
+#: Wall and process CPU seconds of one measurement (CPU: every thread of this process).
+Timing = tuple[float, float]
+
+
+def start_clock() -> Callable[[], Timing]:
+    """A function giving the (wall, process CPU) seconds since this call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    return lambda: (time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def take(batches: Iterable[object], count: int, what: str) -> None:
+    """Take ``count`` items of ``batches``; an error if there are fewer."""
+    done = 0
+    for done, _batch in enumerate(batches, 1):
+        if done == count:
+            return
+    raise RuntimeError(f"{what} ended after {done} of {count} batches")
+
+
+def time_loader(dataset: ab.Dataset, batches: int, dtype: torch.dtype | None) -> Timing:
+    """From constructing a Loader to holding its ``batches``-th batch."""
+    clock = start_clock()
     with bench_loader(dataset, dtype) as loader:
-        for done, _batch in enumerate(loader, 1):
-            if done == batches:
-                return time.perf_counter() - start
-    raise RuntimeError(f"the loader ended after fewer than {batches} batches")
+        take(loader, batches, "the loader")
+        return clock()
+
+
+def time_loader_infinite(dataset: ab.Dataset, batches: int) -> Timing:
+    """``batches`` batches of an ``infinite=True`` Loader after one whole untimed epoch."""
+    with ab.Loader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        seq_len=SEQ_LEN,
+        shuffle=True,
+        seed=SEED,
+        prefetch=PREFETCH,
+        max_inflight=MAX_INFLIGHT,
+        infinite=True,
+    ) as loader:
+        iterator = iter(loader)
+        take(iterator, len(loader), "the loader")
+        clock = start_clock()
+        take(iterator, batches, "the loader")
+        return clock()
+
+
+def time_loader_loops(dataset: ab.Dataset, batches: int) -> Timing:
+    """The second ``for`` loop over one Loader (a new run, epoch 1), after an untimed first."""
+    with bench_loader(dataset) as loader:
+        for _batch in loader:
+            pass
+        clock = start_clock()
+        take(loader, batches, "the loader's second epoch")
+        return clock()
 
 
 def loader_latency(dataset: ab.Dataset, samples: int, settle: float) -> tuple[float, list[float]]:
@@ -173,19 +230,19 @@ def ceiling_plan(
     return plan
 
 
-def time_ceiling(dataset: ab.Dataset, ids: IdArray, check: npt.NDArray[np.uint16] | None) -> float:
-    """Seconds to read the windows of ``ids`` with ``os.preadv``, one reused batch buffer."""
+def time_ceiling(dataset: ab.Dataset, ids: IdArray, check: npt.NDArray[np.uint16] | None) -> Timing:
+    """Time to read the windows of ``ids`` with ``os.preadv``, one reused batch buffer."""
     fds = [os.open(url, os.O_RDONLY | os.O_CLOEXEC) for url in dataset.shard_urls]
     try:
         buffer = np.empty((BATCH_SIZE, SEQ_LEN), dtype=dataset.manifest.dtype)
         rows = [memoryview(row).cast("B") for row in buffer]
         plan = ceiling_plan(dataset, ids, rows, fds)
         preadv = os.preadv
-        start = time.perf_counter()
+        clock = start_clock()
         for reads in plan:
             for fd, dest, offset in reads:
                 preadv(fd, (dest,), offset)
-        elapsed = time.perf_counter() - start
+        elapsed = clock()
         if check is not None:  # the last batch read must be the reference
             np.testing.assert_array_equal(buffer, check)
         return elapsed
@@ -221,15 +278,16 @@ class MemmapWindows(TorchDataset[torch.Tensor]):
         return torch.from_numpy(np.concatenate([head, tail]))
 
 
-def time_dataloader(dataset: ab.Dataset, ids: IdArray, workers: int) -> float:
-    """Seconds for a DataLoader (``workers`` processes) to yield the batches of ``ids``."""
+def time_dataloader(dataset: ab.Dataset, ids: IdArray, workers: int) -> Timing:
+    """Time for a DataLoader (``workers`` processes) to yield the batches of ``ids`` (CPU: of
+    this process only)."""
     windows = MemmapWindows(
         dataset.shard_urls,
         [shard.elements for shard in dataset.manifest.shards],
         dataset.manifest.dtype,
     )
     batches = ids.shape[0]
-    start = time.perf_counter()
+    clock = start_clock()
     loader = DataLoader(
         windows,
         batch_size=BATCH_SIZE,
@@ -239,12 +297,55 @@ def time_dataloader(dataset: ab.Dataset, ids: IdArray, workers: int) -> float:
     )
     iterator = iter(loader)
     try:
-        for done, _batch in enumerate(iterator, 1):
-            if done == batches:
-                return time.perf_counter() - start
+        take(iterator, batches, "the DataLoader")
+        return clock()
     finally:
         del iterator  # shuts the workers down (not timed)
-    raise RuntimeError(f"the DataLoader ended after fewer than {batches} batches")
+
+
+def litdata_dir(dataset: ab.Dataset, root: Path) -> Path | None:
+    """The dataset's tokens in litData's format beside ``root`` (written once, 64 MiB chunks);
+    None when litdata is not installed."""
+    try:
+        from litdata import TokensLoader, optimize
+    except ImportError:
+        return None
+    folder = root.parent / f"{root.name}-litdata"
+    if not (folder / "index.json").exists():
+        print(f"writing the tokens in litData's format to {folder}", file=sys.stderr)
+        shards = [
+            np.memmap(url, dtype=dataset.manifest.dtype, mode="r") for url in dataset.shard_urls
+        ]
+        optimize(
+            fn=functools.partial(_shard_items, shards),
+            inputs=list(range(len(shards))),
+            output_dir=str(folder),
+            chunk_size=SHARD_SIZE // 2,
+            item_loader=TokensLoader(),
+            num_workers=1,
+        )
+    return folder
+
+
+def _shard_items(shards: list[np.memmap], index: int) -> Iterator[npt.NDArray[np.uint16]]:
+    """Shard ``index``'s tokens as items of at most ``CHUNK_TOKENS`` (never split by litData)."""
+    shard = shards[index]
+    for start in range(0, shard.size, CHUNK_TOKENS):
+        yield np.array(shard[start : start + CHUNK_TOKENS])
+
+
+def time_litdata(folder: Path, batches: int) -> Timing:
+    """litData's TokensLoader over ``folder`` (global shuffle, no workers), to the
+    ``batches``-th batch, construction included."""
+    from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+    clock = start_clock()
+    windows = StreamingDataset(
+        str(folder), item_loader=TokensLoader(block_size=SEQ_LEN), shuffle=True, seed=SEED
+    )
+    loader = StreamingDataLoader(windows, batch_size=BATCH_SIZE, num_workers=0, drop_last=True)
+    take(loader, batches, "litData")
+    return clock()
 
 
 def reference_batch(dataset: ab.Dataset, ids: IdArray) -> npt.NDArray[np.uint16]:
@@ -310,26 +411,39 @@ def main() -> None:
     reference = reference_batch(dataset, ids)
     # The same files read with pread instead of copies out of their mappings.
     pread = ab.open_dataset(dataset.url, storage_options={"mmap": False})
-    measures: dict[str, tuple[int, Callable[[], float]]] = {
+    measures: dict[str, tuple[int, Callable[[], Timing]]] = {
         "ceiling preadv": (batches, lambda: time_ceiling(dataset, ids, reference)),
         "loader uint16": (batches, lambda: time_loader(dataset, batches, None)),
         "loader int64": (batches, lambda: time_loader(dataset, batches, torch.int64)),
         "loader pread": (batches, lambda: time_loader(pread, batches, None)),
+        "loader infinite": (batches, lambda: time_loader_infinite(dataset, batches)),
+        "loader loops": (batches, lambda: time_loader_loops(dataset, batches)),
         "DataLoader w0": (batches, lambda: time_dataloader(dataset, ids, 0)),
         "DataLoader w2": (
             worker_batches,
             lambda: time_dataloader(dataset, ids[:worker_batches], 2),
         ),
     }
+    folder = litdata_dir(dataset, root)
+    if folder is not None:
+        measures["litData w0"] = (batches, lambda: time_litdata(folder, batches))
+    else:
+        print("  litData: not installed (scripts/bench-setup installs it): line skipped")
+    #: Lines whose work runs partly in other processes: their CPU figure would be too low.
+    other_processes = {"DataLoader w2"}
     rates: dict[str, list[float]] = {name: [] for name in measures}
+    cpu_per_gb: dict[str, list[float]] = {name: [] for name in measures}
     first_batch: list[float] = []
     next_times: list[float] = []
     names = list(measures)
+    batch_bytes = tokens * dataset.manifest.dtype.itemsize
     for round_ in range(args.rounds):
         shift = round_ % len(names)  # rotate the order so no approach always runs first
         for name in names[shift:] + names[:shift]:
             count, measure = measures[name]
-            rates[name].append(count * tokens / measure())
+            wall, cpu = measure()
+            rates[name].append(count * tokens / wall)
+            cpu_per_gb[name].append(cpu / (count * batch_bytes / 1e9))
         first, times = loader_latency(dataset, args.latency_samples, settle=0.5)
         first_batch.append(first)
         next_times.extend(times)
@@ -347,21 +461,38 @@ def main() -> None:
     print()
     print(
         f"{'approach':16} {'median':>16} {'min':>9} {'max':>9} {'us/batch':>9}"
-        f" {'/ceiling':>9} {'/best baseline':>15}"
+        f" {'/ceiling':>9} {'/best baseline':>15} {'CPU s/GB':>9}"
     )
     for name in names:
         value, low, high = median[name], min(rates[name]) / 1e6, max(rates[name]) / 1e6
+        cpu = "n/a" if name in other_processes else f"{statistics.median(cpu_per_gb[name]):.3f}"
         print(
             f"{name:16} {fmt_rate(value)} {low:9.1f} {high:9.1f}"
             f" {tokens / value * 1e6:9.1f} {value / ceiling:9.3f} {value / baseline:15.2f}"
+            f" {cpu:>9}"
         )
-    print(f"(best baseline: {baseline_name}; min/max in M tok/s over {args.rounds} rounds)")
+    print(
+        f"(best baseline: {baseline_name}; min/max in M tok/s over {args.rounds} rounds;"
+        " CPU s/GB: process CPU seconds, all threads, per GB delivered as stored, median)"
+    )
     print()
     print("paired ratios (median over rounds of the ratio within each round):")
-    for name in ("loader uint16", "loader int64", "loader pread"):
+    for name in (
+        "loader uint16",
+        "loader int64",
+        "loader pread",
+        "loader infinite",
+        "loader loops",
+    ):
         ceil = paired_ratio(rates[name], rates["ceiling preadv"])
         base = paired_ratio(rates[name], rates[baseline_name])
         print(f"  {name}: / ceiling {ceil:.3f}, / {baseline_name} {base:.2f}")
+    int64 = paired_ratio(rates["loader int64"], rates["loader uint16"])
+    print(f"  loader int64 / loader uint16 {int64:.3f}")
+    for name in ("DataLoader w0", "litData w0"):
+        if name in cpu_per_gb:
+            cpu = paired_ratio(cpu_per_gb[name], cpu_per_gb["loader uint16"])
+            print(f"  CPU per GB: {name} / loader uint16 {cpu:.2f}")
     print()
     print(
         f"loader time to first batch: median {statistics.median(first_batch) * 1e3:.1f} ms"

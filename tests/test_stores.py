@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
@@ -225,23 +226,51 @@ def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     asyncio.run(store.close())
 
 
+@pytest.mark.parametrize("dtype", [None, torch.int64, torch.float32])
 @pytest.mark.parametrize("mode", ["mmap", "pread", "python"])
 def test_local_reads_with_and_without_the_c_helper(
-    mode: str, tmp_path: Path, tokens: npt.NDArray[np.uint16], monkeypatch: pytest.MonkeyPatch
+    mode: str,
+    dtype: torch.dtype | None,
+    tmp_path: Path,
+    tokens: npt.NDArray[np.uint16],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from asyncbatch import engine
     from asyncbatch.stores import local
 
     if mode == "python":
         monkeypatch.setattr(local, "_preadv", None)
     else:
         assert local._preadv is not None, "the C helper was not built"
+        # With the helper, a dtype is converted in the store's copy, never cast afterwards.
+        cast_after = engine._cast_off_loop
+
+        async def no_cast_after(buffer: npt.NDArray[np.uint8], convert: Any) -> Any:
+            assert convert is None, "cast after the read"
+            return await cast_after(buffer, convert)
+
+        monkeypatch.setattr(engine, "_cast_off_loop", no_cast_after)
     ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
     dataset = ab.open_dataset(str(tmp_path / "ds"), storage_options={"mmap": mode == "mmap"})
-    with ab.Loader(dataset, batch_size=5, seq_len=33, next_token=True, prefetch=8) as loader:
-        for batch in loader:
-            np.testing.assert_array_equal(
-                batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 33, True)
-            )
+    # In order, next-token windows overlap: every read is merged and copied out in pieces
+    # (converted as they are copied with a dtype); shuffled, most land in place.
+    for shuffle in (True, False):
+        with ab.Loader(
+            dataset,
+            batch_size=5,
+            seq_len=33,
+            next_token=True,
+            prefetch=8,
+            shuffle=shuffle,
+            dtype=dtype,
+        ) as loader:
+            for batch in loader:
+                got = batch["tokens"]
+                assert got.dtype == (dtype or torch.uint16)
+                expected = expected_windows(tokens, batch.global_indexes, 33, True)
+                np.testing.assert_array_equal(got.numpy(), expected)
+    if dtype is not None:
+        return
     Path(dataset.shard_urls[2]).write_bytes(b"\0" * 10)
     with (
         # verify="off": the read loop's own length check must catch it.
@@ -250,6 +279,76 @@ def test_local_reads_with_and_without_the_c_helper(
     ):
         for _ in loader:
             pass
+
+
+@pytest.mark.parametrize("verify", ["size", "block"])
+def test_dtype_is_exact_on_every_store(
+    write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16], verify: str
+) -> None:
+    # Local files convert in the store's copy; S3 and HTTP, and every store under
+    # verify="block", read the stored bytes and cast them afterwards.
+    url, options = write_dataset(tokens, shard_size=3000)
+    dataset = ab.open_dataset(url, storage_options=options)
+    for next_token in (False, True):
+        with ab.Loader(
+            dataset,
+            batch_size=8,
+            seq_len=64,
+            next_token=next_token,
+            dtype=torch.int64,
+            verify=verify,
+            prefetch=8,
+        ) as loader:
+            for batch in loader:
+                expected = expected_windows(tokens, batch.global_indexes, 64, next_token)
+                np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+                assert batch["tokens"].dtype == torch.int64
+
+
+def test_c_helper_converts_while_it_copies() -> None:
+    from asyncbatch.stores import local
+
+    if local._preadv is None:
+        pytest.skip("the C helper was not built")
+    source = np.arange(-300, 300, dtype=np.int16)
+    raw = np.concatenate([np.zeros(1, np.uint8), source.view(np.uint8)])  # values unaligned
+    for target in (np.int32, np.int64, np.float32, np.float64):
+        dest = np.zeros(20, dtype=target)
+        name = local.c_conversion(np.dtype(np.int16), np.dtype(target))
+        assert name is not None
+        offsets = np.array([1 + 2 * 5, 1 + 2 * 590], dtype=np.int64)
+        at = np.array([0, 10 * dest.itemsize], dtype=np.int64)
+        lengths = np.array([20, 20], dtype=np.int64)
+        local.copy_pieces(raw, offsets, lengths, dest.view(np.uint8), at, name)
+        np.testing.assert_array_equal(dest, np.r_[source[5:15], source[590:600]])
+    # uint16 to int32 / int64 runs a vector loop: outputs that start off its alignment and
+    # lengths that are not a multiple of its width take the scalar head and tail.
+    tokens = np.arange(60_000, 60_000 + 64, dtype=np.uint16)
+    for target in (np.int32, np.int64):
+        name = local.c_conversion(np.dtype(np.uint16), np.dtype(target))
+        for first, count, at in [(0, 64, 0), (3, 29, 1), (1, 17, 3)]:
+            dest = np.zeros(70, dtype=target)
+            local.copy_pieces(
+                tokens.view(np.uint8),
+                np.array([2 * first], dtype=np.int64),
+                np.array([2 * count], dtype=np.int64),
+                dest.view(np.uint8),
+                np.array([at * dest.itemsize], dtype=np.int64),
+                name,
+            )
+            expected = np.zeros(70, dtype=target)
+            expected[at : at + count] = tokens[first : first + count]
+            np.testing.assert_array_equal(dest, expected)
+    # Only casts that keep every value: none narrows, none drops a sign.
+    assert local.c_conversion(np.dtype(np.uint16), np.dtype(np.int16)) is None
+    assert local.c_conversion(np.dtype(np.int16), np.dtype(np.uint64)) is None
+    assert local.c_conversion(np.dtype(">u2"), np.dtype(np.int64)) is None
+    dest8 = np.zeros(4, dtype=np.int64).view(np.uint8)
+    one = np.array([0], dtype=np.int64)
+    with pytest.raises(ValueError, match="no conversion u2>i2"):
+        local._preadv.copy_many(one, one + 8, one, one + 2, dest8, one, "u2>i2")
+    with pytest.raises(ValueError, match="outside"):  # 5 values of 8 bytes do not fit in 32
+        local._preadv.copy_many(one + raw.ctypes.data, one + 20, one, one + 10, dest8, one, "u2>i8")
 
 
 def test_c_helper_refuses_ranges_outside_the_buffer(tmp_path: Path) -> None:

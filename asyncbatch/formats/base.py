@@ -25,11 +25,21 @@ from ..layout import ReadPlan
 
 if TYPE_CHECKING:
     from ..dataset import Dataset
-    from ..stores.base import Store
+    from ..stores.base import Conversion, Store
 
 Int64Array = npt.NDArray[np.int64]
-#: Carries out a read plan; returns the ``plan.nbytes`` bytes it describes.
-ReadFn = Callable[[ReadPlan], Awaitable[npt.NDArray[np.uint8]]]
+
+
+class ReadFn(Protocol):
+    """Carries out a read plan; returns the ``plan.nbytes`` bytes it describes, or with
+    ``convert`` (stored dtype, output dtype) its elements as the output dtype, converted
+    while they are copied where the store can."""
+
+    def __call__(
+        self, plan: ReadPlan, convert: Conversion | None = None
+    ) -> Awaitable[npt.NDArray[np.uint8]]: ...
+
+
 #: Runs CPU-heavy work (a conversion touching every byte) off the event loop.
 Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
 

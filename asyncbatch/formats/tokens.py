@@ -23,7 +23,7 @@ from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError
 from ..layout import ReadPlan, ShardMap
-from .base import PlannedSource
+from .base import Offload, PlannedSource, ReadFn
 
 TOKENS_FIELD = "tokens"
 
@@ -92,6 +92,18 @@ class TokenWindows(PlannedSource):
         local = sample_ids - (self._id_ends - self.sizes)[which]
         starts = self._element_base[which] + local * self.seq_len
         return self.shard_map.plan(starts, self.window, gap_bytes)
+
+    async def fetch(
+        self, ids: npt.NDArray[np.int64], read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        """The windows ``ids``; a ``dtype`` conversion happens in the read's copy (formats
+        built on this one that decode more than the tokens convert in their decode)."""
+        if not self.converts or type(self).decode is not TokenWindows.decode:
+            return await super().fetch(ids, read, gap, offload)
+        assert self.out_dtype is not None
+        buffer = await read(self.plan(ids, gap), (self.stored_dtype, self.out_dtype))
+        array = buffer.view(self.out_dtype).reshape(ids.size, self.window)
+        return {TOKENS_FIELD: torch.from_numpy(array)}
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""

@@ -17,6 +17,12 @@
  *   mapping makes the copy fault (SIGBUS): a handler installed by map_file jumps back out of
  *   the copy, which returns errno -1 for that read instead of the process dying. Bus errors
  *   outside a copy go to the handler that was there before.
+ *
+ * copy_many(..., convert) with convert "u2>i8" (any of u1 u2 u4 i1 i2 i4 to a wider or equal
+ *   signed, or unsigned from unsigned, integer, or to f4 / f8) converts while it copies:
+ *   offsets and lengths count source bytes, dest_offsets destination bytes, and read i fills
+ *   lengths[i] / source size elements. Converting in the copy writes each value once; a
+ *   separate cast after the copy would read and write the whole group again.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -171,10 +177,99 @@ static PyObject *unmap_file(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+
+/* Element-wise conversions for copy_many's `convert`. Source values may sit at any byte
+ * offset of a mapping (a header before them), hence the unaligned source types. */
+typedef uint8_t u1_t;
+typedef uint16_t u2_t __attribute__((aligned(1)));
+typedef uint32_t u4_t __attribute__((aligned(1)));
+typedef int8_t i1_t;
+typedef int16_t i2_t __attribute__((aligned(1)));
+typedef int32_t i4_t __attribute__((aligned(1)));
+typedef void (*convert_fn)(char *out, const char *in, int64_t count);
+
+/* The conversions offered: those that keep every value exactly (numpy's "safe" casts). */
+#define SAFE_CONVERSIONS(X)                                                                    \
+    X(u1, i2, int16_t) X(u1, i4, int32_t) X(u1, i8, int64_t) X(u1, u2, uint16_t)               \
+    X(u1, u4, uint32_t) X(u1, u8, uint64_t) X(u1, f4, float) X(u1, f8, double)                 \
+    X(u2, i4, int32_t) X(u2, i8, int64_t) X(u2, u4, uint32_t) X(u2, u8, uint64_t)              \
+    X(u2, f4, float) X(u2, f8, double) X(u4, i8, int64_t) X(u4, u8, uint64_t) X(u4, f8, double) \
+    X(i1, i2, int16_t) X(i1, i4, int32_t) X(i1, i8, int64_t) X(i1, f4, float)                  \
+    X(i1, f8, double) X(i2, i4, int32_t) X(i2, i8, int64_t) X(i2, f4, float) X(i2, f8, double) \
+    X(i4, i8, int64_t) X(i4, f8, double)
+
+#define CONVERTER(SRC, DST, DTYPE)                                                \
+    static void convert_##SRC##_##DST(char *out, const char *in, int64_t count) { \
+        const SRC##_t *from = (const SRC##_t *)in;                                \
+        DTYPE *to = (DTYPE *)out;                                                 \
+        for (int64_t k = 0; k < count; k++) to[k] = (DTYPE)from[k];               \
+    }
+SAFE_CONVERSIONS(CONVERTER)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* uint16 tokens widened to int32 / int64, the common case, with non-temporal stores: a
+ * group's output (4x its input for int64) is far larger than the caches and is read only
+ * when its batch is taken, so writing around the cache saves reading every line first
+ * (1.7x here). The scalar loop runs until the output is 16-byte aligned, and for the tail. */
+#define STREAM_U2(DST, DTYPE, WIDEN)                                                  \
+    static void stream_u2_##DST(char *out, const char *in, int64_t count) {         \
+        const u2_t *from = (const u2_t *)in;                                          \
+        DTYPE *to = (DTYPE *)out;                                                     \
+        int64_t k = 0;                                                                \
+        const __m128i zero = _mm_setzero_si128();                                     \
+        for (; k < count && ((uintptr_t)(to + k) & 15); k++) to[k] = (DTYPE)from[k];  \
+        for (; k + 8 <= count; k += 8) {                                              \
+            __m128i v = _mm_loadu_si128((const __m128i *)(from + k));                 \
+            __m128i lo = _mm_unpacklo_epi16(v, zero), hi = _mm_unpackhi_epi16(v, zero); \
+            WIDEN                                                                     \
+        }                                                                             \
+        for (; k < count; k++) to[k] = (DTYPE)from[k];                                \
+        _mm_sfence();                                                                 \
+    }
+STREAM_U2(i4, int32_t,
+          _mm_stream_si128((__m128i *)(to + k), lo);
+          _mm_stream_si128((__m128i *)(to + k + 4), hi);)
+STREAM_U2(i8, int64_t,
+          _mm_stream_si128((__m128i *)(to + k), _mm_unpacklo_epi32(lo, zero));
+          _mm_stream_si128((__m128i *)(to + k + 2), _mm_unpackhi_epi32(lo, zero));
+          _mm_stream_si128((__m128i *)(to + k + 4), _mm_unpacklo_epi32(hi, zero));
+          _mm_stream_si128((__m128i *)(to + k + 6), _mm_unpackhi_epi32(hi, zero));)
+#define FAST_CONVERSIONS {"u2>i4", stream_u2_i4}, {"u2>i8", stream_u2_i8},
+#else
+#define FAST_CONVERSIONS
+#endif
+
+#define ENTRY(SRC, DST, DTYPE) {#SRC ">" #DST, convert_##SRC##_##DST},
+/* Searched in order: a fast version first. */
+static const struct {
+    const char *name;
+    convert_fn fn;
+} conversions[] = {FAST_CONVERSIONS SAFE_CONVERSIONS(ENTRY)};
+
+/* The converter named `name` ("u2>i8"), with its source and destination element sizes. */
+static convert_fn find_conversion(const char *name, int *in_size, int *out_size) {
+    for (size_t k = 0; k < sizeof(conversions) / sizeof(conversions[0]); k++) {
+        if (strcmp(conversions[k].name, name) == 0) {
+            *in_size = name[1] - '0';
+            *out_size = name[4] - '0';
+            return conversions[k].fn;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "copy_many: no conversion %s", name);
+    return NULL;
+}
+
 static PyObject *copy_many(PyObject *self, PyObject *args) {
     PyObject *objs[6];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
-                          &objs[5])) {
+    const char *convert_name = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOO|s", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &convert_name)) {
+        return NULL;
+    }
+    convert_fn convert = NULL;
+    int in_size = 1, out_size = 1;
+    if (convert_name != NULL && (convert = find_conversion(convert_name, &in_size, &out_size)) == NULL) {
         return NULL;
     }
     static const char *names[6] = {"bases", "limits", "offsets", "lengths", "dest", "dest_offsets"};
@@ -199,7 +294,8 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
     char *out = (char *)views[4].buf;
     Py_ssize_t size = views[4].len;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (offset[i] < 0 || length[i] < 0 || at[i] < 0 || at[i] > size || length[i] > size - at[i]) {
+        if (offset[i] < 0 || length[i] < 0 || length[i] % in_size != 0 || at[i] < 0 ||
+            at[i] > size || length[i] / in_size > (size - at[i]) / out_size) {
             PyErr_Format(PyExc_ValueError, "read %zd: range outside the buffers", i);
             goto done;
         }
@@ -214,7 +310,12 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
         for (; i < count; i++) {
             int64_t available = limit[i] - offset[i];
             int64_t n = available < length[i] ? (available > 0 ? available : 0) : length[i];
-            if (n > 0) memcpy(out + at[i], (const char *)(intptr_t)base[i] + offset[i], (size_t)n);
+            const char *from = (const char *)(intptr_t)base[i] + offset[i];
+            if (n > 0 && convert != NULL) {
+                convert(out + at[i], from, n / in_size);
+            } else if (n > 0) {
+                memcpy(out + at[i], from, (size_t)n);
+            }
             if (n < length[i]) {
                 got = n;
                 break;
@@ -240,7 +341,8 @@ static PyMethodDef methods[] = {
     {"map_file", map_file, METH_VARARGS, "map_file(fd, length) -> address"},
     {"unmap_file", unmap_file, METH_VARARGS, "unmap_file(address, length)"},
     {"copy_many", copy_many, METH_VARARGS,
-     "copy_many(bases, limits, offsets, lengths, dest, dest_offsets) -> (done, got, errno)"},
+     "copy_many(bases, limits, offsets, lengths, dest, dest_offsets[, convert])"
+     " -> (done, got, errno)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,7 +6,8 @@ transport needs two methods: :class:`GetsRanges` (``get_ranges``: bytes of range
 object) and :class:`Versioned` (``stat``: the object's size and version). Optional
 capabilities are protocols of their own, detected by type (``isinstance``), never looked up
 by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (many ranges of
-many objects into one buffer: the engine's fast path), :class:`Lists`, :class:`Writes`,
+many objects into one buffer: the engine's fast path), :class:`ReadsIntoConverted` (the
+same, widening each element to the output dtype as it copies), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
 as one) and :class:`Discards` (a cache forgetting bytes).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import ShortReadError, describe_range
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 Buffer = memoryview
+#: (stored dtype, output dtype) of a converting read.
+Conversion = tuple["np.dtype[Any]", "np.dtype[Any]"]
 
 
 @runtime_checkable
@@ -150,6 +153,26 @@ class ReadsInto(Protocol):
     ) -> None:
         """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``,
         all or raise."""
+        ...
+
+
+@runtime_checkable
+class ReadsIntoConverted(Protocol):
+    """A store that reads into one buffer and converts the elements as it copies them."""
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion,
+    ) -> None:
+        """``read_into``, with the elements of ``convert[0]`` in each range written to
+        ``dest`` as ``convert[1]`` (a safe cast): ``starts`` and ``ends`` count stored bytes,
+        ``dest_offsets`` bytes of ``dest``."""
         ...
 
 

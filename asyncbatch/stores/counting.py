@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .base import Buffer, ObjectInfo, ReadsInto, Store, Versioned
+from .base import Buffer, Conversion, ObjectInfo, ReadsInto, ReadsIntoConverted, Store, Versioned
 
 
 @dataclass
@@ -79,8 +79,30 @@ class CountingBufferStore(CountingStore):
         await self.inner.read_into(urls, which, starts, ends, dest, dest_offsets)
 
 
+class CountingConvertingStore(CountingBufferStore):
+    """A :class:`CountingBufferStore` over a store that also converts as it reads."""
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion,
+    ) -> None:
+        self.counts.requests += int(starts.size)
+        self.counts.bytes_fetched += int(ends.sum() - starts.sum())
+        assert isinstance(self.inner, ReadsIntoConverted)
+        await self.inner.read_into_converted(urls, which, starts, ends, dest, dest_offsets, convert)
+
+
 def counting(store: Store, counts: ReadCounts) -> Store:
-    """``store`` with its reads counted in ``counts``, keeping its ``read_into`` if it has one."""
+    """``store`` with its reads counted in ``counts``, keeping its ``read_into`` (and
+    ``read_into_converted``) if it has them."""
+    if isinstance(store, ReadsIntoConverted):
+        return CountingConvertingStore(store, counts)
     if isinstance(store, ReadsInto):
         return CountingBufferStore(store, counts)
     return CountingStore(store, counts)

@@ -45,7 +45,7 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, SelfGuarded, check_length
+from .base import Buffer, Conversion, ObjectInfo, SelfGuarded, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .stack import map_error
 from .validate import check_options
@@ -168,6 +168,43 @@ class LocalStore(SelfGuarded):
         Reads of one file should be neighbours: the work is split into contiguous jobs, and
         each job opens (or looks up) every file it touches once.
         """
+        await self._read_jobs(urls, which, starts, ends, dest, dest_offsets, None)
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: Int64Array,
+        starts: Int64Array,
+        ends: Int64Array,
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: Int64Array,
+        convert: Conversion,
+    ) -> None:
+        """:meth:`read_into`, converting: the C helper converts inside its copy loop, so
+        each value is written once; without mapped copies the stored bytes are read into a
+        staging buffer laid out like ``dest`` and cast in one call off the loop."""
+        source, target = convert
+        name = c_conversion(source, target)
+        if name is not None and self._mmap:
+            await self._read_jobs(urls, which, starts, ends, dest, dest_offsets, name)
+            return
+        ratio_in, ratio_out = source.itemsize, target.itemsize
+        staging = np.empty(dest.size // ratio_out * ratio_in, dtype=np.uint8)
+        staged_at = dest_offsets // ratio_out * ratio_in
+        await self._read_jobs(urls, which, starts, ends, staging, staged_at, None)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, _cast, staging, dest, source, target)
+
+    async def _read_jobs(
+        self,
+        urls: Sequence[str],
+        which: Int64Array,
+        starts: Int64Array,
+        ends: Int64Array,
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: Int64Array,
+        convert: str | None,
+    ) -> None:
         count = int(starts.size)
         if count == 0:
             return
@@ -185,6 +222,7 @@ class LocalStore(SelfGuarded):
                     ends[a:b],
                     dest,
                     dest_offsets[a:b],
+                    convert,
                 )
                 for a, b in itertools.pairwise(bounds)
             )
@@ -198,6 +236,7 @@ class LocalStore(SelfGuarded):
         ends: Int64Array,
         dest: npt.NDArray[np.uint8],
         dest_offsets: Int64Array,
+        convert: str | None,
     ) -> None:
         # Each job holds at most its share of max_open_files at once (reads of one file are
         # neighbours, so runs of one file are counted): thousands of shards in one group
@@ -206,7 +245,9 @@ class LocalStore(SelfGuarded):
         chunk = runs // max(1, self._max_open_files // self._threads)
         cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), int(which.size)]
         for a, b in itertools.pairwise(cuts):
-            self._read_chunk(urls, which[a:b], starts[a:b], ends[a:b], dest, dest_offsets[a:b])
+            self._read_chunk(
+                urls, which[a:b], starts[a:b], ends[a:b], dest, dest_offsets[a:b], convert
+            )
 
     def _read_chunk(
         self,
@@ -216,7 +257,9 @@ class LocalStore(SelfGuarded):
         ends: Int64Array,
         dest: npt.NDArray[np.uint8],
         dest_offsets: Int64Array,
+        convert: str | None,
     ) -> None:
+        """Reads of a few files; ``convert``: a conversion of the C helper (mapped files)."""
         used = np.unique(which).tolist()
         held: list[str] = []
         try:
@@ -233,8 +276,22 @@ class LocalStore(SelfGuarded):
                 )
             elif self._mmap and (limit_of[used] >= 0).all():
                 done, got, error = _preadv.copy_many(
-                    base_of[which], limit_of[which], starts, lengths, dest, dest_offsets
+                    base_of[which],
+                    limit_of[which],
+                    starts,
+                    lengths,
+                    dest,
+                    dest_offsets,
+                    *(() if convert is None else (convert,)),
                 )
+            elif convert is not None:  # a file that could not be mapped
+                staging = np.empty(int(lengths.sum()), dtype=np.uint8)
+                staged_at = np.cumsum(lengths) - lengths
+                done, got, error = _preadv.read_many(
+                    fd_of[which], starts, lengths, staging, staged_at
+                )
+                if done == starts.size:
+                    copy_pieces(staging, staged_at, lengths, dest, dest_offsets, convert)
             else:
                 done, got, error = _preadv.read_many(
                     fd_of[which], starts, lengths, dest, dest_offsets
@@ -394,6 +451,68 @@ def _read_many_python(
         if got < length:
             return index, got, 0
     return len(fds), 0, 0
+
+
+def c_conversion(source: np.dtype[Any], target: np.dtype[Any]) -> str | None:
+    """The C helper's name for converting ``source`` to ``target`` ("u2>i8"), or None when it
+    has no such conversion (or is absent): native-order integers to wider integers or floats."""
+    if _preadv is None or not (source.isnative and target.isnative):
+        return None
+    name = f"{source.kind}{source.itemsize}>{target.kind}{target.itemsize}"
+    return name if name in C_CONVERSIONS else None
+
+
+#: The conversions ``_preadv.copy_many`` makes (every one a safe cast).
+C_CONVERSIONS = frozenset(
+    f"{a}>{b}"
+    for a, bs in {
+        "u1": "i2 i4 i8 u2 u4 u8 f4 f8",
+        "u2": "i4 i8 u4 u8 f4 f8",
+        "u4": "i8 u8 f8",
+        "i1": "i2 i4 i8 f4 f8",
+        "i2": "i4 i8 f4 f8",
+        "i4": "i8 f8",
+    }.items()
+    for b in bs.split()
+)
+
+
+def copy_pieces(
+    source: npt.NDArray[np.uint8],
+    source_offsets: Int64Array,
+    lengths: Int64Array,
+    dest: npt.NDArray[np.uint8],
+    dest_offsets: Int64Array,
+    convert: str | None = None,
+) -> None:
+    """Copy ``source[source_offsets[i]:][:lengths[i]]`` to ``dest[dest_offsets[i]:]``, in one
+    GIL-free call of the C helper when it is there (``convert``: one of its conversions,
+    ``lengths`` then counting source bytes)."""
+    if _preadv is not None and source.size:
+        count = source_offsets.size
+        bases = np.full(count, source.ctypes.data, dtype=np.int64)
+        limits = np.full(count, source.size, dtype=np.int64)
+        extra = () if convert is None else (convert,)
+        done, _, _ = _preadv.copy_many(
+            bases, limits, source_offsets, lengths, dest, dest_offsets, *extra
+        )
+        assert done == count, "pieces lie inside their source"
+        return
+    assert convert is None, "conversions need the C helper"
+    into, out = memoryview(dest), memoryview(source)  # type: ignore[arg-type]
+    rows = zip(source_offsets.tolist(), dest_offsets.tolist(), lengths.tolist(), strict=True)
+    for src, at, length in rows:
+        into[at : at + length] = out[src : src + length]
+
+
+def _cast(
+    source: npt.NDArray[np.uint8],
+    dest: npt.NDArray[np.uint8],
+    source_dtype: np.dtype[Any],
+    dest_dtype: np.dtype[Any],
+) -> None:
+    """``source``'s elements of ``source_dtype`` cast into ``dest`` as ``dest_dtype``."""
+    np.copyto(dest.view(dest_dtype), source.view(source_dtype), casting="safe")
 
 
 def local_store(
