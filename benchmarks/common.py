@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -76,3 +79,33 @@ def run_child(script: Path, spec: dict[str, Any], folder: str, timeout: float) -
         raise RuntimeError(f"child {spec['mode']} failed with status {done.returncode}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def write_rates(
+    path: Path,
+    script: str,
+    rates: dict[str, list[float]],
+    *,
+    unit: str,
+    baseline: str,
+    title: str,
+) -> None:
+    """Write one benchmark's per-round figures as JSON for benchmarks/plot.py (and the docs).
+
+    ``rates`` maps each line to its figure in every round, in round order, so a reader can
+    take medians or the paired ratio to ``baseline`` (one of the lines), as the script does.
+    """
+    figures = {
+        "header": [
+            f"asyncbatch {script}  {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"  git {git_revision()}  python {platform.python_version()}  cpus {os.cpu_count()}",
+            "  command: " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]),
+        ],
+        "title": title,
+        "unit": unit,
+        "baseline": baseline,
+        "rates": rates,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"figures: {path}")
