@@ -59,7 +59,7 @@ BUCKET = "examples"
 MOTO_OPTIONS = {"key": "testing", "secret": "testing"}
 
 
-# --- the model: a GPT of about 240 K parameters, pure torch ---------------------------------
+# --- the model: a GPT of about 220 K parameters, pure torch ---------------------------------
 
 
 class Block(nn.Module):
