@@ -52,8 +52,8 @@ def plot_scale(figures: dict[str, Any], path: Path) -> None:
             (row["world_size"], row["fetched_per_delivered_max"])
         )
     for loader in points:  # in the order the script measured them
-        worlds, ratios = zip(*sorted(points[loader]), strict=True)
-        axes.plot(worlds, ratios, marker="o", label=loader)
+        sizes, ratios = zip(*sorted(points[loader]), strict=True)
+        axes.plot(sizes, ratios, marker="o", label=loader)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log", base=2)
     worlds = sorted({row["world_size"] for row in figures["scale"]})
