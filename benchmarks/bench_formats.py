@@ -98,8 +98,9 @@ class ReadCounter:
             self.useful += plan.nbytes
             return await read_plan(reader, plan)
 
-        async def counted_group(engine: Engine, *args: Any) -> list[ab.Batch]:
-            self.batches += len(args[-1])
+        async def counted_group(engine: Engine, *args: Any) -> Any:
+            # The group's batches are its one range argument, wherever the signature puts it.
+            self.batches += sum(len(arg) for arg in args if isinstance(arg, range))
             return await read_group(engine, *args)
 
         Reader.read_plan = counted_plan  # type: ignore[method-assign]
