@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -18,8 +19,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def git_revision() -> str:
-    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes."""
+    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes.
+
+    Cached: the revision a script prints at its start is the one its figures name at the end,
+    even if a commit lands while it runs."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -89,11 +94,13 @@ def write_rates(
     unit: str,
     baseline: str,
     title: str,
+    baselines: dict[str, str] | None = None,
 ) -> None:
     """Write one benchmark's per-round figures as JSON for benchmarks/plot.py (and the docs).
 
     ``rates`` maps each line to its figure in every round, in round order, so a reader can
-    take medians or the paired ratio to ``baseline`` (one of the lines), as the script does.
+    take medians or the paired ratio to ``baseline`` (one of the lines), as the script does;
+    ``baselines`` gives some lines another line to be compared with.
     """
     figures = {
         "header": [
@@ -104,6 +111,7 @@ def write_rates(
         "title": title,
         "unit": unit,
         "baseline": baseline,
+        "baselines": baselines or {},
         "rates": rates,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ Every ``bench_*.json`` in the folder (default ``docs/img``) becomes the PNG of t
 - ``bench_scale.json`` (``bench_scale.py``): bytes fetched / delivered, max over ranks,
   against world size, one line per loader;
 - any other (a script's ``--json``, written by ``common.write_rates``): each line's paired
-  ratio to the baseline (median over rounds of the ratio within one round), with the range
+  ratio to its baseline (median over rounds of the ratio within one round), with the range
   of the per-round ratios, since on a shared machine the ratios hold where absolute rates
   do not.
 
@@ -77,25 +77,31 @@ def plot_rates(figures: dict[str, Any], path: Path) -> None:
     """Each line's paired ratio to the baseline, the per-round range as an error bar."""
     plt = _pyplot()
     rates: dict[str, list[float]] = figures["rates"]
-    base = rates[figures["baseline"]]
     names = list(rates)
-    ratios = [[a / b for a, b in zip(rates[name], base, strict=True)] for name in names]
+    # Each line against its own baseline when the script named one, else the common one.
+    bases = [figures.get("baselines", {}).get(name, figures["baseline"]) for name in names]
+    ratios = [
+        [a / b for a, b in zip(rates[name], rates[base], strict=True)]
+        for name, base in zip(names, bases, strict=True)
+    ]
     medians = [statistics.median(r) for r in ratios]
     low = [m - min(r) for m, r in zip(medians, ratios, strict=True)]
     high = [max(r) - m for m, r in zip(medians, ratios, strict=True)]
     figure, axes = plt.subplots(figsize=(7, 0.45 * len(names) + 1.4))
     rows = range(len(names))
     axes.barh(rows, medians, xerr=[low, high], color="tab:blue", alpha=0.8, capsize=3)
-    axes.set_yticks(rows, names)
+    labels = [
+        name if base == figures["baseline"] else f"{name} (/ {base})"
+        for name, base in zip(names, bases, strict=True)
+    ]
+    axes.set_yticks(rows, labels)
     axes.invert_yaxis()  # the first line on top, as in the table
     axes.axvline(1, color="black", linewidth=0.8)
     for row, value in zip(rows, medians, strict=True):
         axes.annotate(f"{value:.2f}", (value, row), xytext=(4, 6), textcoords="offset points")
-    axes.set_xlabel(
-        f"{figures['unit']} / {figures['baseline']} (median of per-round ratios; bar: range)"
-    )
+    axes.set_xlabel(f"{figures['unit']} / baseline: median of per-round ratios, bar: range")
     git = figures["header"][1].split()[1]
-    axes.set_title(f"{figures['title']}, git {git}", fontsize=9)
+    axes.set_title(f"{figures['title']}, git {git}\nbaseline: {figures['baseline']}", fontsize=9)
     axes.grid(True, axis="x", alpha=0.3)
     _save(figure, path)
 

@@ -131,8 +131,6 @@ def train(args: argparse.Namespace) -> None:
             loader.load_state_dict(json.loads((checkpoint / f"loader-rank{rank}.json").read_text()))
         with log_path.open("a" if args.resume else "w") as log:
             for batch in loader:
-                if step == args.steps:
-                    break
                 tokens = batch["tokens"]
                 logits = model(tokens[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -144,6 +142,8 @@ def train(args: argparse.Namespace) -> None:
                 log.write(json.dumps(record) + "\n")
                 if step == args.stop_at:
                     save_checkpoint(checkpoint, rank, step, model.module, optimizer, loader)
+                    break
+                if step == args.steps:
                     break
     dist.destroy_process_group()
 
