@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from common import REPO, git_revision, paired_ratio, positive
+from common import REPO, git_revision, paired_ratio, positive, write_rates
 
 import asyncbatch as ab
 from asyncbatch.batch import Jagged
@@ -98,8 +98,9 @@ class ReadCounter:
             self.useful += plan.nbytes
             return await read_plan(reader, plan)
 
-        async def counted_group(engine: Engine, *args: Any) -> list[ab.Batch]:
-            self.batches += len(args[-1])
+        async def counted_group(engine: Engine, *args: Any) -> Any:
+            # The group's batches are its one range argument, wherever the signature puts it.
+            self.batches += sum(len(arg) for arg in args if isinstance(arg, range))
             return await read_group(engine, *args)
 
         Reader.read_plan = counted_plan  # type: ignore[method-assign]
@@ -400,6 +401,7 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="read from a local s3rver instead")
     parser.add_argument("--data-dir", type=Path, default=None, help="local dataset folder")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     if args.size_mb is None:
         args.size_mb = 32 if args.s3 else 256
@@ -426,6 +428,16 @@ def main() -> None:
             for case in cases[shift:] + cases[:shift]:
                 runs[case.name].append(time_case(case, batches, counter))
         report(cases, runs)
+    if args.json is not None:
+        where = "S3 (s3rver)" if args.s3 else "local, warm"
+        write_rates(
+            args.json,
+            "bench_formats",
+            {name: [s.tokens / s.seconds for s in samples] for name, samples in runs.items()},
+            unit="tokens/s",
+            baseline=cases[0].name,
+            title=f"Formats beside the tokens format, {where}: {args.size_mb} MiB",
+        )
 
 
 def report(cases: list[Case], runs: dict[str, list[Sample]]) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import torch
-from common import git_revision, positive
+from common import git_revision, positive, write_rates
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
@@ -384,6 +384,7 @@ def main() -> None:
         help="batches per DataLoader measurement (the slowest ones)",
     )
     parser.add_argument("--latency-samples", type=positive, default=15, help="next() calls timed")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
     root = args.data_dir or default_data_dir(args.size_gb)
@@ -506,6 +507,11 @@ def main() -> None:
         )
     else:
         print("loader next() with batches ready: no batch was ready after the settle time")
+    if args.json is not None:
+        title = f"Local files, page cache warm: {nbytes / 2**30:.2f} GiB, {BATCH_SIZE} x {SEQ_LEN}"
+        write_rates(
+            args.json, "bench_local", rates, unit="tokens/s", baseline=baseline_name, title=title
+        )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ import torch
 from bench_remote import check_batch, litdata_version, node_version, request_latency
 from common import REPO, git_revision, paired_ratio, positive, run_child
 from delayproxy import Counts, Proxy, read_counts, running_proxy
+from plot import plot_scale
 from s3rver import (
     BUCKET,
     KEY,
@@ -591,6 +592,10 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str, scra
     path = args.json or args.plot.with_suffix(".json")
     figures = {
         "header": header,
+        "title": (
+            f"One epoch over N ranks from S3 (+{args.delay_ms:g} ms): {args.size_mb} MiB,"
+            f" {args.shard_mb} MiB shards, git {git_revision()}"
+        ),
         "settings": {
             "size_mb": args.size_mb,
             "shard_mb": args.shard_mb,
@@ -615,12 +620,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, s3rver: str, scra
     path.write_text(json.dumps(figures, indent=1) + "\n")
     print(f"figures: {path}")
     if sweeps:
-        title = (
-            f"One epoch over N ranks from S3 (+{args.delay_ms:g} ms): {args.size_mb} MiB,"
-            f" {args.shard_mb} MiB shards, git {git_revision()}"
-        )
-        plot(sweeps, args.plot, title)
-        print(f"plot: {args.plot}")
+        plot_scale(figures, args.plot)
 
 
 def summary(runs: list[RankRun]) -> dict[str, float | int]:
@@ -739,37 +739,6 @@ def cache_text(cache: dict[str, Any]) -> str:
         f" S3 / local {cache['remote_per_local']:.2f} (median of paired ratios)",
     ]
     return "\n".join(lines)
-
-
-def plot(sweeps: dict[tuple[str, int], list[RankRun]], path: Path, title: str) -> None:
-    """Bytes fetched / delivered (max over ranks) against world size, one line per loader."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for line in LINES:
-        points = sorted((world, runs) for (name, world), runs in sweeps.items() if name == line)
-        if points:
-            worlds = [world for world, _ in points]
-            ratios = [max(run.fetched_per_delivered for run in runs) for _, runs in points]
-            axes.plot(worlds, ratios, marker="o", label=LINE_NAMES[line])
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log", base=2)
-    worlds = sorted({world for _, world in sweeps})
-    axes.set_xticks(worlds, [str(world) for world in worlds])
-    axes.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-    axes.set_xlabel("world size (ranks)")
-    axes.set_ylabel("object bytes fetched / bytes delivered (max over ranks)")
-    axes.set_title(title, fontsize=9)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 if __name__ == "__main__":

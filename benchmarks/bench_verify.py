@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-from common import git_revision, paired_ratio, positive
+from common import git_revision, paired_ratio, positive, write_rates
 
 import asyncbatch as ab
 
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--block", type=positive, default=2**20, help="checksum block bytes")
     parser.add_argument("--batches", type=positive, default=2048, help="batches per measurement")
     parser.add_argument("--rounds", type=positive, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
     dataset = ensure_dataset(args.size_mb, args.block)
@@ -114,6 +115,25 @@ def main() -> None:
         print(
             f"{name:8} {level:6} {statistics.median(values) / 1e6:10.1f}"
             f" {min(values) / 1e6:8.1f} {max(values) / 1e6:8.1f} {ratio:15.3f}"
+        )
+    if args.json is not None:
+        # Each level against verify="off" under the same shuffle, as the table reads.
+        label = {True: "global", "block": "block"}
+        named = {
+            f"{label[shuffle]} shuffle, verify={level}": values
+            for (shuffle, level), values in rates.items()
+        }
+        title = f"verify= levels, local files: {args.size_mb} MiB, checksum blocks {args.block} B"
+        write_rates(
+            args.json,
+            "bench_verify",
+            named,
+            unit="tokens/s",
+            baseline="global shuffle, verify=off",
+            baselines={
+                f"block shuffle, verify={level}": "block shuffle, verify=off" for level in LEVELS
+            },
+            title=title,
         )
 
 

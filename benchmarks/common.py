@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -15,8 +19,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def git_revision() -> str:
-    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes."""
+    """Short HEAD of the repository, with a note when ``asyncbatch/`` has local changes.
+
+    Cached: the revision a script prints at its start is the one its figures name at the end,
+    even if a commit lands while it runs."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -76,3 +84,36 @@ def run_child(script: Path, spec: dict[str, Any], folder: str, timeout: float) -
         raise RuntimeError(f"child {spec['mode']} failed with status {done.returncode}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def write_rates(
+    path: Path,
+    script: str,
+    rates: dict[str, list[float]],
+    *,
+    unit: str,
+    baseline: str,
+    title: str,
+    baselines: dict[str, str] | None = None,
+) -> None:
+    """Write one benchmark's per-round figures as JSON for benchmarks/plot.py (and the docs).
+
+    ``rates`` maps each line to its figure in every round, in round order, so a reader can
+    take medians or the paired ratio to ``baseline`` (one of the lines), as the script does;
+    ``baselines`` gives some lines another line to be compared with.
+    """
+    figures = {
+        "header": [
+            f"asyncbatch {script}  {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"  git {git_revision()}  python {platform.python_version()}  cpus {os.cpu_count()}",
+            "  command: " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]),
+        ],
+        "title": title,
+        "unit": unit,
+        "baseline": baseline,
+        "baselines": baselines or {},
+        "rates": rates,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"figures: {path}")
