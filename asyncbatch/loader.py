@@ -33,6 +33,7 @@ from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset, open_dataset, open_dataset_async
 from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
+from .device import ToDevice, device_of, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats import Source, make_source
@@ -225,6 +226,7 @@ class _LoaderBase:
         verify: Verify,
         cache: DiskCache | str | os.PathLike[str] | None,
         transform: Transform | None,
+        device: torch.device | str | None,
     ) -> None:
         self.batch_size = _positive("batch_size", batch_size)
         self.seq_len = None if seq_len is None else _positive("seq_len", seq_len)
@@ -272,6 +274,8 @@ class _LoaderBase:
         self.cache = DiskCache.of(cache)
         #: Called on each batch off the consumer's thread, in order (asyncbatch.transform).
         self.transform = check_transform(transform)
+        #: Where batches are delivered (None: the CPU); see asyncbatch.device.
+        self.device = device_of(device)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -359,7 +363,9 @@ class _LoaderBase:
             verify=self.verify,
             counts=self._read_counts,
             cache=self.cache,
-            transform=self.transform,
+            transform=(
+                self.transform if self.device is None else ToDevice(self.device, self.transform)
+            ),
         )
         return self._engine
 
@@ -516,7 +522,7 @@ class _LoaderBase:
             if item.extra["epoch"] != self._epoch:  # an infinite run went on to the next
                 self._history = ()
             self._epoch, self._position = item.extra["epoch"], item.extra["batch"] + 1
-            return item
+            return ready(item)
         assert isinstance(item, Final)
         self._run_finished()
         if isinstance(item.error, ShardChangedError) and self._changed is None:
@@ -642,6 +648,9 @@ class Loader(_LoaderBase):
         transform: Called on each batch off the consumer's thread, in order, within the
             prefetch bound: takes the :class:`~asyncbatch.Batch`, returns a Batch or a dict
             of tensors; what it raises reaches ``next()`` as a TransformError.
+        device: ``"cuda"`` (or ``"cuda:1"``, ...): each batch pinned and copied to the device
+            on a side CUDA stream on the transform thread, ahead of the consumer, whose
+            stream waits for the copy when it takes the batch; ``None``: the CPU.
     """
 
     def __init__(
@@ -670,6 +679,7 @@ class Loader(_LoaderBase):
         verify: Verify = DEFAULT_VERIFY,
         cache: DiskCache | str | os.PathLike[str] | None = None,
         transform: Transform | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self._args = given_arguments(locals())  # first: locals() is the arguments yet
         super().__init__(dataset, **self._args)
@@ -834,6 +844,7 @@ class AsyncLoader(_LoaderBase):
         verify: Verify = DEFAULT_VERIFY,
         cache: DiskCache | str | os.PathLike[str] | None = None,
         transform: Transform | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self._args = given_arguments(locals())  # first: locals() is the arguments yet
         super().__init__(dataset, **self._args)

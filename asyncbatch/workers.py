@@ -104,8 +104,15 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         verify: Verify = DEFAULT_VERIFY,
         cache: DiskCache | str | os.PathLike[str] | None = None,
         transform: Transform | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         loader_args = given_arguments(locals())  # first: locals() is the arguments yet
+        if device is not None:
+            raise ConfigError(
+                f"LoaderDataset takes no device= (got {device!r}): DataLoader workers must not"
+                " touch CUDA. Use DataLoader(..., pin_memory=True) and batch.to(device,"
+                " non_blocking=True), or ab.Loader(..., device=...) in the training process"
+            )
         # Fixed here, in the parent: workers must not ask torch.distributed themselves.
         rank, world_size = resolve_rank(rank, world_size)
         self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
