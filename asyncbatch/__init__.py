@@ -1,21 +1,21 @@
 """asyncbatch: batches read straight from where the data lives.
 
-The layers, from the bytes up::
+The layers, from the bytes up (each imports only from those above it here; docs/design.md
+has the full table, which tests/test_layers.py checks)::
 
-    stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
-                filesystem; one RetryPolicy for them all; DiskCache, the node-local cache
-    manifest    the one file read to open a dataset; dataset: opening it
-    layout      shard map: sample spans → reads, vectorised (cumsum + searchsorted)
+    errors, batch, layout, checksums, handoff, transform, portal, ...   foundations
     sampling/   the order of samples: Feistel permutation, global and block shuffles,
                 ranks, the tail, mixtures
-    formats/    how samples map to spans and bytes decode into fields
+    stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
+                filesystem; one RetryPolicy for them all; DiskCache, the node-local cache
+    manifest    the one file read to open a dataset; dataset: the Dataset it describes
+    checks      verify=off|size|block|full on the read path; writer: shards + manifest
+    formats/    each format's reader and writer; formats.registry: register_format
+    open        open_dataset, by the registered formats; verify: verify_dataset; mixture
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
-    handoff     the bounded queue between the engine and its consumer
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
-    lifecycle   loader threads across interpreter exit and fork()
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
-    integrity   checksums (xxh3-64) and verify=off|size|block|full
-    writer      arrays → shards + manifest; cli: ``asyncbatch demo | inspect | verify``
+    cli         ``asyncbatch demo | inspect | write | verify | bench``
 """
 
 from __future__ import annotations
@@ -52,19 +52,22 @@ if _typing.TYPE_CHECKING:
     from .batch import Jagged as Jagged
     from .batch import Strings as Strings
     from .dataset import Dataset as Dataset
-    from .dataset import open_dataset as open_dataset
-    from .dataset import open_dataset_async as open_dataset_async
-    from .formats.documents import write_documents as write_documents
-    from .formats.documents import write_documents_async as write_documents_async
-    from .formats.llmbatch import write_llmbatch as write_llmbatch
-    from .formats.llmbatch import write_llmbatch_async as write_llmbatch_async
+    from .formats.documents_write import write_documents as write_documents
+    from .formats.documents_write import write_documents_async as write_documents_async
+    from .formats.llmbatch_write import write_llmbatch as write_llmbatch
+    from .formats.llmbatch_write import write_llmbatch_async as write_llmbatch_async
     from .formats.metadata import register_codec as register_codec
-    from .formats.metadata import write_metadata_stream as write_metadata_stream
-    from .formats.metadata import write_metadata_stream_async as write_metadata_stream_async
+    from .formats.metadata_write import write_metadata_stream as write_metadata_stream
+    from .formats.metadata_write import (
+        write_metadata_stream_async as write_metadata_stream_async,
+    )
+    from .formats.registry import register_format as register_format
     from .loader import AsyncLoader as AsyncLoader
     from .loader import Loader as Loader
     from .mixture import Mixture as Mixture
     from .mixture import mix as mix
+    from .open import open_dataset as open_dataset
+    from .open import open_dataset_async as open_dataset_async
     from .stores import register_store as register_store
     from .stores.disk_cache import DiskCache as DiskCache
     from .stores.retry import RetryPolicy as RetryPolicy
@@ -80,19 +83,20 @@ _LAZY: dict[str, str] = {
     "Jagged": "batch",
     "Strings": "batch",
     "Dataset": "dataset",
-    "open_dataset": "dataset",
-    "open_dataset_async": "dataset",
-    "write_documents": "formats.documents",
-    "write_documents_async": "formats.documents",
-    "write_llmbatch": "formats.llmbatch",
-    "write_llmbatch_async": "formats.llmbatch",
+    "write_documents": "formats.documents_write",
+    "write_documents_async": "formats.documents_write",
+    "write_llmbatch": "formats.llmbatch_write",
+    "write_llmbatch_async": "formats.llmbatch_write",
     "register_codec": "formats.metadata",
-    "write_metadata_stream": "formats.metadata",
-    "write_metadata_stream_async": "formats.metadata",
+    "write_metadata_stream": "formats.metadata_write",
+    "write_metadata_stream_async": "formats.metadata_write",
+    "register_format": "formats.registry",
     "AsyncLoader": "loader",
     "Loader": "loader",
     "Mixture": "mixture",
     "mix": "mixture",
+    "open_dataset": "open",
+    "open_dataset_async": "open",
     "register_store": "stores",
     "DiskCache": "stores.disk_cache",
     "RetryPolicy": "stores.retry",
@@ -154,6 +158,7 @@ __all__ = [
     "open_dataset",
     "open_dataset_async",
     "register_codec",
+    "register_format",
     "register_store",
     "write_documents",
     "write_documents_async",

@@ -132,7 +132,7 @@ def human_bytes(nbytes: int) -> str:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from .dataset import open_dataset
+    from .open import open_dataset
 
     dataset = open_dataset(args.url, _options(args.option))
     manifest = dataset.manifest
@@ -160,8 +160,8 @@ VERIFY_CLEAN, VERIFY_BAD, VERIFY_NO_CHECKSUMS = 0, 1, 3
 
 
 def verify(args: argparse.Namespace) -> int:
-    from .dataset import open_dataset
-    from .integrity import verify_dataset
+    from .open import open_dataset
+    from .verify import verify_dataset
 
     bar: Progress | None = None
 

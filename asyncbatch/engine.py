@@ -25,10 +25,7 @@ import numpy.typing as npt
 import torch
 
 from .batch import Batch
-from .errors import ChecksumError
-from .formats.base import Source
-from .handoff import BatchQueue, Final
-from .integrity import (
+from .checks import (
     BLOCK_SCRATCH_BYTES,
     DEFAULT_VERIFY,
     SCAN_CONCURRENCY,
@@ -39,6 +36,9 @@ from .integrity import (
     scan_shard,
     size_error,
 )
+from .errors import ChecksumError
+from .formats.base import Source
+from .handoff import BatchQueue, Final
 from .layout import ReadPlan
 from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
@@ -380,7 +380,7 @@ def scratch_bytes(plan: ReadPlan) -> int:
 
 class Reader:
     """Carries out read plans over shards that may live in several stores, verifying the
-    shards as ``checks.level`` says (see :mod:`asyncbatch.integrity`)."""
+    shards as ``checks.level`` says (see :mod:`asyncbatch.checks`)."""
 
     def __init__(
         self,

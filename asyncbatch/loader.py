@@ -31,15 +31,17 @@ import torch
 
 from . import lifecycle
 from .batch import Batch
-from .dataset import Dataset, open_dataset, open_dataset_async
+from .checks import DEFAULT_VERIFY, Verify, check_level
+from .dataset import Dataset
 from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .device import ToDevice, device_of, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
-from .formats import Source, make_source
+from .formats.base import Source
+from .formats.registry import make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
-from .integrity import DEFAULT_VERIFY, Verify, check_level
 from .mixture import Mixture
+from .open import open_dataset, open_dataset_async
 from .sampling.batches import BatchOrder
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (

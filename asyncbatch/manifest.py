@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ManifestError
-from .integrity import (
+from .checksums import (
     ALGORITHM,
     decode_blocks,
     encode_blocks,
@@ -23,6 +22,7 @@ from .integrity import (
     num_blocks,
     parse_digest,
 )
+from .errors import ManifestError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

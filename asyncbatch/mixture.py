@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .dataset import Dataset, open_dataset
+from .dataset import Dataset
 from .errors import ConfigError
+from .open import open_dataset
 
 
 @dataclass(frozen=True)

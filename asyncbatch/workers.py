@@ -20,12 +20,13 @@ import torch.utils.data
 from torch._utils import ExceptionWrapper
 
 from .batch import Batch
-from .dataset import Dataset, open_dataset
+from .checks import DEFAULT_VERIFY, Verify
+from .dataset import Dataset
 from .defaults import MAX_INFLIGHT
 from .errors import AsyncBatchError, ConfigError, ShardChangedError
-from .integrity import DEFAULT_VERIFY, Verify
 from .loader import Loader, check_state, given_arguments, resolve_rank, share_args_doc
 from .mixture import Mixture
+from .open import open_dataset
 from .sampling.order import Shuffle, Tail
 from .sampling.windows import History
 from .stores.disk_cache import DiskCache

@@ -3,7 +3,7 @@
 Shards are written concurrently (a bounded number at once) to any store URL. The manifest
 is written after every shard succeeded, so a reader never sees a half-written dataset. It
 records each shard's xxh3-64 checksum and, unless ``checksum_block=None``, one per block of
-``checksum_block`` bytes (see :mod:`asyncbatch.integrity`).
+``checksum_block`` bytes (see :mod:`asyncbatch.checksums`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
 from .dataset import Dataset, join_url
 from .errors import ConfigError
-from .integrity import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo
 from .portal import run_sync
 from .progress import Progress
@@ -33,7 +33,7 @@ def _checksums(data: memoryview, block: int | None) -> tuple[int, bytes | None]:
     return digest(data), None if block is None else block_digests(data, block)
 
 
-def _checked_cast(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+def checked_cast(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """``array`` as ``dtype``; integers that do not fit are an error, never wrapped."""
     if array.dtype == dtype:
         return array
@@ -99,7 +99,7 @@ class ShardWriter:
         """Append the elements of ``array`` (cast to the dataset's dtype, checked)."""
         if self.dtype is None:
             self.dtype = array.dtype
-        array = _checked_cast(array.reshape(-1), self.dtype)
+        array = checked_cast(array.reshape(-1), self.dtype)
         per_shard = max(1, self.shard_size // self.dtype.itemsize)
         while array.size:
             if self._buffer is None:

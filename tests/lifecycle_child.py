@@ -150,7 +150,7 @@ def open_in_a_running_loop(path: str) -> dict[str, Any]:
 
     # asyncbatch loads its modules on first use: load them (torch too) before "ready", so the
     # signal finds open_dataset waiting on the server, not on an import in the helper thread.
-    importlib.import_module("asyncbatch.formats")
+    importlib.import_module("asyncbatch.open")
 
     async def main(url: str) -> None:
         ab.open_dataset(url)  # sync, on purpose: what a notebook user writes

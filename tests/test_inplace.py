@@ -18,8 +18,8 @@ from conftest import BUCKET, expected_windows, s3_options
 from make_megatron import random_documents, write_megatron
 
 import asyncbatch as ab
-from asyncbatch.formats import FORMATS
 from asyncbatch.formats.base import natural_key
+from asyncbatch.formats.registry import FORMATS
 from asyncbatch.stores.base import ObjectInfo
 from asyncbatch.stores.local import LocalStore
 

@@ -20,11 +20,12 @@ from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
 from asyncbatch import engine
+from asyncbatch.checksums import block_digests, encode_blocks
 from asyncbatch.cli import main as cli_main
 from asyncbatch.errors import ChecksumError, ConfigError, ManifestError
-from asyncbatch.integrity import block_digests, encode_blocks, verify_dataset
 from asyncbatch.stores import registry
 from asyncbatch.stores.local import LocalStore
+from asyncbatch.verify import verify_dataset
 
 SHARD = 8000  # bytes: 4000 uint16 tokens, so the 20_011 test tokens make 6 shards
 BLOCK = 1024  # checksum block: 512 tokens

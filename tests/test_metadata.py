@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 import asyncbatch as ab
 from asyncbatch.engine import Reader
 from asyncbatch.errors import ConfigError, FormatError, ManifestError
-from asyncbatch.formats import make_source
 from asyncbatch.formats.metadata import MetadataWindows
+from asyncbatch.formats.registry import make_source
 from asyncbatch.layout import ReadPlan
 from asyncbatch.stores import open_store
 

@@ -5,8 +5,9 @@ A source maps sample ids to reads and turns the bytes read into fields. Most for
 later reads depend on earlier bytes (metadata streams: tokens, then the metadata index, then
 the metadata) overrides :meth:`Source.fetch` and reads as many plans as it needs.
 
-Sources are built per loader by :func:`make_source` from the datasets' ``manifest.format``;
-datasets are opened by :data:`OPENERS` (a manifest, or data users already have).
+Sources are built per loader from the datasets' ``manifest.format`` by the factory
+registered for it (:mod:`asyncbatch.formats.registry`); datasets without a manifest are
+opened by the registered :class:`Opener` of their layout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ..batch import FieldSchema
-from ..errors import ConfigError
 from ..layout import ReadPlan
 
 if TYPE_CHECKING:
@@ -103,34 +103,6 @@ class SourceFactory(Protocol):
     ) -> Source: ...
 
 
-#: Source factories by ``manifest.format``; formats/__init__.py fills it.
-FORMATS: dict[str, SourceFactory] = {}
-
-
-def make_source(
-    datasets: Sequence[Dataset],
-    *,
-    seq_len: int | None,
-    next_token: bool = False,
-    dtype: Any = None,
-    options: Mapping[str, Any] | None = None,
-) -> Source:
-    """The source for ``datasets`` (all of one format), with format-specific ``options``."""
-    kinds = sorted({d.manifest.format for d in datasets})
-    if len(kinds) != 1:
-        urls = ", ".join(f"{d.url} ({d.manifest.format})" for d in datasets)
-        raise ConfigError(f"a mixture must be of one format, got {urls}")
-    factory = FORMATS.get(kinds[0])
-    if factory is None:
-        raise ConfigError(
-            f"{datasets[0].url} holds format {kinds[0]!r}, which this asyncbatch cannot read"
-            f" (known: {', '.join(sorted(FORMATS))})"
-        )
-    return factory(
-        datasets, seq_len=seq_len, next_token=next_token, dtype=dtype, **dict(options or {})
-    )
-
-
 @dataclass(frozen=True)
 class Opener:
     """Opens datasets of one on-disk layout that has no asyncbatch manifest.
@@ -169,11 +141,3 @@ def natural_key(name: str) -> tuple[list[str | int], str]:
         int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))
     ]
     return parts, name
-
-
-#: Openers of data users already have, tried in order; formats/__init__.py fills it.
-OPENERS: list[Opener] = []
-
-#: After its manifest is read, a dataset of one of these formats reads its index arrays
-#: (document offsets, ...) into ``Dataset.arrays``: ``load(dataset, store) -> dataset``.
-INDEX_LOADERS: dict[str, Callable[[Dataset, Store], Awaitable[Dataset]]] = {}

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..checksums import digest, format_digest
 from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
-from ..integrity import digest, format_digest
 from ..manifest import Manifest, ShardInfo
 from ..stores import scheme_of
 from ..stores.base import ObjectInfo, Store, Versioned

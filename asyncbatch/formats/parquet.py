@@ -37,9 +37,9 @@ import numpy.typing as npt
 import torch
 
 from ..batch import FieldSchema, Jagged, Strings
+from ..checksums import digest, format_digest
 from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
-from ..integrity import digest, format_digest
 from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import Store

@@ -1,9 +1,5 @@
-"""Checksums: what the writer records, and how readers and ``asyncbatch verify`` check it.
-
-The algorithm is xxh3-64 (the ``xxhash`` package: BSD licence, wheels everywhere, ~20 GB/s
-on one core, hashes any buffer without a copy and releases the GIL). The manifest records one
-digest per shard and, optionally, one per *checksum block* of ``checksum_block`` bytes (the
-last block of a shard may be shorter); see docs/format.md.
+"""Verification on the read path: what the manifests of a loader's datasets record about
+each shard, and the checks the engine runs as it reads them.
 
 Verification levels (``verify=`` of the loaders, docs/reliability.md)::
 
@@ -19,10 +15,7 @@ one ``size()`` call per shard and ``full`` one extra read of each shard.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
@@ -30,18 +23,13 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from .checksums import ALGORITHM, block_digests, format_digest, num_blocks
 from .errors import ChecksumError, ConfigError, ManifestError, StoreError
-from .portal import run_sync
 
 if TYPE_CHECKING:
     from .dataset import Dataset
     from .stores.base import Store
 
-#: The one checksum algorithm, as the manifest names it.
-ALGORITHM = "xxh3_64"
-#: Bytes per checksum block written by default: one block shuffle block (loader.BLOCK_BYTES),
-#: ~11 manifest bytes per MiB of data.
-DEFAULT_CHECKSUM_BLOCK = 2**20
 Verify: TypeAlias = Literal["off", "size", "block", "full"]
 VERIFY_LEVELS: tuple[Verify, ...] = get_args(Verify)
 DEFAULT_VERIFY: Verify = "size"
@@ -53,58 +41,8 @@ SCAN_CONCURRENCY = 4
 #: are checked and copied out (a group of 64 shuffled batches may touch a GiB of blocks).
 BLOCK_SCRATCH_BYTES = 64 * 2**20
 
-_HEX16 = re.compile("[0-9a-f]{16}")
-
 Int64Array = npt.NDArray[np.int64]
 DigestArray = npt.NDArray[np.uint64]
-
-
-def digest(data: Any) -> int:
-    """xxh3-64 of a bytes-like object, as an integer."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def format_digest(value: int) -> str:
-    """A digest as the manifest writes it: 16 lowercase hex digits."""
-    return f"{value:016x}"
-
-
-def parse_digest(text: Any) -> int:
-    """The digest written as ``text``; ValueError unless it is 16 hex digits."""
-    if not isinstance(text, str) or _HEX16.fullmatch(text) is None:
-        raise ValueError(f"expected 16 lowercase hex digits, got {text!r}")
-    return int(text, 16)
-
-
-def num_blocks(nbytes: int, block: int) -> int:
-    return -(-nbytes // block)
-
-
-def block_digests(data: Any, block: int) -> bytes:
-    """Digests of each ``block`` bytes of ``data``, packed as little-endian uint64."""
-    view = memoryview(data).cast("B")
-    out = np.empty(num_blocks(len(view), block), dtype="<u8")
-    for index in range(out.size):
-        out[index] = xxhash.xxh3_64_intdigest(view[index * block : (index + 1) * block])
-    return out.tobytes()
-
-
-def encode_blocks(packed: bytes) -> str:
-    """Packed block digests as the manifest writes them (base64)."""
-    return base64.b64encode(packed).decode("ascii")
-
-
-def decode_blocks(text: Any, count: int) -> bytes:
-    """Packed block digests from the manifest's text; ValueError unless ``count`` of them."""
-    if not isinstance(text, str):
-        raise ValueError(f"expected a base64 string, got {type(text).__name__}")
-    try:
-        packed = base64.b64decode(text, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not base64: {exc}") from exc
-    if len(packed) != 8 * count:
-        raise ValueError(f"expected {count} block digests, got {len(packed) / 8:g}")
-    return packed
 
 
 def check_level(verify: Any) -> str:
@@ -439,107 +377,3 @@ def check_blocks(
             int(actual[k]),
             more,
         )
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`verify_dataset` found: the level it could check at, and the bad shards."""
-
-    url: str
-    level: str  # "block", "full", or "size" when the manifest records no checksums
-    shards: int
-    nbytes: int
-    bad: list[ShardReport]
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def clean(self) -> bool:
-        return not self.bad
-
-
-async def verify_dataset_async(
-    dataset: Dataset | str,
-    *,
-    level: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    concurrency: int = 8,
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """Check every shard of ``dataset`` (or of the one at that URL) against its manifest,
-    ``concurrency`` shards at once; reports every problem (it does not stop at the first).
-
-    ``level``: ``"block"`` (every block's checksum and the whole shard's; the default when
-    blocks are recorded) or ``"full"`` (whole shards only). Sizes are always checked; a
-    manifest without checksums can only be checked for sizes (``report.level == "size"``).
-    ``progress`` is called with the bytes (or, at ``size``, shard bytes) done.
-    """
-    # Imported here: dataset imports manifest, which imports this module.
-    from .dataset import open_dataset_async
-    from .stores import open_store
-
-    if level not in (None, "block", "full"):
-        raise ConfigError(f"level={level!r}: expected 'block' or 'full'")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
-    if isinstance(dataset, str):
-        dataset = await open_dataset_async(dataset, storage_options)
-    manifest = dataset.manifest
-    notes = []
-    if manifest.checksum is None:
-        used = "size"
-        notes.append("the manifest records no checksums (written without them): sizes only")
-    elif level == "full" or manifest.checksum_block is None:
-        used = "full"
-        if level == "block":
-            notes.append("the manifest records no block checksums: whole shards only")
-    else:
-        used = "block"
-    checks = ShardChecks([dataset], "size", blocks=True)
-    store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
-    slots = asyncio.Semaphore(concurrency)
-
-    async def check(shard: int) -> ShardReport:
-        async with slots:
-            if used != "size":
-                return await scan_shard(
-                    store, checks, shard, blocks=used == "block", progress=progress
-                )
-            report = ShardReport(checks.urls[shard])
-            expected = int(checks.sizes[shard])
-            try:
-                size = await store.size(report.url)
-            except StoreError as exc:
-                report.problems.append(exc)
-                return report
-            if size != expected:
-                report.problems.append(size_error(report.url, expected, size))
-            if progress is not None:
-                progress(expected)
-            return report
-
-    try:
-        reports = await asyncio.gather(*(check(k) for k in range(len(checks.urls))))
-    finally:
-        await store.close()
-    bad = [report for report in reports if report.problems]
-    return VerifyReport(dataset.url, used, len(reports), manifest.total_bytes, bad, notes)
-
-
-def verify_dataset(
-    dataset: Dataset | str,
-    *,
-    level: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    concurrency: int = 8,
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """:func:`verify_dataset_async`, from synchronous code."""
-    return run_sync(
-        verify_dataset_async(
-            dataset,
-            level=level,
-            storage_options=storage_options,
-            concurrency=concurrency,
-            progress=progress,
-        )
-    )

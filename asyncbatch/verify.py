@@ -1,0 +1,116 @@
+"""``verify_dataset``: every shard of a dataset checked against its manifest, offline
+(``asyncbatch verify``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checks import ShardChecks, ShardReport, scan_shard, size_error
+from .dataset import Dataset
+from .errors import ConfigError, StoreError
+from .open import open_dataset_async
+from .portal import run_sync
+from .stores import open_store
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_dataset` found: the level it could check at, and the bad shards."""
+
+    url: str
+    level: str  # "block", "full", or "size" when the manifest records no checksums
+    shards: int
+    nbytes: int
+    bad: list[ShardReport]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad
+
+
+async def verify_dataset_async(
+    dataset: Dataset | str,
+    *,
+    level: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    concurrency: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check every shard of ``dataset`` (or of the one at that URL) against its manifest,
+    ``concurrency`` shards at once; reports every problem (it does not stop at the first).
+
+    ``level``: ``"block"`` (every block's checksum and the whole shard's; the default when
+    blocks are recorded) or ``"full"`` (whole shards only). Sizes are always checked; a
+    manifest without checksums can only be checked for sizes (``report.level == "size"``).
+    ``progress`` is called with the bytes (or, at ``size``, shard bytes) done.
+    """
+    if level not in (None, "block", "full"):
+        raise ConfigError(f"level={level!r}: expected 'block' or 'full'")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if isinstance(dataset, str):
+        dataset = await open_dataset_async(dataset, storage_options)
+    manifest = dataset.manifest
+    notes = []
+    if manifest.checksum is None:
+        used = "size"
+        notes.append("the manifest records no checksums (written without them): sizes only")
+    elif level == "full" or manifest.checksum_block is None:
+        used = "full"
+        if level == "block":
+            notes.append("the manifest records no block checksums: whole shards only")
+    else:
+        used = "block"
+    checks = ShardChecks([dataset], "size", blocks=True)
+    store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def check(shard: int) -> ShardReport:
+        async with slots:
+            if used != "size":
+                return await scan_shard(
+                    store, checks, shard, blocks=used == "block", progress=progress
+                )
+            report = ShardReport(checks.urls[shard])
+            expected = int(checks.sizes[shard])
+            try:
+                size = await store.size(report.url)
+            except StoreError as exc:
+                report.problems.append(exc)
+                return report
+            if size != expected:
+                report.problems.append(size_error(report.url, expected, size))
+            if progress is not None:
+                progress(expected)
+            return report
+
+    try:
+        reports = await asyncio.gather(*(check(k) for k in range(len(checks.urls))))
+    finally:
+        await store.close()
+    bad = [report for report in reports if report.problems]
+    return VerifyReport(dataset.url, used, len(reports), manifest.total_bytes, bad, notes)
+
+
+def verify_dataset(
+    dataset: Dataset | str,
+    *,
+    level: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    concurrency: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """:func:`verify_dataset_async`, from synchronous code."""
+    return run_sync(
+        verify_dataset_async(
+            dataset,
+            level=level,
+            storage_options=storage_options,
+            concurrency=concurrency,
+            progress=progress,
+        )
+    )
