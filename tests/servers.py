@@ -17,11 +17,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 
 class RangeHandler(BaseHTTPRequestHandler):
-    """Serves files under ``server.root`` with HEAD, GET and single byte ranges."""
+    """Serves files under ``server.root`` with HEAD, GET and single byte ranges, suffix ones
+    (``bytes=-N``) too unless a file ``<name>.nosuffix`` beside the file says to ignore them
+    (as some servers do: they answer with the whole file)."""
 
     server: RangeHTTPServer
     protocol_version = "HTTP/1.1"
@@ -67,12 +69,17 @@ class RangeHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.requests += 1
         match = _RANGE.match(self.headers.get("Range", ""))
-        if match is None:
+        suffix = match is not None and not match.group(1)
+        if match is None or (suffix and path.with_name(path.name + ".nosuffix").exists()):
             self.send_response(200)
             body = data
         else:
-            start = int(match.group(1))
-            end = int(match.group(2)) + 1 if match.group(2) else len(data)
+            if suffix:
+                start = max(0, len(data) - int(match.group(2) or 0))
+                end = len(data)
+            else:
+                start = int(match.group(1))
+                end = int(match.group(2)) + 1 if match.group(2) else len(data)
             if start >= len(data):
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{len(data)}")

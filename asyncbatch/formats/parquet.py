@@ -1,8 +1,9 @@
 """Parquet datasets, read the Reimu way: footers only at open, row groups as the unit read,
 only the columns asked for, decoded by pyarrow from bytes the engine fetched.
 
-Opening reads each file's footer and nothing else: its size, then one tail read of
-:data:`FOOTER_PROBE` bytes (a second read when the footer is larger), every file at once.
+Opening reads each file's footer and nothing else: one request for its last
+:data:`FOOTER_PROBE` bytes that also tells its size (a second read when the footer is
+larger), every file at once.
 A dataset is a ``Manifest("parquet")`` with one shard per file (its elements: its rows) and, in
 ``Dataset.arrays``, per row group (numbered through the files): its rows, its file, its
 number in the file, and the byte range of every leaf column chunk; the footers themselves are
@@ -42,7 +43,7 @@ from ..errors import ConfigError, FormatError, NotFoundError
 from ..integrity import digest, format_digest
 from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
-from ..stores.base import Store
+from ..stores.base import Store, fetch_tail
 from .base import Offload, Opener, ReadFn, natural_key
 from .documents import boundaries
 from .npy import gather_limited, may_list, parent_and_name, read_range
@@ -155,25 +156,25 @@ def common_root(urls: Sequence[str]) -> str:
 
 async def read_footer(store: Store, url: str) -> bytes:
     """The Thrift footer of the Parquet file ``url`` followed by the file's size (8 bytes,
-    little-endian), the form ``Dataset.arrays`` keeps (one tail read, two for a large one)."""
-    size = await store.size(url)
+    little-endian), the form ``Dataset.arrays`` keeps: one tail read that also tells the size
+    (:func:`~asyncbatch.stores.base.fetch_tail`), a second for a footer larger than it."""
+    tail, info = await fetch_tail(store, url, FOOTER_PROBE)
+    size = info.size
     if size < 12:
         raise FormatError(f"{url}: {size} bytes is too short for a Parquet file (12 at least)")
-    probe = min(size, FOOTER_PROBE)
-    tail = await read_range(store, url, size - probe, size)
     if tail[-4:] != MAGIC:
         raise FormatError(
-            f"{url}: not a Parquet file: its last 4 bytes are {tail[-4:]!r}, not {MAGIC!r}"
-            " (truncated, corrupt or encrypted)"
+            f"{url}: not a Parquet file: its last 4 bytes are {bytes(tail[-4:])!r}, not"
+            f" {MAGIC!r} (truncated, corrupt or encrypted)"
         )
     length = int.from_bytes(tail[-8:-4], "little")
     if length + 12 > size:
         raise FormatError(
             f"{url}: its footer says {length} bytes, more than the file's {size} (truncated?)"
         )
-    if length + 8 > probe:
-        tail = await read_range(store, url, size - 8 - length, size - probe) + tail
-    return tail[-8 - length : -8] + size.to_bytes(8, "little")
+    if length + 8 > len(tail):
+        tail = await read_range(store, url, size - 8 - length, size - len(tail)) + tail
+    return bytes(tail[-8 - length : -8]) + size.to_bytes(8, "little")
 
 
 def parse_footer(footer: bytes, url: str) -> Any:

@@ -8,7 +8,9 @@ capabilities are protocols of their own, detected by type (``isinstance``), neve
 by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (many ranges of
 many objects into one buffer: the engine's fast path), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
-as one) and :class:`Discards` (a cache forgetting bytes).
+as one), :class:`Discards` (a cache forgetting bytes) and :class:`ReadsTail` (an object's
+last bytes with its size and version, in one request: :func:`fetch_tail` uses it, or a
+``stat`` and a ranged read without it).
 
 The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
 errors, version pinning, retries and timeouts; then counting and the node-local cache), and
@@ -169,6 +171,39 @@ class Discards(Protocol):
     async def discard(self, url: str, start: int, end: int) -> None:
         """Forget any copy of bytes ``[start, end)`` of ``url``; the next read fetches them."""
         ...
+
+
+@runtime_checkable
+class ReadsTail(Protocol):
+    """A store that reads an object's last bytes and learns its size and version at once
+    (one suffix request: S3's and HTTP's ``Range: bytes=-N``, a local ``fstat`` + ``pread``)."""
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes of ``url``, with its size and version; pins
+        the object at that version as ``stat`` does."""
+        ...
+
+
+async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+    """The last ``min(length, size)`` bytes of ``url`` with its size and version: one
+    request where the store offers :class:`ReadsTail`, else :func:`tail_by_stat`."""
+    if isinstance(store, ReadsTail):
+        return await store.read_tail(url, length)
+    return await tail_by_stat(store, url, length)
+
+
+async def tail_by_stat(store: Store, url: str, length: int) -> tuple[bytearray, ObjectInfo]:
+    """What :func:`fetch_tail` returns, in two requests: the size and version, then a range."""
+    if isinstance(store, Versioned):
+        info = await store.stat(url)
+    else:
+        info = ObjectInfo(await store.size(url), None)
+    count = max(0, min(length, info.size))
+    tail = bytearray(count)
+    if count:
+        start = info.size - count
+        await store.read_ranges(url, starts=[start], ends=[info.size], buffers=[memoryview(tail)])
+    return tail, info
 
 
 def check_length(url: str, start: int, end: int, got: int) -> None:

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..errors import StoreError, StoreTimeoutError, describe_range
-from .base import Buffer, ObjectInfo, SelfGuarded
+from ..errors import ShortReadError, StoreError, StoreTimeoutError, describe_range
+from .base import Buffer, ObjectInfo, SelfGuarded, tail_by_stat
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
@@ -30,8 +30,10 @@ from .ranged import (
     fail,
     fill,
     parse_retry_after,
+    receive_tail,
     run_all,
     status_error,
+    tail_length,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -68,6 +70,8 @@ class HttpStore(SelfGuarded):
         self._session: aiohttp.ClientSession | None = None
         self._limit: asyncio.Semaphore | None = None
         self._lister: FsspecStore | None = None
+        #: False once the server answered a suffix range with the whole object.
+        self._suffix_ranges = True
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         if self._session is None or self._limit is None:
@@ -150,6 +154,58 @@ class HttpStore(SelfGuarded):
             return ObjectInfo(int(length), etag or None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes with the size and ETag, from one
+        ``Range: bytes=-length`` GET; pins the ETag. A server that does not honour suffix
+        ranges (or an empty object, which has no last bytes: 416) costs a HEAD and a range
+        read instead, and after a whole object sent back, every later tail does."""
+
+        async def attempt() -> tuple[bytes | bytearray, ObjectInfo] | None:
+            _, limit = self._client()
+            headers = {"Range": f"bytes=-{length}"}
+            condition = self.pins.condition(url)
+            if condition is not None:
+                headers["If-Match"] = condition
+            async with limit:
+                try:
+                    response = await self._request("GET", url, headers)
+                except ShortReadError:  # 416: nothing to take the last bytes of
+                    return None
+                received = False
+                try:
+                    etag = response.headers.get("ETag")
+                    self.pins.check(url, etag)
+                    known = tail_length(
+                        url,
+                        length,
+                        response.status,
+                        response.headers.get("Content-Range"),
+                        response.content_length,
+                    )
+                    if known is None:
+                        self._suffix_ranges = False
+                        return None
+                    tail = await receive_tail(
+                        lambda: response.content.read(CHUNK),
+                        url,
+                        known,
+                        self.retry.idle_timeout,
+                    )
+                    received = True
+                finally:
+                    if received:
+                        response.release()
+                    else:
+                        response.close()  # a body left unread: its connection cannot be reused
+            return tail, ObjectInfo(known[0], etag or None)
+
+        if length > 0 and self._suffix_ranges:
+            what = f"read of the last {length} bytes of {url}"
+            got = await with_retries(self.retry, attempt, what=what, url=url)
+            if got is not None:
+                return got
+        return await tail_by_stat(self, url, length)
 
     async def list(self, url: str) -> list[str]:
         """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""

@@ -227,6 +227,53 @@ def expected_length(
     return end - first
 
 
+def tail_length(
+    url: str, length: int, status: int, content_range: str | None, content_length: int | None
+) -> tuple[int, int] | None:
+    """``(object size, body bytes)`` of the answer to ``Range: bytes=-length``, or None for a
+    server that ignored the suffix range (a 200 with more bytes than asked, or of unknown
+    length: read it another way).
+
+    Raises :class:`RangeNotSupportedError` for a 206 that is not the object's last
+    ``min(length, size)`` bytes.
+    """
+    if status == 200:
+        if content_length is None or content_length > length:
+            return None
+        return content_length, content_length  # the whole object is its own tail
+    match = _CONTENT_RANGE.match((content_range or "").strip())
+    asked = f"the last {length} bytes"
+    if status != 206 or match is None or match.group(3) == "*":
+        raise fail(
+            RangeNotSupportedError,
+            f"asked {asked}, the server answered {status} with Content-Range {content_range!r}",
+            url,
+        )
+    low, high, total = (int(match.group(i)) for i in (1, 2, 3))
+    count = min(length, total)
+    if (low, high) != (total - count, total - 1) or content_length not in (None, count):
+        raise fail(
+            RangeNotSupportedError,
+            f"asked {asked}, the server sent bytes {low}-{high} of {total}"
+            f" (Content-Length {content_length})",
+            url,
+        )
+    return total, count
+
+
+async def receive_tail(
+    read: Callable[[], Awaitable[bytes]],
+    url: str,
+    size_and_body: tuple[int, int],
+    idle_timeout: float,
+) -> bytearray:
+    """The body of a suffix request that :func:`tail_length` accepted, all of it or raise."""
+    size, count = size_and_body
+    tail = bytearray(count)
+    await fill(read, memoryview(tail), Progress(), count, idle_timeout, url, size - count, size)
+    return tail
+
+
 class Pins:
     """The version (ETag) each object had when the store first touched it."""
 

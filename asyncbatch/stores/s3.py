@@ -23,11 +23,12 @@ from ..errors import (
     ConfigError,
     CredentialsError,
     PermissionDeniedError,
+    ShortReadError,
     StoreError,
     StoreTimeoutError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, SelfGuarded
+from .base import Buffer, ObjectInfo, SelfGuarded, tail_by_stat
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
@@ -38,8 +39,10 @@ from .ranged import (
     fail,
     fill,
     parse_retry_after,
+    receive_tail,
     run_all,
     status_error,
+    tail_length,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -261,6 +264,50 @@ class S3Store(FsspecStore, SelfGuarded):
             return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes with the size and ETag, from one
+        ``Range: bytes=-length`` GET (``IfMatch`` once pinned); pins the ETag as :meth:`stat`
+        does. An empty object (416: it has no last bytes) costs a HEAD instead."""
+
+        async def attempt() -> tuple[bytes | bytearray, ObjectInfo] | None:
+            _, limit, fs = await self._client()
+            kwargs = self._where(fs, url)
+            kwargs["Range"] = f"bytes=-{length}"
+            condition = self.pins.condition(url)
+            if condition is not None:
+                kwargs["IfMatch"] = condition
+            async with limit:
+                try:
+                    response = await self._call_client("get_object", url, None, None, **kwargs)
+                except ShortReadError:  # 416
+                    return None
+                body = response["Body"]
+                try:
+                    etag = response.get("ETag")
+                    self.pins.check(url, etag)
+                    known = tail_length(
+                        url,
+                        length,
+                        int(response["ResponseMetadata"]["HTTPStatusCode"]),
+                        response.get("ContentRange"),
+                        response.get("ContentLength"),
+                    )
+                    if known is None:
+                        return None
+                    tail = await receive_tail(
+                        lambda: body.read(CHUNK), url, known, self.retry.idle_timeout
+                    )
+                finally:
+                    body.close()
+            return tail, ObjectInfo(known[0], str(etag) if etag else None)
+
+        if length > 0:
+            what = f"read of the last {length} bytes of {url}"
+            got = await with_retries(self.retry, attempt, what=what, url=url)
+            if got is not None:
+                return got
+        return await tail_by_stat(self, url, length)
 
     async def _explain_forbidden(self, fs: Any, url: str) -> None:
         """Raise the GET's error for a key whose HEAD was refused, if it is a
