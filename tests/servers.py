@@ -22,8 +22,9 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 class RangeHandler(BaseHTTPRequestHandler):
     """Serves files under ``server.root`` with HEAD, GET and single byte ranges, suffix ones
-    (``bytes=-N``) too unless a file ``<name>.nosuffix`` beside the file says to ignore them
-    (as some servers do: they answer with the whole file)."""
+    (``bytes=-N``) too, unless a file beside says otherwise: ``<name>.nosuffix`` ignores them
+    (the whole file, as some servers send), ``<name>.misreadsuffix`` serves bytes 0-N (as
+    s3rver does)."""
 
     server: RangeHTTPServer
     protocol_version = "HTTP/1.1"
@@ -74,7 +75,9 @@ class RangeHandler(BaseHTTPRequestHandler):
             self.send_response(200)
             body = data
         else:
-            if suffix:
+            if suffix and path.with_name(path.name + ".misreadsuffix").exists():
+                start, end = 0, int(match.group(2) or 0) + 1  # as s3rver 3 reads bytes=-N
+            elif suffix:
                 start = max(0, len(data) - int(match.group(2) or 0))
                 end = len(data)
             else:

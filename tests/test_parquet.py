@@ -222,10 +222,9 @@ def test_open_costs_one_request_per_file_two_for_a_large_footer(
             )
             options = s3_options(proxy.url)
 
-            def served() -> int:
-                return sum(
-                    proxy.count(method, root.rpartition("/")[2]) for method in ("GET", "HEAD")
-                )
+            def served() -> int:  # by the Parquet files (not the manifest looked for)
+                folder = f"/{root.rpartition('/')[2]}/"
+                return sum(folder in p and p.endswith(".parquet") for _, p, _ in proxy.log)
         elif store == "http":
             server = request.getfixturevalue("http_root")[1]
 
@@ -244,13 +243,22 @@ def test_open_costs_one_request_per_file_two_for_a_large_footer(
         dataset = ab.open_dataset(urls, options)
         if store != "local":
             assert served() - before == 6  # one request per file, two for the large footer
+        if store == "s3":  # the listing tells sizes and ETags: one range per file, no HEAD
+            before, heads, logged = served(), proxy.count("HEAD", ".parquet"), len(proxy.log)
+            listed = ab.open_dataset(root, options).manifest.shards  # in natural order
+            assert set(listed) == set(dataset.manifest.shards)
+            assert served() - before == 6
+            assert proxy.count("HEAD", ".parquet") == heads
+            ranges = [r for _, p, r in proxy.log[logged:] if p.endswith(".parquet")]
+            assert len(ranges) == 6 and not any(r.startswith("bytes=-") for r in ranges)
         with ab.Loader(dataset, batch_size=16, shuffle=False, drop_last=False) as loader:
             ids = [i for b in loader for i in b["id"].tolist()]
     assert ids == list(range(total))
 
 
-def test_a_server_without_suffix_ranges_costs_a_head_and_a_range(
-    http_root: tuple[Path, RangeHTTPServer],
+@pytest.mark.parametrize("server_kind", ["nosuffix", "misreadsuffix"])
+def test_a_server_without_suffix_ranges_costs_one_more_request(
+    http_root: tuple[Path, RangeHTTPServer], server_kind: str
 ) -> None:
     base, server = http_root
     folder = base / f"pq-{next(_names)}"
@@ -258,17 +266,54 @@ def test_a_server_without_suffix_ranges_costs_a_head_and_a_range(
     sizes = {"small.parquet": 20, "big.parquet": 4000}
     for name, rows in sizes.items():
         pq.write_table(make_table(0, rows), folder / name, row_group_size=1000)
-        (folder / f"{name}.nosuffix").touch()  # the test server then answers the whole file
+        (folder / f"{name}.{server_kind}").touch()  # how the test server answers bytes=-N
     assert (folder / "small.parquet").stat().st_size < FOOTER_PROBE
     assert (folder / "big.parquet").stat().st_size > FOOTER_PROBE
-    # (GETs, HEADs): a whole file no larger than the probe is its own tail; a larger one
-    # is dropped, then a HEAD and a ranged read.
-    for name, expected in [("small.parquet", (1, 0)), ("big.parquet", (2, 1))]:
+    urls = [f"{server.url}/{folder.name}/{name}" for name in sizes]
+    # (GETs, HEADs). A whole file or a first part holding the tail is read and cut; other
+    # bytes are dropped, and their headers' size serves a ranged read of the tail.
+    for url, rows, expected in zip(urls, sizes.values(), [(1, 0), (2, 0)], strict=True):
         before = server.requests, server.heads
-        dataset = ab.open_dataset([f"{server.url}/{folder.name}/{name}"])
+        dataset = ab.open_dataset([url])
         assert (server.requests - before[0], server.heads - before[1]) == expected
         with ab.Loader(dataset, batch_size=500, shuffle=False, drop_last=False) as loader:
-            assert [i for b in loader for i in b["id"].tolist()] == list(range(sizes[name]))
+            assert [i for b in loader for i in b["id"].tolist()] == list(range(rows))
+
+    async def big_then_small() -> list[tuple[int, int]]:
+        store, counts = open_store(urls[0]), []
+        try:
+            for url in urls[::-1]:
+                before = server.requests, server.heads
+                await read_footer(store, url)
+                counts.append((server.requests - before[0], server.heads - before[1]))
+        finally:
+            await store.close()
+        return counts
+
+    # The store remembers the server: after the big file, a tail is a HEAD and a range.
+    assert asyncio.run(big_then_small()) == [(2, 0), (1, 1)]
+
+
+def test_open_through_the_cache_is_one_request_per_file(
+    http_root: tuple[Path, RangeHTTPServer], tmp_path: Path
+) -> None:
+    base, server = http_root
+    folder = base / f"pq-{next(_names)}"
+    folder.mkdir()
+    names = [f"{n}.parquet" for n in "abcd"]
+    total = write_files(lambda p, t, g: pq.write_table(t, folder / p, row_group_size=g), names)
+    urls = [f"{server.url}/{folder.name}/{name}" for name in names]
+    cache = tmp_path / "cache"
+    before = server.requests + server.heads
+    dataset = ab.open_dataset(urls, cache=cache)  # the tails pass the cache by
+    assert server.requests + server.heads - before == len(names)
+    with ab.Loader(dataset, batch_size=16, shuffle=False, drop_last=False, cache=cache) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            before = server.requests
+            assert [i for b in loader for i in b["id"].tolist()] == list(range(total))
+            if epoch:
+                assert server.requests == before  # every block from the cache
 
 
 def test_huggingface_layout_by_glob_and_folder(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ many objects into one buffer: the engine's fast path), :class:`Lists`, :class:`W
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
 as one), :class:`Discards` (a cache forgetting bytes) and :class:`ReadsTail` (an object's
 last bytes with its size and version, in one request: :func:`fetch_tail` uses it, or a
-``stat`` and a ranged read without it).
+``stat`` and a ranged read without it) and :class:`ListsInfo` (a listing with sizes and
+versions).
 
 The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
 errors, version pinning, retries and timeouts; then counting and the node-local cache), and
@@ -184,6 +185,17 @@ class ReadsTail(Protocol):
         ...
 
 
+@runtime_checkable
+class ListsInfo(Protocol):
+    """A store whose listing tells each object's size and version (S3's does), so that a
+    format reading every object's tail after listing them needs no ``stat`` or suffix."""
+
+    async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
+        """``(URL, size and version)`` of the entries directly under the prefix ``url``,
+        sorted; None for a folder. Pins each object at its version as ``stat`` does."""
+        ...
+
+
 async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
     """The last ``min(length, size)`` bytes of ``url`` with its size and version: one
     request where the store offers :class:`ReadsTail`, else :func:`tail_by_stat`."""
@@ -192,11 +204,14 @@ async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytea
     return await tail_by_stat(store, url, length)
 
 
-async def tail_by_stat(store: Store, url: str, length: int) -> tuple[bytearray, ObjectInfo]:
-    """What :func:`fetch_tail` returns, in two requests: the size and version, then a range."""
-    if isinstance(store, Versioned):
+async def tail_by_stat(
+    store: Store, url: str, length: int, info: ObjectInfo | None = None
+) -> tuple[bytearray, ObjectInfo]:
+    """What :func:`fetch_tail` returns, in two requests: the size and version (unless given
+    as ``info``), then a range."""
+    if info is None and isinstance(store, Versioned):
         info = await store.stat(url)
-    else:
+    elif info is None:
         info = ObjectInfo(await store.size(url), None)
     count = max(0, min(length, info.size))
     tail = bytearray(count)

@@ -18,12 +18,13 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..errors import ShortReadError, StoreError, StoreTimeoutError, describe_range
-from .base import Buffer, ObjectInfo, SelfGuarded, tail_by_stat
+from .base import Buffer, ObjectInfo, SelfGuarded
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
     Pins,
     Progress,
+    TailAnswer,
     changed,
     connection_error,
     expected_length,
@@ -33,7 +34,7 @@ from .ranged import (
     receive_tail,
     run_all,
     status_error,
-    tail_length,
+    tail_from,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -70,7 +71,7 @@ class HttpStore(SelfGuarded):
         self._session: aiohttp.ClientSession | None = None
         self._limit: asyncio.Semaphore | None = None
         self._lister: FsspecStore | None = None
-        #: False once the server answered a suffix range with the whole object.
+        #: False once the server answered a suffix range with other bytes.
         self._suffix_ranges = True
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
@@ -157,11 +158,12 @@ class HttpStore(SelfGuarded):
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
-        ``Range: bytes=-length`` GET; pins the ETag. A server that does not honour suffix
-        ranges (or an empty object, which has no last bytes: 416) costs a HEAD and a range
-        read instead, and after a whole object sent back, every later tail does."""
+        ``Range: bytes=-length`` GET (``If-Match`` once pinned); pins the ETag. An empty
+        object (416: it has no last bytes) costs a HEAD instead; a server that ignores or
+        misreads suffix ranges a ranged read after it (and a HEAD without Content-Length),
+        and from then on this store asks it for sizes and ranges instead."""
 
-        async def attempt() -> tuple[bytes | bytearray, ObjectInfo] | None:
+        async def attempt() -> TailAnswer | None:
             _, limit = self._client()
             headers = {"Range": f"bytes=-{length}"}
             condition = self.pins.condition(url)
@@ -170,42 +172,36 @@ class HttpStore(SelfGuarded):
             async with limit:
                 try:
                     response = await self._request("GET", url, headers)
-                except ShortReadError:  # 416: nothing to take the last bytes of
+                except ShortReadError:  # 416
                     return None
-                received = False
+                answer = None
                 try:
                     etag = response.headers.get("ETag")
                     self.pins.check(url, etag)
-                    known = tail_length(
+                    answer = await receive_tail(
+                        lambda: response.content.read(CHUNK),
                         url,
                         length,
                         response.status,
                         response.headers.get("Content-Range"),
                         response.content_length,
-                    )
-                    if known is None:
-                        self._suffix_ranges = False
-                        return None
-                    tail = await receive_tail(
-                        lambda: response.content.read(CHUNK),
-                        url,
-                        known,
+                        etag or None,
                         self.retry.idle_timeout,
                     )
-                    received = True
                 finally:
-                    if received:
+                    if answer is not None and answer.tail is not None:
                         response.release()
                     else:
                         response.close()  # a body left unread: its connection cannot be reused
-            return tail, ObjectInfo(known[0], etag or None)
+            return answer
 
+        answer = None
         if length > 0 and self._suffix_ranges:
             what = f"read of the last {length} bytes of {url}"
-            got = await with_retries(self.retry, attempt, what=what, url=url)
-            if got is not None:
-                return got
-        return await tail_by_stat(self, url, length)
+            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            if answer is not None and answer.tail is None:
+                self._suffix_ranges = False
+        return await tail_from(self, url, length, answer)
 
     async def list(self, url: str) -> list[str]:
         """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""

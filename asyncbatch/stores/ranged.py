@@ -32,7 +32,7 @@ from ..errors import (
     ThrottledError,
     describe_range,
 )
-from .base import Buffer
+from .base import Buffer, ObjectInfo, Store, tail_by_stat
 from .retry import refused
 
 #: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
@@ -227,51 +227,72 @@ def expected_length(
     return end - first
 
 
-def tail_length(
-    url: str, length: int, status: int, content_range: str | None, content_length: int | None
-) -> tuple[int, int] | None:
-    """``(object size, body bytes)`` of the answer to ``Range: bytes=-length``, or None for a
-    server that ignored the suffix range (a 200 with more bytes than asked, or of unknown
-    length: read it another way).
+@dataclass(frozen=True)
+class TailAnswer:
+    """What a suffix request (``Range: bytes=-N``) got: the object's last ``min(N, size)``
+    bytes, or None when the server ignored or misread the range; the object's size when the
+    answer told it; its ETag."""
 
-    Raises :class:`RangeNotSupportedError` for a 206 that is not the object's last
-    ``min(length, size)`` bytes.
-    """
-    if status == 200:
-        if content_length is None or content_length > length:
-            return None
-        return content_length, content_length  # the whole object is its own tail
-    match = _CONTENT_RANGE.match((content_range or "").strip())
-    asked = f"the last {length} bytes"
-    if status != 206 or match is None or match.group(3) == "*":
-        raise fail(
-            RangeNotSupportedError,
-            f"asked {asked}, the server answered {status} with Content-Range {content_range!r}",
-            url,
-        )
-    low, high, total = (int(match.group(i)) for i in (1, 2, 3))
-    count = min(length, total)
-    if (low, high) != (total - count, total - 1) or content_length not in (None, count):
-        raise fail(
-            RangeNotSupportedError,
-            f"asked {asked}, the server sent bytes {low}-{high} of {total}"
-            f" (Content-Length {content_length})",
-            url,
-        )
-    return total, count
+    tail: bytearray | None
+    size: int | None
+    etag: str | None
 
 
 async def receive_tail(
     read: Callable[[], Awaitable[bytes]],
     url: str,
-    size_and_body: tuple[int, int],
+    length: int,
+    status: int,
+    content_range: str | None,
+    content_length: int | None,
+    etag: str | None,
     idle_timeout: float,
-) -> bytearray:
-    """The body of a suffix request that :func:`tail_length` accepted, all of it or raise."""
-    size, count = size_and_body
-    tail = bytearray(count)
-    await fill(read, memoryview(tail), Progress(), count, idle_timeout, url, size - count, size)
-    return tail
+) -> TailAnswer:
+    """Read the answer to ``Range: bytes=-length`` (all of the tail or raise).
+
+    A server may ignore the suffix range (a 200 with the whole object) or misread it (s3rver
+    serves ``bytes=0-N``). An answer that holds the tail and at most ``2 * length`` bytes is
+    read and cut to the tail; any other is left unread, with the size its headers tell.
+    Raises :class:`RangeNotSupportedError` for an answer whose headers disagree.
+    """
+    if status == 200:
+        if content_length is None:
+            return TailAnswer(None, None, etag)
+        low, high, size = 0, content_length - 1, content_length
+    else:
+        match = _CONTENT_RANGE.match((content_range or "").strip())
+        if status != 206 or match is None or match.group(3) == "*":
+            raise fail(
+                RangeNotSupportedError,
+                f"asked the last {length} bytes, the server answered {status} with"
+                f" Content-Range {content_range!r}",
+                url,
+            )
+        low, high, size = (int(match.group(i)) for i in (1, 2, 3))
+        if content_length not in (None, high + 1 - low) or high >= size:
+            raise fail(
+                RangeNotSupportedError,
+                f"Content-Range {content_range!r} with Content-Length {content_length}",
+                url,
+            )
+    count = min(length, size)
+    if low > size - count or high != size - 1 or high + 1 - low > 2 * length:
+        return TailAnswer(None, size, etag)
+    body = bytearray(high + 1 - low)
+    await fill(read, memoryview(body), Progress(), len(body), idle_timeout, url, low, size)
+    del body[: len(body) - count]
+    return TailAnswer(body, size, etag)
+
+
+async def tail_from(
+    store: Store, url: str, length: int, answer: TailAnswer | None
+) -> tuple[bytes | bytearray, ObjectInfo]:
+    """The tail ``answer`` holds; else a ranged read (and a stat, unless the answer told the
+    size) of ``store``."""
+    if answer is not None and answer.tail is not None and answer.size is not None:
+        return answer.tail, ObjectInfo(answer.size, answer.etag)
+    known = None if answer is None or answer.size is None else ObjectInfo(answer.size, answer.etag)
+    return await tail_by_stat(store, url, length, known)
 
 
 class Pins:

@@ -12,6 +12,7 @@ naming the key and range; none escapes raw.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import inspect
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -28,11 +29,12 @@ from ..errors import (
     StoreTimeoutError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, SelfGuarded, tail_by_stat
+from .base import Buffer, ObjectInfo, SelfGuarded
 from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
     Progress,
+    TailAnswer,
     changed,
     connection_error,
     expected_length,
@@ -42,7 +44,7 @@ from .ranged import (
     receive_tail,
     run_all,
     status_error,
-    tail_length,
+    tail_from,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -137,6 +139,8 @@ class S3Store(FsspecStore, SelfGuarded):
             options["session"] = _new_session()
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
         self.pins = Pins()
+        #: False once the endpoint answered a suffix range with other bytes (s3rver).
+        self._suffix_ranges = True
 
     async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
         fs = await self._filesystem()
@@ -268,9 +272,11 @@ class S3Store(FsspecStore, SelfGuarded):
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
         ``Range: bytes=-length`` GET (``IfMatch`` once pinned); pins the ETag as :meth:`stat`
-        does. An empty object (416: it has no last bytes) costs a HEAD instead."""
+        does. An empty object (416: it has no last bytes) costs a HEAD and a server that
+        misreads suffix ranges (s3rver) a ranged read after it; from then on this store
+        asks that server for sizes and ranges instead."""
 
-        async def attempt() -> tuple[bytes | bytearray, ObjectInfo] | None:
+        async def attempt() -> TailAnswer | None:
             _, limit, fs = await self._client()
             kwargs = self._where(fs, url)
             kwargs["Range"] = f"bytes=-{length}"
@@ -286,28 +292,35 @@ class S3Store(FsspecStore, SelfGuarded):
                 try:
                     etag = response.get("ETag")
                     self.pins.check(url, etag)
-                    known = tail_length(
+                    return await receive_tail(
+                        lambda: body.read(CHUNK),
                         url,
                         length,
                         int(response["ResponseMetadata"]["HTTPStatusCode"]),
                         response.get("ContentRange"),
                         response.get("ContentLength"),
-                    )
-                    if known is None:
-                        return None
-                    tail = await receive_tail(
-                        lambda: body.read(CHUNK), url, known, self.retry.idle_timeout
+                        str(etag) if etag else None,
+                        self.retry.idle_timeout,
                     )
                 finally:
                     body.close()
-            return tail, ObjectInfo(known[0], str(etag) if etag else None)
 
-        if length > 0:
+        answer = None
+        if length > 0 and self._suffix_ranges:
             what = f"read of the last {length} bytes of {url}"
-            got = await with_retries(self.retry, attempt, what=what, url=url)
-            if got is not None:
-                return got
-        return await tail_by_stat(self, url, length)
+            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            if answer is not None and answer.tail is None:
+                self._suffix_ranges = False
+        return await tail_from(self, url, length, answer)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        """The listing (one ListObjectsV2 per 1,000 keys) with each key's size and ETag;
+        pins the ETags, so later ranges send ``IfMatch`` with them as after :meth:`stat`."""
+        found = await super().list_info(url)
+        for name, info in found:
+            if info is not None:
+                self.pins.check(name, info.version)
+        return found
 
     async def _explain_forbidden(self, fs: Any, url: str) -> None:
         """Raise the GET's error for a key whose HEAD was refused, if it is a
