@@ -8,10 +8,9 @@ capabilities are protocols of their own, detected by type (``isinstance``), neve
 by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (many ranges of
 many objects into one buffer: the engine's fast path), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
-as one), :class:`Discards` (a cache forgetting bytes) and :class:`ReadsTail` (an object's
-last bytes with its size and version, in one request: :func:`fetch_tail` uses it, or a
-``stat`` and a ranged read without it) and :class:`ListsInfo` (a listing with sizes and
-versions).
+as one), :class:`Discards` (a cache forgetting bytes), :class:`ReadsTail` (an object's last
+bytes with its size and version, in one request: :func:`fetch_tail` uses it, or a ``stat``
+and a ranged read without it) and :class:`ListsInfo` (a listing with sizes and versions).
 
 The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
 errors, version pinning, retries and timeouts; then counting and the node-local cache), and

@@ -159,9 +159,9 @@ class HttpStore(SelfGuarded):
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
         ``Range: bytes=-length`` GET (``If-Match`` once pinned); pins the ETag. An empty
-        object (416: it has no last bytes) costs a HEAD instead; a server that ignores or
-        misreads suffix ranges a ranged read after it (and a HEAD without Content-Length),
-        and from then on this store asks it for sizes and ranges instead."""
+        object (416: it has no last bytes) costs a HEAD instead. A server that ignores or
+        misreads suffix ranges costs a ranged read after it (the answer's headers tell the
+        size), and from then on this store asks it for sizes and ranges instead."""
 
         async def attempt() -> TailAnswer | None:
             _, limit = self._client()

@@ -7,6 +7,10 @@ pinned to the version (ETag) the store first saw; a later response with another 
 or a 412 to an ``If-Match``, is a :class:`~asyncbatch.errors.ShardChangedError`. Bodies are
 read into the caller's buffer in chunks, each under the idle timeout; one that breaks off
 keeps the bytes received, so the next attempt asks only for the missing tail.
+
+A suffix request (``Range: bytes=-N``: an object's last bytes, its size told by
+``Content-Range``) is read by :func:`receive_tail`, which also copes with servers that
+ignore or misread it; :func:`tail_from` completes what such an answer lacks.
 """
 
 from __future__ import annotations

@@ -272,9 +272,9 @@ class S3Store(FsspecStore, SelfGuarded):
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
         ``Range: bytes=-length`` GET (``IfMatch`` once pinned); pins the ETag as :meth:`stat`
-        does. An empty object (416: it has no last bytes) costs a HEAD and a server that
-        misreads suffix ranges (s3rver) a ranged read after it; from then on this store
-        asks that server for sizes and ranges instead."""
+        does. An empty object (416: it has no last bytes) costs a HEAD instead. An endpoint
+        that misreads suffix ranges (s3rver) costs a ranged read after it (the answer's
+        headers tell the size), and from then on this store asks it for sizes and ranges."""
 
         async def attempt() -> TailAnswer | None:
             _, limit, fs = await self._client()
