@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from .errors import NotFoundError, PermissionDeniedError, ShardChangedError, ShortReadError
-from .stores.base import ObjectInfo, ReadsInto, Store, Versioned
+from .stores.base import ObjectInfo, ReadsInto, ReadsTail, Store, Versioned
 from .stores.stack import stacked
 
 __all__ = ["StoreConformance", "StoreKit"]
@@ -222,3 +222,33 @@ class StoreConformance:
         if got is None:
             pytest.skip("this store does not read into one buffer")
         assert got == first[:10] + first[4000:] + second[10:20] + second[2999:]
+
+    def test_reads_a_tail_with_its_size_and_version(self, store_kit: StoreKit) -> None:
+        data, changed = _data(5000, 13), _data(5001, 14)
+        store_kit.put("tail", data)
+        store_kit.put("tail-empty", b"")
+        url, empty = store_kit.url("tail"), store_kit.url("tail-empty")
+
+        async def body(store: Store) -> list[tuple[bytes, ObjectInfo]] | None:
+            if not isinstance(store, ReadsTail):
+                return None
+            got = [await store.read_tail(url, n) for n in (100, 5000, 10_000)]
+            got.append(await store.read_tail(empty, 100))
+            got.append((b"", await _stat(store, url)))  # the version stat pinned
+            info = got[0][1]
+            store_kit.put("tail", changed)
+            if info.version is not None:  # pinned by the tail read, as by stat
+                with pytest.raises(ShardChangedError, match="changed"):
+                    await store.read_tail(url, 100)
+            return [(bytes(tail), info) for tail, info in got]
+
+        got = _run(store_kit, body)
+        if got is None:
+            pytest.skip("this store does not read tails")
+        stat = got.pop()[1]
+        assert got == [
+            (data[-100:], stat),  # shorter than the object
+            (data, stat),  # exactly its length
+            (data, stat),  # longer: the whole object
+            (b"", ObjectInfo(0, got[3][1].version)),
+        ]

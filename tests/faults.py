@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 #: S3-style error bodies, so botocore parses the codes it would get from AWS.
 S3_CODES = {
@@ -187,8 +187,11 @@ class FaultServer:
         match = _RANGE.match(request.headers.get("Range", ""))
         if match is None or fault.ignore_range:
             return 200, headers, data
-        start = int(match.group(1))
-        end = min(len(data), int(match.group(2)) + 1 if match.group(2) else len(data))
+        if match.group(1):
+            start = int(match.group(1))
+            end = min(len(data), int(match.group(2)) + 1 if match.group(2) else len(data))
+        else:  # a suffix range: the last N bytes
+            start, end = max(0, len(data) - int(match.group(2) or 0)), len(data)
         if start >= len(data):
             headers["Content-Range"] = f"bytes */{len(data)}"
             return 416, headers, b""

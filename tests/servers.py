@@ -17,11 +17,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 
 class RangeHandler(BaseHTTPRequestHandler):
-    """Serves files under ``server.root`` with HEAD, GET and single byte ranges."""
+    """Serves files under ``server.root`` with HEAD, GET and single byte ranges, suffix ones
+    (``bytes=-N``) too, unless a file beside says otherwise: ``<name>.nosuffix`` ignores them
+    (the whole file, as some servers send), ``<name>.misreadsuffix`` serves bytes 0-N (as
+    s3rver does)."""
 
     server: RangeHTTPServer
     protocol_version = "HTTP/1.1"
@@ -67,12 +70,19 @@ class RangeHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.requests += 1
         match = _RANGE.match(self.headers.get("Range", ""))
-        if match is None:
+        suffix = match is not None and not match.group(1)
+        if match is None or (suffix and path.with_name(path.name + ".nosuffix").exists()):
             self.send_response(200)
             body = data
         else:
-            start = int(match.group(1))
-            end = int(match.group(2)) + 1 if match.group(2) else len(data)
+            if suffix and path.with_name(path.name + ".misreadsuffix").exists():
+                start, end = 0, int(match.group(2) or 0) + 1  # as s3rver 3 reads bytes=-N
+            elif suffix:
+                start = max(0, len(data) - int(match.group(2) or 0))
+                end = len(data)
+            else:
+                start = int(match.group(1))
+                end = int(match.group(2)) + 1 if match.group(2) else len(data)
             if start >= len(data):
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{len(data)}")

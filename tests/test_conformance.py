@@ -21,8 +21,10 @@ from plugin.abtest_adapter import DirTransport
 from servers import RangeHTTPServer
 
 import asyncbatch as ab
+from asyncbatch.errors import ShortReadError
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ReadsInto, check_length
+from asyncbatch.stores.base import ObjectInfo, ReadsInto, ReadsTail, check_length, fetch_tail
+from asyncbatch.stores.stack import stacked
 from asyncbatch.testing import StoreConformance, StoreKit
 
 #: chmod 0 denies nothing to root.
@@ -142,6 +144,59 @@ class TestReadsIntoAdapter(StoreConformance):
             url=lambda name: f"dirinto://{tmp_path / name}",
             put=lambda name, data: _replace_file(tmp_path / name, data),
         )
+
+
+class DirTailTransport(DirTransport):
+    """The example adapter with tails: size, version and last bytes in one thread job.
+    ``short`` makes it return one byte too few, as a broken adapter would."""
+
+    def __init__(self, short: bool = False) -> None:
+        super().__init__()
+        self.short = short
+        self.tails = 0
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes, ObjectInfo]:
+        self.tails += 1
+
+        def read() -> tuple[bytes, ObjectInfo]:
+            with open(self.path(url), "rb") as file:
+                stat = os.fstat(file.fileno())
+                count = min(length, stat.st_size) - self.short
+                tail = os.pread(file.fileno(), count, stat.st_size - count) if count > 0 else b""
+            version = f"{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}"
+            return tail, ObjectInfo(stat.st_size, version)
+
+        return await asyncio.to_thread(read)
+
+
+class TestReadsTailAdapter(StoreConformance):
+    @pytest.fixture
+    def store_kit(self, tmp_path: Path) -> StoreKit:
+        return StoreKit(
+            open=DirTailTransport,
+            url=lambda name: f"dirtail://{tmp_path / name}",
+            put=lambda name, data: _replace_file(tmp_path / name, data),
+        )
+
+
+def test_an_adapters_tail_is_used_and_checked(tmp_path: Path) -> None:
+    (tmp_path / "x").write_bytes(b"0123456789")
+    transport, short = DirTailTransport(), DirTailTransport(short=True)
+    url = f"dirtail://{tmp_path / 'x'}"
+
+    async def main() -> tuple[bytes | bytearray, ObjectInfo]:
+        store, broken = stacked(transport), stacked(short)
+        try:
+            assert isinstance(store, ReadsTail)
+            with pytest.raises(ShortReadError, match=r"x bytes \[6, 10\) returned 3 of 4"):
+                await fetch_tail(broken, url, 4)
+            return await fetch_tail(store, url, 4)
+        finally:
+            await store.close()
+            await broken.close()
+
+    tail, info = asyncio.run(main())
+    assert (bytes(tail), info.size, transport.tails) == (b"6789", 10, 1)
 
 
 def test_the_engine_reads_an_adapters_buffer_path(

@@ -37,7 +37,7 @@ from asyncbatch.errors import (
     ThrottledError,
 )
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import Store
+from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
 from asyncbatch.stores.http import HttpStore
 from asyncbatch.stores.local import LocalStore
 
@@ -345,6 +345,34 @@ def test_different_etag_in_a_response_is_shard_changed(remote: Remote) -> None:
             await store.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fault", ["503-slowdown", "truncated"])
+def test_a_tail_read_is_one_request_retried_and_pinned(remote: Remote, fault: str) -> None:
+    url = remote.put(DATA)
+    remote.server.inject(RETRIED[fault], OK)
+
+    async def main() -> tuple[bytes | bytearray, ObjectInfo]:
+        store = remote.store()
+        try:
+            assert isinstance(store, ReadsTail)
+            got = await store.read_tail(url, 100_000)
+            remote.replace(url, DATA[::-1])
+            # Pinned by the tail read: the next one's If-Match gets a 412.
+            with pytest.raises(ShardChangedError):
+                await store.read_tail(url, 10)
+            return got
+        finally:
+            await store.close()
+
+    tail, info = asyncio.run(main())
+    assert (bytes(tail), info.size) == (DATA[-100_000:], SIZE)
+    assert info.version is not None
+    ranges = [r for m, p, r in remote.server.log if m == "GET" and p == path_of(url)]
+    # The whole tail asked again after a broken body: the object's size was not known yet.
+    assert ranges == ["bytes=-100000", "bytes=-100000", "bytes=-10"]
+    assert remote.server.count("HEAD", path_of(url)) <= 1  # only to name the new version
 
 
 def test_local_file_resized_or_replaced_is_shard_changed(tmp_path: Path) -> None:

@@ -7,9 +7,11 @@ dataset holds ``id == i`` and columns computed from ``i`` by :func:`make_table`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import BUCKET, s3_options
+from faults import fault_server
+from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch.batch import FieldSchema, Jagged, Strings
 from asyncbatch.errors import FormatError, ResumeStateError
+from asyncbatch.formats.npy import read_range
+from asyncbatch.formats.parquet import FOOTER_PROBE, read_footer
+from asyncbatch.stores import open_store
+from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store, Versioned
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -140,6 +148,172 @@ def test_every_row_once_per_epoch_every_store(
         assert seen[0] == list(range(total))
     else:
         assert seen[0] != seen[1]
+
+
+class CallCounter:
+    """A real store with every call that reaches it logged: each is one request."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.coalesce_gap = inner.coalesce_gap
+        self.log: list[str] = []
+
+    async def size(self, url: str) -> int:
+        self.log.append("size")
+        return await self.inner.size(url)
+
+    async def stat(self, url: str) -> ObjectInfo:
+        self.log.append("stat")
+        assert isinstance(self.inner, Versioned)
+        return await self.inner.stat(url)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        self.log.append(f"read_tail {length}")
+        assert isinstance(self.inner, ReadsTail)
+        return await self.inner.read_tail(url, length)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Any]
+    ) -> None:
+        self.log.extend(f"read_ranges {a}-{b}" for a, b in zip(starts, ends, strict=True))
+        await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+
+    async def list(self, url: str) -> list[str]:
+        raise AssertionError("opening a list of files lists nothing")
+
+    async def write(self, url: str, data: Any) -> None:
+        raise AssertionError("opening writes nothing")
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def footer_calls(url: str, options: dict[str, Any]) -> list[str]:
+    """The calls :func:`read_footer` makes of ``url``'s store; checks the footer it returns."""
+    calls = CallCounter(open_store(url, options))
+    try:
+        footer = await read_footer(calls, url)
+        log = list(calls.log)
+        size = await calls.size(url)
+        data = await read_range(calls, url, 0, size)
+    finally:
+        await calls.close()
+    length = int.from_bytes(data[-8:-4], "little")
+    assert footer == data[-8 - length : -8] + size.to_bytes(8, "little")
+    return log
+
+
+@pytest.mark.parametrize("store", ["local", "s3", "http"])
+def test_open_costs_one_request_per_file_two_for_a_large_footer(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    root, write, options = writer_for(store, request, tmp_path)
+    names = ["a.parquet", "empty.parquet", "b.parquet", "c.parquet", "large.parquet"]
+    total = write_files(write, names[:4])
+    # One row group per row: a footer larger than the probe (two reads, checked below).
+    write(names[4], make_table(total, 300), 1)
+    total += 300
+    urls = [f"{root}/{name}" for name in names]
+    probe = f"read_tail {FOOTER_PROBE}"
+    with contextlib.ExitStack() as stack:
+        if store == "s3":  # S3 requests counted by a proxy in front of moto
+            proxy = stack.enter_context(
+                fault_server(upstream=request.getfixturevalue("s3_endpoint"))
+            )
+            options = s3_options(proxy.url)
+
+            def served() -> int:  # by the Parquet files (not the manifest looked for)
+                folder = f"/{root.rpartition('/')[2]}/"
+                return sum(folder in p and p.endswith(".parquet") for _, p, _ in proxy.log)
+        elif store == "http":
+            server = request.getfixturevalue("http_root")[1]
+
+            def served() -> int:
+                return server.requests + server.heads
+        else:
+
+            def served() -> int:
+                return 0
+
+        for url in urls:
+            log = asyncio.run(footer_calls(url, options))
+            assert log[0] == probe
+            assert len(log) == (2 if url.endswith("large.parquet") else 1), log
+        before = served()
+        dataset = ab.open_dataset(urls, options)
+        if store != "local":
+            assert served() - before == 6  # one request per file, two for the large footer
+        if store == "s3":  # the listing tells sizes and ETags: one range per file, no HEAD
+            before, heads, logged = served(), proxy.count("HEAD", ".parquet"), len(proxy.log)
+            listed = ab.open_dataset(root, options).manifest.shards  # in natural order
+            assert set(listed) == set(dataset.manifest.shards)
+            assert served() - before == 6
+            assert proxy.count("HEAD", ".parquet") == heads
+            ranges = [r for _, p, r in proxy.log[logged:] if p.endswith(".parquet")]
+            assert len(ranges) == 6 and not any(r.startswith("bytes=-") for r in ranges)
+        with ab.Loader(dataset, batch_size=16, shuffle=False, drop_last=False) as loader:
+            ids = [i for b in loader for i in b["id"].tolist()]
+    assert ids == list(range(total))
+
+
+@pytest.mark.parametrize("server_kind", ["nosuffix", "misreadsuffix"])
+def test_a_server_without_suffix_ranges_costs_one_more_request(
+    http_root: tuple[Path, RangeHTTPServer], server_kind: str
+) -> None:
+    base, server = http_root
+    folder = base / f"pq-{next(_names)}"
+    folder.mkdir()
+    sizes = {"small.parquet": 20, "big.parquet": 4000}
+    for name, rows in sizes.items():
+        pq.write_table(make_table(0, rows), folder / name, row_group_size=1000)
+        (folder / f"{name}.{server_kind}").touch()  # how the test server answers bytes=-N
+    assert (folder / "small.parquet").stat().st_size < FOOTER_PROBE
+    assert (folder / "big.parquet").stat().st_size > FOOTER_PROBE
+    urls = [f"{server.url}/{folder.name}/{name}" for name in sizes]
+    # (GETs, HEADs). A whole file or a first part holding the tail is read and cut; other
+    # bytes are dropped, and their headers' size serves a ranged read of the tail.
+    for url, rows, expected in zip(urls, sizes.values(), [(1, 0), (2, 0)], strict=True):
+        before = server.requests, server.heads
+        dataset = ab.open_dataset([url])
+        assert (server.requests - before[0], server.heads - before[1]) == expected
+        with ab.Loader(dataset, batch_size=500, shuffle=False, drop_last=False) as loader:
+            assert [i for b in loader for i in b["id"].tolist()] == list(range(rows))
+
+    async def big_then_small() -> list[tuple[int, int]]:
+        store, counts = open_store(urls[0]), []
+        try:
+            for url in urls[::-1]:
+                before = server.requests, server.heads
+                await read_footer(store, url)
+                counts.append((server.requests - before[0], server.heads - before[1]))
+        finally:
+            await store.close()
+        return counts
+
+    # The store remembers the server: after the big file, a tail is a HEAD and a range.
+    assert asyncio.run(big_then_small()) == [(2, 0), (1, 1)]
+
+
+def test_open_through_the_cache_is_one_request_per_file(
+    http_root: tuple[Path, RangeHTTPServer], tmp_path: Path
+) -> None:
+    base, server = http_root
+    folder = base / f"pq-{next(_names)}"
+    folder.mkdir()
+    names = [f"{n}.parquet" for n in "abcd"]
+    total = write_files(lambda p, t, g: pq.write_table(t, folder / p, row_group_size=g), names)
+    urls = [f"{server.url}/{folder.name}/{name}" for name in names]
+    cache = tmp_path / "cache"
+    before = server.requests + server.heads
+    dataset = ab.open_dataset(urls, cache=cache)  # the tails pass the cache by
+    assert server.requests + server.heads - before == len(names)
+    with ab.Loader(dataset, batch_size=16, shuffle=False, drop_last=False, cache=cache) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            before = server.requests
+            assert [i for b in loader for i in b["id"].tolist()] == list(range(total))
+            if epoch:
+                assert server.requests == before  # every block from the cache
 
 
 def test_huggingface_layout_by_glob_and_folder(tmp_path: Path) -> None:

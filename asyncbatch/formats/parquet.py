@@ -1,8 +1,10 @@
 """Parquet datasets, read the Reimu way: footers only at open, row groups as the unit read,
 only the columns asked for, decoded by pyarrow from bytes the engine fetched.
 
-Opening reads each file's footer and nothing else: its size, then one tail read of
-:data:`FOOTER_PROBE` bytes (a second read when the footer is larger), every file at once.
+Opening reads each file's footer and nothing else: one request for its last
+:data:`FOOTER_PROBE` bytes that also tells its size (a second read when the footer is
+larger), every file at once. Where the listing told the sizes (S3), that request is a
+plain range.
 A dataset is a ``Manifest("parquet")`` with one shard per file (its elements: its rows) and, in
 ``Dataset.arrays``, per row group (numbered through the files): its rows, its file, its
 number in the file, and the byte range of every leaf column chunk; the footers themselves are
@@ -42,7 +44,7 @@ from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
 from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
-from ..stores.base import Store
+from ..stores.base import ListsInfo, ObjectInfo, Store, fetch_tail, tail_by_stat
 from .base import Offload, Opener, ReadFn, natural_key
 from .documents import boundaries
 from .npy import gather_limited, may_list, parent_and_name, read_range
@@ -92,30 +94,40 @@ async def probe_parquet(url: str, store: Store) -> bool:
     return may_list(url) and bool(await _walk(store, url))
 
 
-async def _walk(store: Store, url: str) -> list[str]:
+async def _walk(store: Store, url: str, known: dict[str, ObjectInfo] | None = None) -> list[str]:
     """``.parquet`` files under ``url``, recursively (into names without a dot: folders;
-    names starting with ``.`` or ``_``, such as ``_SUCCESS``, are skipped)."""
+    names starting with ``.`` or ``_``, such as ``_SUCCESS``, are skipped). A store whose
+    listing tells sizes and versions (:class:`~asyncbatch.stores.base.ListsInfo`) puts
+    them in ``known``: those files' footers are then read without a stat or a suffix."""
     try:
-        listed = await store.list(url.rstrip("/"))
+        if known is not None and isinstance(store, ListsInfo):
+            entries = await store.list_info(url.rstrip("/"))
+        else:
+            entries = [(child, None) for child in await store.list(url.rstrip("/"))]
     except (NotFoundError, NotADirectoryError):
         return []
     files, folders = [], []
-    for child in listed:
+    for child, info in entries:
         name = child.rstrip("/").rpartition("/")[2]
         if child.rstrip("/") == url.rstrip("/") or name.startswith((".", "_")):
             continue
         if name.endswith(SUFFIX):
             files.append(child)
+            if known is not None and info is not None:
+                known[child] = info
         elif "." not in name and may_list(child + "/"):
             folders.append(child)
-    for nested in await gather_limited(_walk(store, folder) for folder in folders):
+    for nested in await gather_limited(_walk(store, folder, known) for folder in folders):
         files.extend(nested)
     return files
 
 
-async def parquet_files(url: str, store: Store) -> tuple[str, list[str]]:
+async def parquet_files(
+    url: str, store: Store, known: dict[str, ObjectInfo] | None = None
+) -> tuple[str, list[str]]:
     """The dataset root and its files, in natural order: ``url`` itself, the files matching a
-    glob, or every ``.parquet`` under a folder or prefix."""
+    glob, or every ``.parquet`` under a folder or prefix (sizes and versions the listing
+    tells go in ``known``, see :func:`_walk`)."""
     url = url.rstrip("/")
     match = _GLOB.search(url)
     if match is None and url.endswith(SUFFIX):
@@ -126,7 +138,7 @@ async def parquet_files(url: str, store: Store) -> tuple[str, list[str]]:
             f"{url}: this store cannot list a folder; name the files instead:"
             " ab.open_dataset([url, ...], format='parquet')"
         )
-    found = await _walk(store, root)
+    found = await _walk(store, root, known)
     if match is not None:
         found = [u for u in found if fnmatch.fnmatchcase(u, url)]
     if not found:
@@ -153,27 +165,31 @@ def common_root(urls: Sequence[str]) -> str:
 # Footers
 
 
-async def read_footer(store: Store, url: str) -> bytes:
+async def read_footer(store: Store, url: str, info: ObjectInfo | None = None) -> bytes:
     """The Thrift footer of the Parquet file ``url`` followed by the file's size (8 bytes,
-    little-endian), the form ``Dataset.arrays`` keeps (one tail read, two for a large one)."""
-    size = await store.size(url)
+    little-endian), the form ``Dataset.arrays`` keeps: one tail read that also tells the size
+    (:func:`~asyncbatch.stores.base.fetch_tail`; a plain range when ``info``, from a
+    listing, tells it already), a second for a footer larger than it."""
+    if info is None:
+        tail, info = await fetch_tail(store, url, FOOTER_PROBE)
+    else:
+        tail, info = await tail_by_stat(store, url, FOOTER_PROBE, info)
+    size = info.size
     if size < 12:
         raise FormatError(f"{url}: {size} bytes is too short for a Parquet file (12 at least)")
-    probe = min(size, FOOTER_PROBE)
-    tail = await read_range(store, url, size - probe, size)
     if tail[-4:] != MAGIC:
         raise FormatError(
-            f"{url}: not a Parquet file: its last 4 bytes are {tail[-4:]!r}, not {MAGIC!r}"
-            " (truncated, corrupt or encrypted)"
+            f"{url}: not a Parquet file: its last 4 bytes are {bytes(tail[-4:])!r}, not"
+            f" {MAGIC!r} (truncated, corrupt or encrypted)"
         )
     length = int.from_bytes(tail[-8:-4], "little")
     if length + 12 > size:
         raise FormatError(
             f"{url}: its footer says {length} bytes, more than the file's {size} (truncated?)"
         )
-    if length + 8 > probe:
-        tail = await read_range(store, url, size - 8 - length, size - probe) + tail
-    return tail[-8 - length : -8] + size.to_bytes(8, "little")
+    if length + 8 > len(tail):
+        tail = await read_range(store, url, size - 8 - length, size - len(tail)) + tail
+    return bytes(tail[-8 - length : -8]) + size.to_bytes(8, "little")
 
 
 def parse_footer(footer: bytes, url: str) -> Any:
@@ -226,8 +242,9 @@ async def open_parquet(
     url: str, store: Store, storage_options: Mapping[str, Any], options: Mapping[str, Any]
 ) -> Dataset:
     """A ``.parquet`` file, a folder or prefix of them, or a glob (reads only footers)."""
-    root, urls = await parquet_files(url, store)
-    return await _open_files(root, urls, store, storage_options, options)
+    known: dict[str, ObjectInfo] = {}
+    root, urls = await parquet_files(url, store, known)
+    return await _open_files(root, urls, store, storage_options, options, known)
 
 
 async def open_parquet_list(
@@ -246,6 +263,7 @@ async def _open_files(
     store: Store,
     storage_options: Mapping[str, Any],
     options: Mapping[str, Any],
+    known: Mapping[str, ObjectInfo] | None = None,
 ) -> Dataset:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -254,7 +272,8 @@ async def _open_files(
     if nulls not in NULLS:
         raise ConfigError(f"options nulls={nulls!r}: expected one of {NULLS}")
     pyarrow_modules()  # the ConfigError saying how to install it, before any read
-    footers = await gather_limited(read_footer(store, u) for u in urls)
+    known = known or {}
+    footers = await gather_limited(read_footer(store, u, known.get(u)) for u in urls)
     metas = await asyncio.to_thread(
         lambda: [parse_footer(f, u) for f, u in zip(footers, urls, strict=True)]
     )

@@ -9,7 +9,9 @@ by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (m
 many objects into one buffer: the engine's fast path), :class:`ReadsIntoConverted` (the
 same, widening each element to the output dtype as it copies), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
-as one) and :class:`Discards` (a cache forgetting bytes).
+as one), :class:`Discards` (a cache forgetting bytes), :class:`ReadsTail` (an object's last
+bytes with its size and version, in one request: :func:`fetch_tail` uses it, or a ``stat``
+and a ranged read without it) and :class:`ListsInfo` (a listing with sizes and versions).
 
 The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
 errors, version pinning, retries and timeouts; then counting and the node-local cache), and
@@ -192,6 +194,53 @@ class Discards(Protocol):
     async def discard(self, url: str, start: int, end: int) -> None:
         """Forget any copy of bytes ``[start, end)`` of ``url``; the next read fetches them."""
         ...
+
+
+@runtime_checkable
+class ReadsTail(Protocol):
+    """A store that reads an object's last bytes and learns its size and version at once
+    (one suffix request: S3's and HTTP's ``Range: bytes=-N``, a local ``fstat`` + ``pread``)."""
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes of ``url``, with its size and version; pins
+        the object at that version as ``stat`` does."""
+        ...
+
+
+@runtime_checkable
+class ListsInfo(Protocol):
+    """A store whose listing tells each object's size and version (S3's does), so that a
+    format reading every object's tail after listing them needs no ``stat`` or suffix."""
+
+    async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
+        """``(URL, size and version)`` of the entries directly under the prefix ``url``,
+        sorted; None for a folder. Pins each object at its version as ``stat`` does."""
+        ...
+
+
+async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+    """The last ``min(length, size)`` bytes of ``url`` with its size and version: one
+    request where the store offers :class:`ReadsTail`, else :func:`tail_by_stat`."""
+    if isinstance(store, ReadsTail):
+        return await store.read_tail(url, length)
+    return await tail_by_stat(store, url, length)
+
+
+async def tail_by_stat(
+    store: Store, url: str, length: int, info: ObjectInfo | None = None
+) -> tuple[bytearray, ObjectInfo]:
+    """What :func:`fetch_tail` returns, in two requests: the size and version (unless given
+    as ``info``), then a range."""
+    if info is None and isinstance(store, Versioned):
+        info = await store.stat(url)
+    elif info is None:
+        info = ObjectInfo(await store.size(url), None)
+    count = max(0, min(length, info.size))
+    tail = bytearray(count)
+    if count:
+        start = info.size - count
+        await store.read_ranges(url, starts=[start], ends=[info.size], buffers=[memoryview(tail)])
+    return tail, info
 
 
 def check_length(url: str, start: int, end: int, got: int) -> None:

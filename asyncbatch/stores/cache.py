@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ChecksumError, describe_range
-from .base import Buffer, ObjectInfo, Store, Versioned
+from .base import Buffer, ObjectInfo, Store, Versioned, fetch_tail
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
 from .local import LocalStore
@@ -96,6 +96,15 @@ class CachedStore:
 
     async def size(self, url: str) -> int:
         return (await self.stat(url)).size
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The store's tail read, not cached (one request either way: a footer read at open);
+        its size and version join what the loader has seen, and must match it."""
+        tail, info = await fetch_tail(self.inner, url, length)
+        known = self.seen.setdefault(url, info)
+        if known.version != info.version:
+            raise changed(url, known.version or "?", info.version)
+        return tail, info
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         self._infos.pop(url, None)

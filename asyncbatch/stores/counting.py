@@ -13,7 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .base import Buffer, Conversion, ObjectInfo, ReadsInto, ReadsIntoConverted, Store, Versioned
+from .base import (
+    Buffer,
+    Conversion,
+    ObjectInfo,
+    ReadsInto,
+    ReadsIntoConverted,
+    Store,
+    Versioned,
+    fetch_tail,
+)
 
 
 @dataclass
@@ -53,6 +62,14 @@ class CountingStore:
         self.counts.requests += len(starts)
         self.counts.bytes_fetched += sum(ends) - sum(starts)
         await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """One request, whether the store below reads tails itself or stats and reads a
+        range (a stat is never counted)."""
+        self.counts.requests += 1
+        tail, info = await fetch_tail(self.inner, url, length)
+        self.counts.bytes_fetched += len(tail)
+        return tail, info
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         await self.inner.write(url, data)

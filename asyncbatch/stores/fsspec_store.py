@@ -11,6 +11,7 @@ range's length, pins versions and retries under the
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -97,6 +98,22 @@ class FsspecStore:
         fs = await self._filesystem()
         entries = await self._call(url, "ls", url, detail=False)
         return sorted(fs.unstrip_protocol(entry) for entry in entries)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        """The listing with each file's size and version as :meth:`stat` reads them from
+        ``info()`` (``ls`` with details holds the same fields); None for a folder."""
+        fs = await self._filesystem()
+        entries = await self._call(url, "ls", url, detail=True)
+        found: builtins.list[tuple[str, ObjectInfo | None]] = []
+        for entry in entries:
+            name = fs.unstrip_protocol(entry["name"])
+            if entry.get("type") == "directory" or entry.get("size") is None:
+                found.append((name, None))
+                continue
+            version = next((entry[key] for key in _VERSION_FIELDS if entry.get(key)), None)
+            info = ObjectInfo(int(entry["size"]), None if version is None else str(version))
+            found.append((name, info))
+        return sorted(found, key=lambda item: item[0])
 
     async def get_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int]

@@ -17,21 +17,24 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..errors import StoreError, StoreTimeoutError, describe_range
+from ..errors import ShortReadError, StoreError, StoreTimeoutError, describe_range
 from .base import Buffer, ObjectInfo, SelfGuarded
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
     Pins,
     Progress,
+    TailAnswer,
     changed,
     connection_error,
     expected_length,
     fail,
     fill,
     parse_retry_after,
+    receive_tail,
     run_all,
     status_error,
+    tail_from,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -68,6 +71,8 @@ class HttpStore(SelfGuarded):
         self._session: aiohttp.ClientSession | None = None
         self._limit: asyncio.Semaphore | None = None
         self._lister: FsspecStore | None = None
+        #: False once the server answered a suffix range with other bytes.
+        self._suffix_ranges = True
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         if self._session is None or self._limit is None:
@@ -150,6 +155,53 @@ class HttpStore(SelfGuarded):
             return ObjectInfo(int(length), etag or None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes with the size and ETag, from one
+        ``Range: bytes=-length`` GET (``If-Match`` once pinned); pins the ETag. An empty
+        object (416: it has no last bytes) costs a HEAD instead. A server that ignores or
+        misreads suffix ranges costs a ranged read after it (the answer's headers tell the
+        size), and from then on this store asks it for sizes and ranges instead."""
+
+        async def attempt() -> TailAnswer | None:
+            _, limit = self._client()
+            headers = {"Range": f"bytes=-{length}"}
+            condition = self.pins.condition(url)
+            if condition is not None:
+                headers["If-Match"] = condition
+            async with limit:
+                try:
+                    response = await self._request("GET", url, headers)
+                except ShortReadError:  # 416
+                    return None
+                answer = None
+                try:
+                    etag = response.headers.get("ETag")
+                    self.pins.check(url, etag)
+                    answer = await receive_tail(
+                        lambda: response.content.read(CHUNK),
+                        url,
+                        length,
+                        response.status,
+                        response.headers.get("Content-Range"),
+                        response.content_length,
+                        etag or None,
+                        self.retry.idle_timeout,
+                    )
+                finally:
+                    if answer is not None and answer.tail is not None:
+                        response.release()
+                    else:
+                        response.close()  # a body left unread: its connection cannot be reused
+            return answer
+
+        answer = None
+        if length > 0 and self._suffix_ranges:
+            what = f"read of the last {length} bytes of {url}"
+            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            if answer is not None and answer.tail is None:
+                self._suffix_ranges = False
+        return await tail_from(self, url, length, answer)
 
     async def list(self, url: str) -> list[str]:
         """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""

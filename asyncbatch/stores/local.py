@@ -58,6 +58,11 @@ def file_version(stat: os.stat_result) -> Version:
     return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
+def object_info(stat: os.stat_result) -> ObjectInfo:
+    """The size and the identity a local file is pinned at, as :meth:`LocalStore.stat` says."""
+    return ObjectInfo(stat.st_size, "{:x}-{:x}-{:x}".format(*file_version(stat)))
+
+
 try:
     from . import _preadv
 except ImportError:  # pragma: no cover - built without a C compiler
@@ -117,7 +122,38 @@ class LocalStore(SelfGuarded):
         """Size and identity (inode, size, mtime); pins the file at that identity."""
         stat = await self._stat(url)
         self._check_pin(url, stat)
-        return ObjectInfo(stat.st_size, "{:x}-{:x}-{:x}".format(*file_version(stat)))
+        return object_info(stat)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes with the size and identity: a ``stat`` and a
+        ``pread`` in one pool job (one thread hop, not two); pins the file as :meth:`stat`."""
+        if self._closed:
+            raise StoreError(f"store closed before reading {url}", url)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._read_tail, url, length)
+
+    def _read_tail(self, url: str, length: int) -> tuple[bytes, ObjectInfo]:
+        try:
+            stat = os.stat(local_path(url))
+        except (FileNotFoundError, PermissionError) as exc:
+            raise map_error(exc, url) from exc
+        # The path, as stat checks it: a descriptor held open would still read the old file.
+        self._check_pin(url, stat)
+        fd = self._acquire(url)[0]
+        try:
+            stat = os.fstat(fd)
+            self._check_pin(url, stat)
+            count = max(0, min(length, stat.st_size))
+            start = stat.st_size - count
+            try:
+                tail = os.pread(fd, count, start)
+            except OSError as exc:
+                where = describe_range(url, start, stat.st_size)
+                raise StoreError(f"read failed: {where}: {exc}", url, start, stat.st_size) from exc
+            check_length(url, start, stat.st_size, len(tail))
+        finally:
+            self._release(url)
+        return tail, object_info(stat)
 
     async def _stat(self, url: str) -> os.stat_result:
         try:

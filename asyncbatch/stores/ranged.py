@@ -7,6 +7,10 @@ pinned to the version (ETag) the store first saw; a later response with another 
 or a 412 to an ``If-Match``, is a :class:`~asyncbatch.errors.ShardChangedError`. Bodies are
 read into the caller's buffer in chunks, each under the idle timeout; one that breaks off
 keeps the bytes received, so the next attempt asks only for the missing tail.
+
+A suffix request (``Range: bytes=-N``: an object's last bytes, its size told by
+``Content-Range``) is read by :func:`receive_tail`, which also copes with servers that
+ignore or misread it; :func:`tail_from` completes what such an answer lacks.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..errors import (
     ThrottledError,
     describe_range,
 )
-from .base import Buffer
+from .base import Buffer, ObjectInfo, Store, tail_by_stat
 from .retry import refused
 
 #: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
@@ -225,6 +229,74 @@ def expected_length(
             end,
         )
     return end - first
+
+
+@dataclass(frozen=True)
+class TailAnswer:
+    """What a suffix request (``Range: bytes=-N``) got: the object's last ``min(N, size)``
+    bytes, or None when the server ignored or misread the range; the object's size when the
+    answer told it; its ETag."""
+
+    tail: bytearray | None
+    size: int | None
+    etag: str | None
+
+
+async def receive_tail(
+    read: Callable[[], Awaitable[bytes]],
+    url: str,
+    length: int,
+    status: int,
+    content_range: str | None,
+    content_length: int | None,
+    etag: str | None,
+    idle_timeout: float,
+) -> TailAnswer:
+    """Read the answer to ``Range: bytes=-length`` (all of the tail or raise).
+
+    A server may ignore the suffix range (a 200 with the whole object) or misread it (s3rver
+    serves ``bytes=0-N``). An answer that holds the tail and at most ``2 * length`` bytes is
+    read and cut to the tail; any other is left unread, with the size its headers tell.
+    Raises :class:`RangeNotSupportedError` for an answer whose headers disagree.
+    """
+    if status == 200:
+        if content_length is None:
+            return TailAnswer(None, None, etag)
+        low, high, size = 0, content_length - 1, content_length
+    else:
+        match = _CONTENT_RANGE.match((content_range or "").strip())
+        if status != 206 or match is None or match.group(3) == "*":
+            raise fail(
+                RangeNotSupportedError,
+                f"asked the last {length} bytes, the server answered {status} with"
+                f" Content-Range {content_range!r}",
+                url,
+            )
+        low, high, size = (int(match.group(i)) for i in (1, 2, 3))
+        if content_length not in (None, high + 1 - low) or high >= size:
+            raise fail(
+                RangeNotSupportedError,
+                f"Content-Range {content_range!r} with Content-Length {content_length}",
+                url,
+            )
+    count = min(length, size)
+    if low > size - count or high != size - 1 or high + 1 - low > 2 * length:
+        return TailAnswer(None, size, etag)
+    body = bytearray(high + 1 - low)
+    await fill(read, memoryview(body), Progress(), len(body), idle_timeout, url, low, size)
+    del body[: len(body) - count]
+    return TailAnswer(body, size, etag)
+
+
+async def tail_from(
+    store: Store, url: str, length: int, answer: TailAnswer | None
+) -> tuple[bytes | bytearray, ObjectInfo]:
+    """The tail ``answer`` holds; else a ranged read (and a stat, unless the answer told the
+    size) of ``store``."""
+    if answer is not None and answer.tail is not None and answer.size is not None:
+        return answer.tail, ObjectInfo(answer.size, answer.etag)
+    known = None if answer is None or answer.size is None else ObjectInfo(answer.size, answer.etag)
+    return await tail_by_stat(store, url, length, known)
 
 
 class Pins:

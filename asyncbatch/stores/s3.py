@@ -12,6 +12,7 @@ naming the key and range; none escapes raw.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import inspect
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -23,6 +24,7 @@ from ..errors import (
     ConfigError,
     CredentialsError,
     PermissionDeniedError,
+    ShortReadError,
     StoreError,
     StoreTimeoutError,
     describe_range,
@@ -32,14 +34,17 @@ from .fsspec_store import FsspecStore
 from .ranged import (
     Pins,
     Progress,
+    TailAnswer,
     changed,
     connection_error,
     expected_length,
     fail,
     fill,
     parse_retry_after,
+    receive_tail,
     run_all,
     status_error,
+    tail_from,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
@@ -134,6 +139,8 @@ class S3Store(FsspecStore, SelfGuarded):
             options["session"] = _new_session()
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
         self.pins = Pins()
+        #: False once the endpoint answered a suffix range with other bytes (s3rver).
+        self._suffix_ranges = True
 
     async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
         fs = await self._filesystem()
@@ -261,6 +268,59 @@ class S3Store(FsspecStore, SelfGuarded):
             return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
         return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes with the size and ETag, from one
+        ``Range: bytes=-length`` GET (``IfMatch`` once pinned); pins the ETag as :meth:`stat`
+        does. An empty object (416: it has no last bytes) costs a HEAD instead. An endpoint
+        that misreads suffix ranges (s3rver) costs a ranged read after it (the answer's
+        headers tell the size), and from then on this store asks it for sizes and ranges."""
+
+        async def attempt() -> TailAnswer | None:
+            _, limit, fs = await self._client()
+            kwargs = self._where(fs, url)
+            kwargs["Range"] = f"bytes=-{length}"
+            condition = self.pins.condition(url)
+            if condition is not None:
+                kwargs["IfMatch"] = condition
+            async with limit:
+                try:
+                    response = await self._call_client("get_object", url, None, None, **kwargs)
+                except ShortReadError:  # 416
+                    return None
+                body = response["Body"]
+                try:
+                    etag = response.get("ETag")
+                    self.pins.check(url, etag)
+                    return await receive_tail(
+                        lambda: body.read(CHUNK),
+                        url,
+                        length,
+                        int(response["ResponseMetadata"]["HTTPStatusCode"]),
+                        response.get("ContentRange"),
+                        response.get("ContentLength"),
+                        str(etag) if etag else None,
+                        self.retry.idle_timeout,
+                    )
+                finally:
+                    body.close()
+
+        answer = None
+        if length > 0 and self._suffix_ranges:
+            what = f"read of the last {length} bytes of {url}"
+            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            if answer is not None and answer.tail is None:
+                self._suffix_ranges = False
+        return await tail_from(self, url, length, answer)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        """The listing (one ListObjectsV2 per 1,000 keys) with each key's size and ETag;
+        pins the ETags, so later ranges send ``IfMatch`` with them as after :meth:`stat`."""
+        found = await super().list_info(url)
+        for name, info in found:
+            if info is not None:
+                self.pins.check(name, info.version)
+        return found
 
     async def _explain_forbidden(self, fs: Any, url: str) -> None:
         """Raise the GET's error for a key whose HEAD was refused, if it is a

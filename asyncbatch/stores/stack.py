@@ -10,6 +10,8 @@ what the transport cannot do with a typed error. :class:`RetryingStore` above it
 transport's built-in exceptions to typed errors (:func:`map_error`) and runs each call
 under the :class:`~asyncbatch.stores.retry.RetryPolicy` with a timeout per attempt.
 
+Both layers offer :class:`~asyncbatch.stores.base.ReadsTail`: the transport's own (one
+request, pinned and length-checked) or a ``stat`` and a ranged read when it has none.
 A transport that offers :class:`~asyncbatch.stores.base.ReadsInto` keeps it through both
 layers: one call per group, no Python per range, so the engine's fast path stays fast (its
 contract is all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it).
@@ -45,11 +47,14 @@ from .base import (
     ObjectInfo,
     ReadsInto,
     ReadsRanges,
+    ReadsTail,
     SelfGuarded,
     Store,
     Versioned,
     Writes,
     check_length,
+    fetch_tail,
+    tail_by_stat,
 )
 from .ranged import REMOTE_COALESCE_GAP, fail
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
@@ -110,6 +115,10 @@ class TransportStore:
         else:  # a Store written before stat existed: size only, nothing to pin
             assert isinstance(transport, Store)
             info = ObjectInfo(await transport.size(url), None)
+        self._pin(url, info)
+        return info
+
+    def _pin(self, url: str, info: ObjectInfo) -> None:
         if info.version is not None:
             pinned = self._pins.setdefault(url, info.version)
             if pinned != info.version:
@@ -118,7 +127,18 @@ class TransportStore:
                     f" seen, {info.version} now: {url}",
                     url,
                 )
-        return info
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The transport's tail read, pinned and length-checked; a stat and a ranged read
+        when it has none."""
+        transport = self.transport
+        if not isinstance(transport, ReadsTail):
+            return await tail_by_stat(self, url, length)
+        tail, info = await transport.read_tail(url, length)
+        self._pin(url, info)
+        count = max(0, min(length, info.size))
+        check_length(url, info.size - count, info.size, len(tail))
+        return tail, info
 
     async def size(self, url: str) -> int:
         return (await self.stat(url)).size
@@ -235,6 +255,13 @@ class RetryingStore:
             url,
             low,
             high,
+        )
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        return await self._run(
+            lambda: fetch_tail(self.inner, url, length),
+            f"read of the last {length} bytes of {url}",
+            url,
         )
 
     async def list(self, url: str) -> list[str]:
