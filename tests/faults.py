@@ -152,7 +152,12 @@ class FaultServer:
         fault = self._take(request)
         try:
             if fault.delay or fault.jitter:
-                await asyncio.sleep(fault.delay + random.uniform(0, fault.jitter))
+                try:
+                    await _sleep_while_connected(
+                        request, fault.delay + random.uniform(0, fault.jitter)
+                    )
+                except ConnectionResetError:
+                    raise asyncio.CancelledError from None  # nobody is left to answer
             if fault.status is not None:
                 return _error(request, fault.status, fault.retry_after)
             if self.root is not None:

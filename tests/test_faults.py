@@ -41,18 +41,20 @@ from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
 from asyncbatch.stores.http import HttpStore
 from asyncbatch.stores.local import LocalStore
 
-#: Tiny backoffs, short timeouts: every fault costs milliseconds, a stall a second. The
-#: timeouts stay well above what a busy 2-core machine takes to answer (moto behind the
-#: proxy has taken over 0.3 s), so only injected stalls (2 s) ever time out.
+#: Tiny backoffs: every fault costs milliseconds. The timeouts stay far above what a busy
+#: 2-core machine takes to answer (a CI run once took over 1 s for one GET), and an injected
+#: stall lasts until the client gives up, so only stalls ever time out; each costs 3 s.
 FAST = ab.RetryPolicy(
     max_attempts=4,
     base_delay=0.001,
     max_delay=0.005,
     deadline=30,
-    connect_timeout=1.0,
-    first_byte_timeout=1.0,
-    idle_timeout=1.0,
+    connect_timeout=3.0,
+    first_byte_timeout=3.0,
+    idle_timeout=3.0,
 )
+#: Longer than any timeout here: the server waits until the client hangs up.
+FOREVER = 60.0
 SIZE = 200_000
 DATA = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
 _names = itertools.count()
@@ -150,8 +152,8 @@ RETRIED = {
     "503-slowdown": Fault(status=503),
     "500": Fault(status=500),
     "429": Fault(status=429, retry_after=0.01),
-    "stall": Fault(stall=2.0),
-    "slow-headers": Fault(delay=2.0),
+    "stall": Fault(stall=FOREVER),
+    "slow-headers": Fault(delay=FOREVER),
     "reset": Fault(reset_after=5_000),
     "truncated": Fault(truncate_after=5_000),
     "truncated-chunked": Fault(truncate_after=5_000, chunked=True),
@@ -273,11 +275,11 @@ def test_whole_object_200_is_accepted_only_for_the_whole_object(remote: Remote) 
 @pytest.mark.timeout(30)
 def test_slow_drip_completes_where_a_stall_of_the_same_length_times_out(remote: Remote) -> None:
     url = remote.put(DATA)
-    # 10 pieces 0.1 s apart (1 s in all) under a 0.3 s idle timeout: always moving.
-    remote.server.inject(Fault(drip=(10_000, 0.1)))
-    assert read(remote, url, 0, 100_000) == DATA[:100_000]
-    remote.server.inject(Fault(stall=1.0))
-    one = ab.RetryPolicy(max_attempts=1, first_byte_timeout=0.3, idle_timeout=0.3)
+    one = ab.RetryPolicy(max_attempts=1, first_byte_timeout=3.0, idle_timeout=1.0)
+    # 10 pieces 0.2 s apart (2 s in all) under a 1 s idle timeout: always moving.
+    remote.server.inject(Fault(drip=(10_000, 0.2)))
+    assert read(remote, url, 0, 100_000, policy=one) == DATA[:100_000]
+    remote.server.inject(Fault(stall=2.0))
     with pytest.raises(RetriesExhaustedError) as caught:
         read(remote, url, 0, 100_000, policy=one)
     assert isinstance(caught.value.__cause__, StoreTimeoutError)
