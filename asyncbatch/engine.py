@@ -37,7 +37,7 @@ from .checks import (
     size_error,
 )
 from .errors import ChecksumError
-from .formats.base import Source
+from .formats.base import Converts, Source
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan
 from .sampling.batches import BatchOrder
@@ -145,7 +145,7 @@ class Engine:
         # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
         decoder = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
-            if getattr(self.source, "converts", True)
+            if not isinstance(self.source, Converts) or self.source.converts
             else None
         )
         # One thread, so transforms run one at a time, in batch order, as the user wrote them.

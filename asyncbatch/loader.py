@@ -37,7 +37,7 @@ from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .device import ToDevice, device_of, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
-from .formats.base import Source
+from .formats.base import AlignedBlocks, Source, StoredAsBatches, SuggestsBlocks
 from .formats.registry import make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .mixture import Mixture
@@ -310,7 +310,7 @@ class _LoaderBase:
             # A format may say which block suits its layout (LLMBATCH: one batch slot).
             self.block_size = (
                 self._block_size_arg
-                or getattr(source, "default_block_size", None)
+                or (source.default_block_size if isinstance(source, SuggestsBlocks) else None)
                 or default_block_size(
                     sample_bytes, self.window, self.batch_size * self.world_size, self.batch_size
                 )
@@ -337,7 +337,7 @@ class _LoaderBase:
                 window=self.window or 1,
                 samples=samples,
                 # A format whose blocks are its read units keeps block edges on them.
-                aligned_blocks=bool(getattr(source, "aligned_blocks", False)),
+                aligned_blocks=isinstance(source, AlignedBlocks) and source.aligned_blocks,
             )
         if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
             raise ConfigError(self._nothing_to_read(data, num_samples))
@@ -395,7 +395,7 @@ class _LoaderBase:
                 f" {len(data.datasets)} datasets has no batches of its own (use True or 'block')"
             )
         # Formats stored as batches say how many records a slot holds (LLMBATCH).
-        rows: int | None = getattr(source, "slot_rows", None)
+        rows = source.slot_rows if isinstance(source, StoredAsBatches) else None
         if rows is None:
             raise ConfigError(
                 f"shuffle='batch' needs data stored as batches (LLMBATCH .batch files);"

@@ -67,6 +67,38 @@ class Source(Protocol):
         ...
 
 
+@runtime_checkable
+class Converts(Protocol):
+    """Optional: whether decoding touches every byte (then it runs in the engine's decode
+    thread; numpy and pyarrow drop the GIL). A source without it gets the thread."""
+
+    converts: bool
+
+
+@runtime_checkable
+class SuggestsBlocks(Protocol):
+    """Optional: the block of ``shuffle="block"`` that suits the layout (an LLMBATCH slot, a
+    Parquet row group); None where it has no view. ``block_size=`` overrides it."""
+
+    default_block_size: int | None
+
+
+@runtime_checkable
+class AlignedBlocks(Protocol):
+    """Optional: the blocks are the format's read units (Parquet row groups), so block edges
+    stay on them every epoch."""
+
+    aligned_blocks: bool
+
+
+@runtime_checkable
+class StoredAsBatches(Protocol):
+    """Optional: data stored as pre-built batches (LLMBATCH); ``shuffle="batch"`` keeps slots
+    of ``slot_rows`` records whole (None: these datasets have no single slot size)."""
+
+    slot_rows: int | None
+
+
 class PlannedSource:
     """A source whose samples come from one read plan and one decode."""
 
