@@ -226,8 +226,10 @@ def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: st
     assert process.returncode in (-signal.SIGINT, 130, 1), err
     assert "KeyboardInterrupt" in err
     report = json.loads(out.splitlines()[-1])
-    # Caught in the consumer, and the engine stopped, within a second of the signal.
-    assert report["at"] - sent < 1.0, report["at"] - sent
+    # Caught in the consumer, and the engine stopped, soon after the signal (the store never
+    # answers: a consumer the signal did not reach waits forever). The bound is far above
+    # the ~0.1 s this takes, so a loaded machine does not fail it.
+    assert report["at"] - sent < 5.0, report["at"] - sent
     assert report["threads"] == []
     if kind == "store":  # caught, the loader goes on from the batch that was interrupted
         with ab.Loader(dataset, batch_size=4, seq_len=16) as loader:
