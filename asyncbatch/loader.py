@@ -63,8 +63,9 @@ from .transform import Transform, check_transform
 STATE_VERSION = 3
 MAX_DEFAULT_PREFETCH = 128
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
-#: goes on stopping by itself; interpreter exit joins it).
-INTERRUPT_JOIN_TIMEOUT = 0.5
+#: goes on stopping by itself; interpreter exit joins it). Stopping takes milliseconds; the
+#: bound is for a machine so loaded that closing connections and pools takes seconds.
+INTERRUPT_JOIN_TIMEOUT = 5.0
 #: With ``shuffle="block"``: the default block holds about this many bytes of samples, and
 #: a window this many blocks.
 BLOCK_BYTES = 2**20

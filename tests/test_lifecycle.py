@@ -199,7 +199,7 @@ def test_engine_errors_reach_the_consumer(
 # -- 2. Ctrl-C ------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["store", "http", "open"])
 def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: str) -> None:
     """Blocked in next() on a store or an HTTP server that never answers, or ("open") in
@@ -219,17 +219,17 @@ def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: st
         assert process.poll() is None
         sent = time.monotonic()
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=10)  # and the process exits by itself
+        out, err = process.communicate(timeout=30)  # and the process exits by itself
     finally:
         process.kill()
-        process.wait()
+        process.communicate()  # closes the pipes, also after a failure above
     assert process.returncode in (-signal.SIGINT, 130, 1), err
     assert "KeyboardInterrupt" in err
     report = json.loads(out.splitlines()[-1])
     # Caught in the consumer, and the engine stopped, soon after the signal (the store never
     # answers: a consumer the signal did not reach waits forever). The bound is far above
     # the ~0.1 s this takes, so a loaded machine does not fail it.
-    assert report["at"] - sent < 5.0, report["at"] - sent
+    assert report["at"] - sent < 10.0, report["at"] - sent
     assert report["threads"] == []
     if kind == "store":  # caught, the loader goes on from the batch that was interrupted
         with ab.Loader(dataset, batch_size=4, seq_len=16) as loader:
