@@ -37,7 +37,7 @@ from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .device import ToDevice, device_of, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
-from .formats.base import Source
+from .formats.base import ReadsScattered, Source
 from .formats.registry import make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .mixture import Mixture
@@ -304,6 +304,8 @@ class _LoaderBase:
             dtype=self.dtype,
             options=self.format_options,
         )
+        if isinstance(source, ReadsScattered):
+            source.scattered = self.shuffle == "global"
         sample_bytes = source.sample_bytes
         if self.shuffle == "block":
             assert self.window is not None
