@@ -21,18 +21,17 @@ as in the whole file.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import FormatError
+from ..layout import ShardMap
 from . import thrift
 from .base import Offload, ReadFn
-
-if TYPE_CHECKING:
-    from .parquet import ParquetRows
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -96,11 +95,33 @@ class PageSelection:
     lengths: Int64Array
 
 
-class PageReader:
-    """Reads rows of a :class:`~asyncbatch.formats.parquet.ParquetRows` page by page where
-    its files have offset indexes; bounded caches of footers and offset indexes."""
+class RowGroups(Protocol):
+    """What :class:`PageReader` reads of :class:`~asyncbatch.formats.parquet.ParquetRows`:
+    per row group (numbered through the files) its rows, file, number in the file and the
+    ``(start, end)`` byte ranges of its selected leaves' chunks."""
 
-    def __init__(self, rows: ParquetRows) -> None:
+    columns: list[str]
+    #: The selected leaves' numbers in a row group's column chunks (one per column).
+    leaves: Int64Array
+    rows: Int64Array
+    ends: Int64Array
+    rg_file: Int64Array
+    rg_local: Int64Array
+    ranges: Int64Array
+    shard_urls: Sequence[str]
+    file_sizes: Int64Array
+    file_map: ShardMap
+
+    def footer(self, file: int) -> bytes: ...
+
+    def check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None: ...
+
+
+class PageReader:
+    """Reads rows of :class:`RowGroups` page by page where its files have offset indexes;
+    bounded caches of footers and offset indexes."""
+
+    def __init__(self, rows: RowGroups) -> None:
         self.rows = rows
         self._footers: OrderedDict[int, Footer] = OrderedDict()
         #: ``(row group, selected leaf)`` → its pages, or None when it has no offset index.
@@ -204,9 +225,10 @@ class PageReader:
     def decode(self, buffer: npt.NDArray[np.uint8], selection: PageSelection) -> dict[str, Any]:
         """Each selected column's values of the rows selected, in their order (Arrow
         arrays), decoded by pyarrow page by page; nulls checked."""
-        from .parquet import pyarrow_modules
+        # Installed: the Parquet source checked it when it was made.
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-        pa, pq = pyarrow_modules()
         rows = self.rows
         data = memoryview(buffer)  # type: ignore[arg-type]
         cuts = (np.cumsum(selection.lengths) - selection.lengths).tolist()
