@@ -99,15 +99,19 @@ def whole_chunks(dataset: ab.Dataset, ids: np.ndarray) -> int:
     return int(per_group[np.unique(np.searchsorted(ends, ids, side="right"))].sum())
 
 
-def paged_epoch(dataset: ab.Dataset, check: Callable[[ab.Batch], None]) -> tuple[int, int]:
-    """One exact-shuffle epoch, one batch per read: bytes fetched, and the bytes of the
-    whole column chunks its batches' rows lie in (what reading whole chunks costs)."""
-    whole = 0
+def paged_epoch(
+    dataset: ab.Dataset, check: Callable[[ab.Batch], None]
+) -> tuple[int, int, list[int]]:
+    """One exact-shuffle epoch, one batch per read, each batch checked: bytes fetched, the
+    bytes of the whole column chunks its batches' rows lie in (what reading whole chunks
+    costs), and the rows delivered."""
+    whole, ids = 0, []
     with ab.Loader(dataset, batch_size=8, shuffle=True, prefetch=2, coalesce_gap=0) as loader:
         for batch in loader:
             check(batch)
             whole += whole_chunks(dataset, batch.global_indexes)
-        return loader.statistics().bytes_fetched, whole
+            ids.extend(batch.global_indexes.tolist())
+        return loader.statistics().bytes_fetched, whole, sorted(ids)
 
 
 def test_bytes_per_batch_far_below_whole_chunks(tmp_path: Path, request: Any) -> None:
@@ -119,7 +123,8 @@ def test_bytes_per_batch_far_below_whole_chunks(tmp_path: Path, request: Any) ->
         root, write, _ = writer_for("local", request, tmp_path)
         options = {"write_page_index": indexed, "use_dictionary": False, **SMALL_PAGES}
         write("f.parquet", make_table(0, 2000), 500, **options)
-        fetched[indexed], whole = paged_epoch(ab.open_dataset(root), check_batch)
+        fetched[indexed], whole, ids = paged_epoch(ab.open_dataset(root), check_batch)
+        assert ids == list(range(2000))
         if not indexed:
             assert fetched[indexed] == whole  # the chunk-level figure, exactly
     assert fetched[True] < 0.15 * fetched[False]
@@ -131,17 +136,15 @@ def test_over_s3(request: Any, tmp_path: Path) -> None:
     write("a.parquet", make_table(0, 100), 50, **written)
     write("b.parquet", make_table(100, 60), 60, **written)
     dataset = ab.open_dataset(root, options, options={"columns": ["id", "tokens"]})
-    ids: list[int] = []
 
     def check(batch: ab.Batch) -> None:
         i = batch["id"].numpy()
-        ids.extend(i.tolist())
         assert [batch["tokens"][k].tolist() for k in range(i.size)] == [
             list(range(k, k + k % 7)) for k in i.tolist()
         ]
 
-    fetched, whole = paged_epoch(dataset, check)
-    assert sorted(ids) == list(range(160))
+    fetched, whole, ids = paged_epoch(dataset, check)
+    assert ids == list(range(160))
     assert fetched < 0.5 * whole
 
 
@@ -175,3 +178,22 @@ def test_corrupt_offset_index_names_file_and_column(
     for shuffle in ("block", False):
         with ab.Loader(dataset, batch_size=8, shuffle=shuffle, drop_last=False) as loader:
             assert sorted(i for b in loader for i in b.global_indexes.tolist()) == list(range(100))
+
+
+def test_a_small_offset_index_cache_rereads_and_stays_exact(
+    tmp_path: Path, request: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offset indexes evicted from a bounded cache are read again when needed: more bytes,
+    the same rows."""
+    from asyncbatch.formats import parquet_pages
+
+    root, write, _ = writer_for("local", request, tmp_path)
+    write("f.parquet", make_table(0, 400), 100, write_page_index=True, **SMALL_PAGES)
+    dataset = ab.open_dataset(root)
+    fetched = {}
+    for bound in (1000, 1):
+        monkeypatch.setattr(parquet_pages, "OFFSET_INDEX_CACHE", bound)
+        monkeypatch.setattr(parquet_pages, "FOOTER_CACHE", bound)
+        fetched[bound], _, ids = paged_epoch(dataset, check_batch)
+        assert ids == list(range(400))
+    assert fetched[1] > fetched[1000]
