@@ -148,30 +148,52 @@ def test_over_s3(request: Any, tmp_path: Path) -> None:
     assert fetched < 0.5 * whole
 
 
-def corrupt_offset_index(path: Path, column: int, data: bytes) -> None:
-    """Overwrite the start of the offset index of ``column`` in row group 0."""
-    raw = bytearray(path.read_bytes())
-    length = int.from_bytes(raw[-8:-4], "little")
-    footer = thrift.parse_all(bytes(raw[-8 - length : -8]))
-    chunk = footer[4].items[0][1].items[column]
-    at = chunk[4]
-    raw[at : at + len(data)] = data
-    path.write_bytes(bytes(raw))
+def garbage(index: thrift.Struct, length: int) -> bytes:
+    return b"\xff" * length
+
+
+def first_row_moved(index: thrift.Struct, length: int) -> bytes:
+    index[1].items[0].set(3, thrift.I64, 1)  # the first page starts at row 1
+    return thrift.encode(index)
+
+
+def page_moved(index: thrift.Struct, length: int) -> bytes:
+    """The second page 1 byte later and shorter: still inside the chunk, but not a page."""
+    page = index[1].items[1]
+    page.set(1, thrift.I64, page[1] + 1)
+    page.set(2, thrift.I32, page[2] - 1)
+    return thrift.encode(index)
+
+
+Edit = Callable[[thrift.Struct, int], bytes]
 
 
 @pytest.mark.parametrize(
-    "data", [b"\xff" * 6, b"\x19\x1c\x16\x02\x15\x02\x16\x02\x00"], ids=["garbage", "moved-page"]
+    ("edit", "message"),
+    [
+        (garbage, "offset index at bytes .* is corrupt"),
+        (first_row_moved, "offset index at bytes .* is corrupt: its pages"),
+        (page_moved, "page at bytes .* does not decode"),
+    ],
 )
 def test_corrupt_offset_index_names_file_and_column(
-    data: bytes, tmp_path: Path, request: Any
+    edit: Edit, message: str, tmp_path: Path, request: Any
 ) -> None:
     root, write, _ = writer_for("local", request, tmp_path)
     write("bad.parquet", make_table(0, 100), 100, write_page_index=True, **SMALL_PAGES)
-    corrupt_offset_index(Path(root) / "bad.parquet", 2, data)
+    path = Path(root) / "bad.parquet"
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[-8:-4], "little")
+    chunk = thrift.parse_all(bytes(raw[-8 - length : -8]))[4].items[0][1].items[2]  # "text"
+    at, size = chunk[4], chunk[5]
+    edited = edit(thrift.parse_all(bytes(raw[at : at + size])), size)
+    assert len(edited) == size
+    raw[at : at + size] = edited
+    path.write_bytes(bytes(raw))
     dataset = ab.open_dataset(root)
     with (
         ab.Loader(dataset, batch_size=8, shuffle=True) as loader,
-        pytest.raises(FormatError, match=r"bad\.parquet: row group 0, column 'text': offset index"),
+        pytest.raises(FormatError, match=r"bad\.parquet: row group 0, column 'text'.*" + message),
     ):
         list(loader)
     # Block shuffle and sequential order read whole row groups: no offset index is read.
