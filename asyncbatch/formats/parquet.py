@@ -14,7 +14,9 @@ kept so that decoding never reads them again. A sample is a row: sample ``i`` is
 Reading a group of batches plans one byte range per selected column chunk of each row group
 it touches (coalesced, retried, pinned, cached and counted like every read), then pyarrow
 decodes those row groups from the fetched bytes (:class:`KnownRanges` stands in for the
-file, as fsspec's ``parquet`` module does) in the decode thread; pyarrow drops the GIL.
+file, as fsspec's ``parquet`` module does) in the decode thread; pyarrow drops the GIL. Under
+an exact shuffle (``scattered``), rows of row groups whose chunks have an offset index are
+read page by page instead (:mod:`~asyncbatch.formats.parquet_pages`).
 
 Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of numbers
 ``[B, L]``, a list of numbers a :class:`~asyncbatch.batch.Jagged` column, a string or binary
@@ -557,7 +559,7 @@ class ParquetRows:
 
     def check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
         """A null anywhere in a column of ``table`` (the rows of row groups ``groups`` of
-        file ``file``, or some first rows of one; a list's items too) is a FormatError naming
+        file ``file``, or some rows of one; a list's items too) is a FormatError naming
         where, unless nulls are filled."""
         if self.nulls == "fill":
             return
