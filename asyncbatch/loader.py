@@ -37,7 +37,13 @@ from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
 from .device import ToDevice, device_of, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
-from .formats.base import AlignedBlocks, Source, StoredAsBatches, SuggestsBlocks
+from .formats.base import (
+    AlignedBlocks,
+    ReadsScattered,
+    Source,
+    StoredAsBatches,
+    SuggestsBlocks,
+)
 from .formats.registry import make_source
 from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
 from .mixture import Mixture
@@ -305,6 +311,8 @@ class _LoaderBase:
             dtype=self.dtype,
             options=self.format_options,
         )
+        if isinstance(source, ReadsScattered):
+            source.scattered = self.shuffle == "global"
         sample_bytes = source.sample_bytes
         if self.shuffle == "block":
             assert self.window is not None

@@ -57,13 +57,15 @@ def make_table(first: int, count: int) -> Any:
     )
 
 
-Write = Callable[[str, Any, int], None]
+#: ``write(relative path, table, row group size, **pyarrow.parquet.write_table options)``.
+Write = Callable[..., None]
 
 
 def writer_for(
     store: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> tuple[str, Write, dict[str, Any]]:
-    """``(root URL, write(relative path, table, row group size), storage options)``."""
+    """``(root URL, write(relative path, table, row group size, **options), storage
+    options)``."""
     name = f"pq-{next(_names)}"
     if store == "s3":
         import s3fs
@@ -72,9 +74,9 @@ def writer_for(
         fs = s3fs.S3FileSystem(**options)
         root = f"s3://{BUCKET}/{name}"
 
-        def write_s3(path: str, table: Any, group: int) -> None:
+        def write_s3(path: str, table: Any, group: int, **kwargs: Any) -> None:
             sink = pa.BufferOutputStream()
-            pq.write_table(table, sink, row_group_size=group)
+            pq.write_table(table, sink, row_group_size=group, **kwargs)
             fs.pipe(f"{root}/{path}", sink.getvalue().to_pybytes())
 
         return root, write_s3, options
@@ -85,9 +87,9 @@ def writer_for(
         folder = tmp_path / name
         root = str(folder)
 
-    def write_file(path: str, table: Any, group: int) -> None:
+    def write_file(path: str, table: Any, group: int, **kwargs: Any) -> None:
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, folder / path, row_group_size=group)
+        pq.write_table(table, folder / path, row_group_size=group, **kwargs)
 
     return root, write_file, {}
 

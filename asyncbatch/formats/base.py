@@ -99,6 +99,14 @@ class StoredAsBatches(Protocol):
     slot_rows: int | None
 
 
+@runtime_checkable
+class ReadsScattered(Protocol):
+    """A source that reads otherwise when a batch's samples are scattered over the whole
+    dataset (an exact shuffle) than when they come in runs: the loader sets ``scattered``."""
+
+    scattered: bool
+
+
 class PlannedSource:
     """A source whose samples come from one read plan and one decode."""
 

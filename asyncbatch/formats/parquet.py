@@ -14,7 +14,9 @@ kept so that decoding never reads them again. A sample is a row: sample ``i`` is
 Reading a group of batches plans one byte range per selected column chunk of each row group
 it touches (coalesced, retried, pinned, cached and counted like every read), then pyarrow
 decodes those row groups from the fetched bytes (:class:`KnownRanges` stands in for the
-file, as fsspec's ``parquet`` module does) in the decode thread; pyarrow drops the GIL.
+file, as fsspec's ``parquet`` module does) in the decode thread; pyarrow drops the GIL. Under
+an exact shuffle (``scattered``), rows of row groups whose chunks have an offset index are
+read page by page instead (:mod:`~asyncbatch.formats.parquet_pages`).
 
 Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of numbers
 ``[B, L]``, a list of numbers a :class:`~asyncbatch.batch.Jagged` column, a string or binary
@@ -48,6 +50,7 @@ from ..stores.base import ListsInfo, ObjectInfo, Store, fetch_tail, tail_by_stat
 from .base import Offload, Opener, ReadFn, natural_key
 from .documents import boundaries
 from .npy import gather_limited, may_list, parent_and_name, read_range
+from .parquet_pages import PageReader
 from .tokens import TOKENS_FIELD
 
 Int64Array = npt.NDArray[np.int64]
@@ -425,13 +428,18 @@ class ParquetRows:
         #: Blocks start at row 0 every epoch, so equal row groups are whole blocks.
         self.aligned_blocks = True
         self._metadata: dict[int, Any] = {}
+        #: Set by the loader under an exact shuffle: rows are then read page by page where
+        #: the files have offset indexes (:mod:`~asyncbatch.formats.parquet_pages`).
+        self.scattered = False
+        self.pages = PageReader(self)
         pa, _ = pyarrow_modules()
-        schema = parse_footer(self._footer(0), self.shard_urls[0]).schema.to_arrow_schema()
+        schema = parse_footer(self.footer(0), self.shard_urls[0]).schema.to_arrow_schema()
         self.schema = {
             name: _field_schema(name, schema.field(name).type, pa) for name in self.columns
         }
 
-    def _footer(self, file: int) -> bytes:
+    def footer(self, file: int) -> bytes:
+        """File ``file``'s footer as :func:`read_footer` returned it."""
         for d in self.datasets:
             n = len(d.manifest.shards)
             if file < n:
@@ -443,27 +451,57 @@ class ParquetRows:
     def _file_metadata(self, file: int) -> Any:
         meta = self._metadata.get(file)
         if meta is None:
-            meta = self._metadata[file] = parse_footer(self._footer(file), self.shard_urls[file])
+            meta = self._metadata[file] = parse_footer(self.footer(file), self.shard_urls[file])
         return meta
 
     async def fetch(
         self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
     ) -> dict[str, Any]:
         groups = np.searchsorted(self.ends, ids, side="right")
-        needed = np.unique(groups)
-        buffer, spans = await self.read_groups(needed, read, gap)
+        in_group = ids - (self.ends - self.rows)[groups]
+        paged = np.zeros(ids.size, dtype=bool)
+        selection = None
+        if self.scattered:
+            # Rows of row groups whose every selected chunk has an offset index: by page.
+            unique, at = np.unique(groups, return_inverse=True)
+            chunks, footers = await self.pages.chunk_pages(unique, read, offload)
+            indexed = [
+                all(chunks[g, j] is not None for j in range(self.leaves.size))
+                for g in unique.tolist()
+            ]
+            paged = np.array(indexed, dtype=bool)[at.reshape(-1)]
+            if paged.any():
+                selection = self.pages.select(groups[paged], in_group[paged], chunks, footers)
+        needed = np.unique(groups[~paged])
+        spans, starts, lengths = self.chunk_ranges(needed)
+        whole_bytes = int(lengths.sum())
+        if selection is not None:
+            starts = np.concatenate([starts, selection.starts])
+            lengths = np.concatenate([lengths, selection.lengths])
+        buffer = await read(self.file_map.plan(starts, lengths, gap))
 
         def decode() -> dict[str, Any]:
             pa, _ = pyarrow_modules()
-            table = self.decode_groups(buffer, needed, spans)
-            base = np.cumsum(self.rows[needed]) - self.rows[needed]
-            rows = base[np.searchsorted(needed, groups)] + ids - (self.ends - self.rows)[groups]
-            taken = table.take(pa.array(rows))
+            parts: list[dict[str, Any]] = []
+            if needed.size:
+                table = self.decode_groups(buffer[:whole_bytes], needed, spans)
+                whole = ~paged
+                base = np.cumsum(self.rows[needed]) - self.rows[needed]
+                rows = base[np.searchsorted(needed, groups[whole])] + in_group[whole]
+                taken = table.take(pa.array(rows))
+                parts.append({name: taken.column(name).combine_chunks() for name in self.columns})
+            if selection is not None:
+                parts.append(self.pages.decode(buffer[whole_bytes:], selection))
             fill = self.nulls == "fill"
-            return {
-                name: _to_field(taken.column(name).combine_chunks(), fill, pa)
-                for name in self.columns
-            }
+            if len(parts) == 1:
+                columns = parts[0]
+            else:  # rows of both kinds: back in the order asked for
+                order = pa.array(np.argsort(np.argsort(paged, kind="stable"), kind="stable"))
+                columns = {
+                    name: pa.concat_arrays([parts[0][name], parts[1][name]]).take(order)
+                    for name in self.columns
+                }
+            return {name: _to_field(columns[name], fill, pa) for name in self.columns}
 
         fields: dict[str, Any] = await offload(decode)
         return fields
@@ -473,10 +511,16 @@ class ParquetRows:
     ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
         """The selected column chunks of row groups ``needed`` (ascending), one read plan;
         returns the buffer and the chunks' ``[row group, leaf, (start, end)]`` byte ranges."""
+        spans, starts, lengths = self.chunk_ranges(needed)
+        return await read(self.file_map.plan(starts, lengths, gap)), spans
+
+    def chunk_ranges(self, needed: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The selected column chunks of row groups ``needed``: their ``[row group, leaf,
+        (start, end)]`` byte ranges in the file, then their starts in file-concatenated
+        positions and their lengths, flat."""
         spans = self.ranges[needed]
         starts = (spans[..., 0] + (self.file_map.starts[self.rg_file[needed]])[:, None]).ravel()
-        lengths = (spans[..., 1] - spans[..., 0]).ravel()
-        return await read(self.file_map.plan(starts, lengths, gap)), spans
+        return spans, starts, (spans[..., 1] - spans[..., 0]).ravel()
 
     def decode_groups(
         self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array
@@ -509,16 +553,17 @@ class ParquetRows:
                 raise FormatError(
                     f"{self.shard_urls[file]}: row groups {local} do not decode: {exc}"
                 ) from exc
-            self._check_nulls(table, file, needed[mine], pa)
+            self.check_nulls(table, file, needed[mine], pa)
             tables.append(table)
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
-    def _check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
-        """A null anywhere in a column (a list's items too) is a FormatError naming where,
-        unless nulls are filled."""
+    def check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
+        """A null anywhere in a column of ``table`` (the rows of row groups ``groups`` of
+        file ``file``, or some rows of one; a list's items too) is a FormatError naming
+        where, unless nulls are filled."""
         if self.nulls == "fill":
             return
-        for name in self.columns:
+        for name in table.column_names:
             column = table.column(name)
             inner = column
             while (
