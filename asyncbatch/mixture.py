@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from .dataset import Dataset
 from .errors import ConfigError
+from .formats.registry import make_source, one_format
 from .open import open_dataset
 
 
@@ -36,12 +37,19 @@ class Mixture:
         return f"mixture:{len(parts)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
     def locate(
-        self, indexes: npt.ArrayLike, seq_len: int, next_token: bool = False
+        self,
+        indexes: npt.ArrayLike,
+        seq_len: int,
+        next_token: bool = False,
+        format_options: Mapping[str, Any] | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(dataset, sample)`` of each of a batch's ``global_indexes``."""
-        sizes = np.array(
-            [(d.manifest.total_elements - int(next_token)) // seq_len for d in self.datasets]
+        """``(dataset, sample)`` of each of a batch's ``global_indexes``; pass the loader's
+        ``seq_len``, ``next_token`` and ``format_options``: the datasets' sizes are counted by
+        the source the loader builds (a Parquet dataset's windows, from its token column)."""
+        source = make_source(
+            self.datasets, seq_len=seq_len, next_token=next_token, options=format_options
         )
+        sizes = source.sizes
         ends = np.cumsum(sizes)
         ids = np.asarray(indexes, dtype=np.int64)
         which = np.searchsorted(ends, ids, side="right")
@@ -82,6 +90,7 @@ def mix(
         isinstance(samples, bool) or not isinstance(samples, int) or samples < 1
     ):
         raise ConfigError(f"samples must be a positive integer, got {samples!r}")
+    one_format(opened)  # before the dtypes: a Parquet dataset's is no token dtype
     dtypes = {d.manifest.dtype for d in opened}
     if len(dtypes) > 1:
         raise ConfigError(f"mixed datasets must share one dtype, got {sorted(map(str, dtypes))}")
