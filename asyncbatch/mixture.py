@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,10 @@ class Mixture:
     weights: tuple[float, ...] | None = None
     seed: int = 0
     samples: int | None = None
+    #: The datasets' sizes by :meth:`locate`'s arguments (building a source reads footers).
+    _sizes: dict[str, npt.NDArray[np.int64]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def fingerprint(self) -> str:
         """Identifies the blend (datasets, weights, seed, length), for checking resume states."""
@@ -46,10 +50,13 @@ class Mixture:
         """``(dataset, sample)`` of each of a batch's ``global_indexes``; pass the loader's
         ``seq_len``, ``next_token`` and ``format_options``: the datasets' sizes are counted by
         the source the loader builds (a Parquet dataset's windows, from its token column)."""
-        source = make_source(
-            self.datasets, seq_len=seq_len, next_token=next_token, options=format_options
-        )
-        sizes = source.sizes
+        key = repr((seq_len, next_token, sorted((format_options or {}).items())))
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            source = make_source(
+                self.datasets, seq_len=seq_len, next_token=next_token, options=format_options
+            )
+            sizes = self._sizes[key] = source.sizes
         ends = np.cumsum(sizes)
         ids = np.asarray(indexes, dtype=np.int64)
         which = np.searchsorted(ends, ids, side="right")
