@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from .dataset import Dataset
 from .errors import ConfigError
+from .formats.registry import make_source, one_format
 from .open import open_dataset
 
 
@@ -28,6 +29,10 @@ class Mixture:
     weights: tuple[float, ...] | None = None
     seed: int = 0
     samples: int | None = None
+    #: The datasets' sizes by :meth:`locate`'s arguments (building a source reads footers).
+    _sizes: dict[str, npt.NDArray[np.int64]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def fingerprint(self) -> str:
         """Identifies the blend (datasets, weights, seed, length), for checking resume states."""
@@ -36,12 +41,22 @@ class Mixture:
         return f"mixture:{len(parts)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
     def locate(
-        self, indexes: npt.ArrayLike, seq_len: int, next_token: bool = False
+        self,
+        indexes: npt.ArrayLike,
+        seq_len: int,
+        next_token: bool = False,
+        format_options: Mapping[str, Any] | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(dataset, sample)`` of each of a batch's ``global_indexes``."""
-        sizes = np.array(
-            [(d.manifest.total_elements - int(next_token)) // seq_len for d in self.datasets]
-        )
+        """``(dataset, sample)`` of each of a batch's ``global_indexes``; pass the loader's
+        ``seq_len``, ``next_token`` and ``format_options``: the datasets' sizes are counted by
+        the source the loader builds (a Parquet dataset's windows, from its token column)."""
+        key = repr((seq_len, next_token, sorted((format_options or {}).items())))
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            source = make_source(
+                self.datasets, seq_len=seq_len, next_token=next_token, options=format_options
+            )
+            sizes = self._sizes[key] = source.sizes
         ends = np.cumsum(sizes)
         ids = np.asarray(indexes, dtype=np.int64)
         which = np.searchsorted(ends, ids, side="right")
@@ -82,6 +97,7 @@ def mix(
         isinstance(samples, bool) or not isinstance(samples, int) or samples < 1
     ):
         raise ConfigError(f"samples must be a positive integer, got {samples!r}")
+    one_format(opened)  # before the dtypes: a Parquet dataset's is no token dtype
     dtypes = {d.manifest.dtype for d in opened}
     if len(dtypes) > 1:
         raise ConfigError(f"mixed datasets must share one dtype, got {sorted(map(str, dtypes))}")

@@ -16,7 +16,9 @@ Face Hub (``data/train-00000-of-01000.parquet``), each ``--row-groups`` row grou
   s3rver);
 * ``datasets``: ``load_dataset("parquet", data_files=[...], streaming=True)`` (resolves the
   files; knows no row counts) and, with ``--datasets-download``, the map-style
-  ``load_dataset`` that downloads everything.
+  ``load_dataset`` that downloads everything;
+* ``litdata``: ``litdata.index_parquet_dataset(folder URL)`` (reads every footer with s3fs and
+  writes ``index.json`` beside the files: what its ``StreamingDataset`` needs to read them).
 
 **Read** ``input_ids`` only, batches of ``--batch-size`` rows:
 
@@ -25,19 +27,26 @@ Face Hub (``data/train-00000-of-01000.parquet``), each ``--row-groups`` row grou
 * ``datasets streaming``: ``IterableDataset.shuffle(buffer_size=W x rows)`` over the same
   files, batched in Python the way a collate function would (``--datasets-rows`` caps the rows
   read; the rate is over the rows read);
+* ``litdata``: ``StreamingDataset(folder URL, item_loader=ParquetLoader(columns=["input_ids"]),
+  shuffle=True)`` (files in random order, rows shuffled within each) in a
+  ``StreamingDataLoader`` with no worker process, as the other lines (``--datasets-rows`` caps
+  its rows too); it downloads each file whole before reading it;
 * ``pyarrow.dataset`` scan: ``to_batches(columns=["input_ids"])``, no shuffle.
 
-Tokens/s, time to first batch, requests, and bytes fetched / delivered for asyncbatch
-(``statistics()``: the column chunks fetched against those of the rows delivered).
+Tokens/s, time to first batch (from the first ``next()``, the loader built), requests and
+bytes through the proxy, and bytes fetched / delivered for asyncbatch (``statistics()``: the
+column chunks fetched against those of the rows delivered).
 
 Usage: ``.venv/bin/python benchmarks/bench_parquet.py [--files 1000] [--rows 64]
-[--row-groups 2] [--mean-tokens 128] [--window 8] [--datasets-rows 20000]``
-(``scripts/bench-setup`` installs ``datasets``).
+[--row-groups 2] [--mean-tokens 128] [--window 8] [--datasets-rows 20000]
+[--json docs/img/bench_parquet.json]`` (``scripts/bench-setup`` installs ``datasets``, litData
+and the polars its Parquet reader needs; ``plot.py`` draws the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import signal
@@ -124,6 +133,62 @@ def datasets_batches(stream: Any, batch_size: int, limit: int) -> Iterator[list[
         yield batch
 
 
+def through_proxy(read: dict[str, Any], proxy: Proxy, before: Counts) -> dict[str, Any]:
+    """``read`` with the requests and bytes the proxy served since ``before``."""
+    counts = proxy.counts() - before
+    read["requests"], read["bytes_down"] = counts.requests, counts.down_bytes
+    return read
+
+
+def litdata_lines(
+    prefix: str, proxy: Proxy, args: argparse.Namespace, scratch: Path, results: dict[str, Any]
+) -> None:
+    """litData's Parquet support: its index of the footers (open), then a shuffled read of
+    ``--datasets-rows`` rows; a failure is recorded in ``results["litdata_error"]``."""
+    try:
+        import litdata
+        import litdata.streaming.downloader as downloader
+        from litdata.streaming.item_loader import ParquetLoader
+    except ImportError as exc:
+        results["litdata_error"] = f"not installed (scripts/bench-setup installs it): {exc}"
+        return
+    results["litdata_version"] = litdata.__version__
+    # litData fetches files with obstore, which refuses plain-HTTP endpoints unless told.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+    s3fs_options = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": proxy.url}}
+    obstore_options = {
+        "endpoint_url": proxy.url,
+        "aws_access_key_id": KEY,
+        "aws_secret_access_key": SECRET,
+    }
+    try:
+        seconds, counts, _ = timed(
+            lambda: litdata.index_parquet_dataset(prefix, storage_options=s3fs_options), proxy
+        )
+        results["open_litdata_index"] = {"seconds": seconds, "requests": counts.requests}
+        dataset = litdata.StreamingDataset(
+            prefix,
+            item_loader=ParquetLoader(columns=["input_ids"]),
+            shuffle=True,
+            seed=0,
+            storage_options=obstore_options,
+            cache_dir=str(scratch / "litdata-cache"),
+        )
+        loader = litdata.StreamingDataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            collate_fn=lambda rows: [row["input_ids"] for row in rows],
+        )
+        before = proxy.counts()
+        batches = -(-args.datasets_rows // args.batch_size)
+        read = count_tokens(
+            itertools.islice(iter(loader), batches), lambda b: sum(len(row) for row in b)
+        )
+        results["read_litdata"] = through_proxy(read, proxy, before)
+    except Exception as exc:  # any failure of the peer is a result to report, not a crash
+        results["litdata_error"] = f"{type(exc).__name__}: {exc}"
+
+
 def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     folder = scratch / "data"
     folder.mkdir()
@@ -193,7 +258,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, scratch: Path) ->
     ) as loader:
         read = count_tokens(iter(loader), lambda b: int(b["input_ids"].values.numel()))
         stats = loader.statistics()
-    read["requests"] = (proxy.counts() - before).requests
+    through_proxy(read, proxy, before)
     read["bytes_fetched"] = stats.bytes_fetched
     read["bytes_delivered"] = stats.bytes_delivered
     results["read_asyncbatch_block"] = read
@@ -204,8 +269,7 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, scratch: Path) ->
         datasets_batches(shuffled, args.batch_size, args.datasets_rows),
         lambda b: sum(len(row) for row in b),
     )
-    read["requests"] = (proxy.counts() - before).requests
-    results["read_datasets_streaming"] = read
+    results["read_datasets_streaming"] = through_proxy(read, proxy, before)
 
     scan = pads.dataset(keys, filesystem=s3)
     before = proxy.counts()
@@ -213,8 +277,9 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, scratch: Path) ->
         scan.to_batches(columns=["input_ids"], batch_size=args.batch_size),
         lambda b: len(b.column(0).flatten()),
     )
-    read["requests"] = (proxy.counts() - before).requests
-    results["read_pyarrow_dataset"] = read
+    results["read_pyarrow_dataset"] = through_proxy(read, proxy, before)
+    # Last: its index.json lands beside the files (the globs above match .parquet only).
+    litdata_lines(prefix, proxy, args, scratch, results)
     return results
 
 
@@ -226,8 +291,11 @@ def report(results: dict[str, Any]) -> str:
         if key.startswith("open_"):
             lines.append(f"| {key[5:]} | {value['seconds']:.2f} | {value['requests']} |")
     lines.append("")
-    lines.append("| read | M tokens/s | first batch (s) | requests | fetched / delivered |")
-    lines.append("|---|---:|---:|---:|---:|")
+    lines.append(
+        "| read | M tokens/s | first batch (s) | requests | MB through the proxy"
+        " | fetched / delivered |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|")
     for key, value in results.items():
         if key.startswith("read_"):
             rate = value["tokens"] / value["seconds"] / 1e6
@@ -238,8 +306,10 @@ def report(results: dict[str, Any]) -> str:
             )
             lines.append(
                 f"| {key[5:]} | {rate:.2f} | {value['first_batch_s']:.3f} |"
-                f" {value['requests']} | {ratio} |"
+                f" {value['requests']} | {value['bytes_down'] / 1e6:.1f} | {ratio} |"
             )
+    if "litdata_error" in results:
+        lines.append(f"\nlitdata: {results['litdata_error']}")
     return "\n".join(lines)
 
 
@@ -263,7 +333,8 @@ def main() -> None:
     with (
         running_s3rver(script) as endpoint,
         running_proxy(endpoint, args.delay_ms / 1e3) as proxy,
-        tempfile.TemporaryDirectory(prefix="bench-parquet-") as scratch,
+        # litData's download threads may still be writing files into its cache folder.
+        tempfile.TemporaryDirectory(prefix="bench-parquet-", ignore_cleanup_errors=True) as scratch,
     ):
         results = run(endpoint, proxy, args, Path(scratch))
     results["machine"] = {

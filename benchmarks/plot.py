@@ -4,6 +4,8 @@ Every ``bench_*.json`` in the folder (default ``docs/img``) becomes the PNG of t
 
 - ``bench_scale.json`` (``bench_scale.py``): bytes fetched / delivered, max over ranks,
   against world size, one line per loader;
+- ``bench_parquet.json`` (``bench_parquet.py --json``): open seconds, tokens/s and time to
+  first batch of each loader, one panel each;
 - any other (a script's ``--json``, written by ``common.write_rates``): each line's paired
   ratio to its baseline (median over rounds of the ratio within one round), with the range
   of the per-round ratios, since on a shared machine the ratios hold where absolute rates
@@ -73,6 +75,41 @@ def plot_scale(figures: dict[str, Any], path: Path) -> None:
     _save(figure, path)
 
 
+def plot_parquet(figures: dict[str, Any], path: Path) -> None:
+    """Open seconds, M tokens/s and first-batch seconds of each loader on the same files."""
+    plt = _pyplot()
+    opens = {k[5:]: v["seconds"] for k, v in figures.items() if k.startswith("open_")}
+    reads = {k[5:]: v for k, v in figures.items() if k.startswith("read_")}
+    panels = [
+        ("open: seconds", opens),
+        (
+            "read input_ids: M tokens/s",
+            {k: v["tokens"] / v["seconds"] / 1e6 for k, v in reads.items()},
+        ),
+        ("read: first batch, seconds", {k: v["first_batch_s"] for k, v in reads.items()}),
+    ]
+    figure, all_axes = plt.subplots(3, 1, figsize=(7, 1.2 + 0.4 * (len(opens) + 2 * len(reads))))
+    for axes, (label, values) in zip(all_axes, panels, strict=True):
+        names = list(values)
+        rows = range(len(names))
+        colors = ["tab:blue" if n.startswith("asyncbatch") else "tab:gray" for n in names]
+        axes.barh(rows, list(values.values()), color=colors, alpha=0.85)
+        axes.set_yticks(rows, names)
+        axes.invert_yaxis()  # the first line on top, as in the table
+        for row, value in zip(rows, values.values(), strict=True):
+            axes.annotate(f"{value:.3g}", (value, row), xytext=(4, -3), textcoords="offset points")
+        axes.set_xlim(0, 1.15 * max(values.values()))  # room for the labels
+        axes.set_xlabel(label)
+        axes.grid(True, axis="x", alpha=0.3)
+    machine = figures["machine"]
+    all_axes[0].set_title(
+        f"Parquet on s3rver (+{machine['delay_ms']:g} ms): {figures['files']:,} files,"
+        f" {figures['tokens'] / 1e6:.1f} M tokens, git {machine['revision']}",
+        fontsize=9,
+    )
+    _save(figure, path)
+
+
 def plot_rates(figures: dict[str, Any], path: Path) -> None:
     """Each line's paired ratio to the baseline, the per-round range as an error bar."""
     plt = _pyplot()
@@ -118,6 +155,8 @@ def main() -> None:
         target = source.with_suffix(".png")
         if "scale" in figures:
             plot_scale(figures, target)
+        elif "open_asyncbatch" in figures:
+            plot_parquet(figures, target)
         else:
             plot_rates(figures, target)
 

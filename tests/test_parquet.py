@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -560,38 +560,78 @@ def test_a_mixture_of_two_parquet_datasets(tmp_path: Path) -> None:
     assert all(i % 100 < 30 for i in ids)
 
 
-def write_documents_files(folder: Path, lengths: list[list[int]], group: int) -> list[list[int]]:
+def write_documents_files(
+    folder: Path, lengths: list[list[int | None]], group: int, *, write_statistics: bool = True
+) -> list[list[int]]:
     """Files of one ``input_ids`` list column (document ``d`` of file ``f``: ``lengths[f][d]``
-    tokens, values numbered through the stream); returns every document's tokens."""
+    tokens, values numbered through the stream; ``None``: a null document); returns every
+    document's tokens (a null one's: none)."""
     documents: list[list[int]] = []
     at = 0
     for number, file_lengths in enumerate(lengths):
-        docs = [
-            list(range(at + sum(file_lengths[:d]), at + sum(file_lengths[: d + 1])))
-            for d in range(len(file_lengths))
-        ]
-        at += sum(file_lengths)
+        docs: list[list[int] | None] = []
+        for n in file_lengths:
+            docs.append(None if n is None else list(range(at, at + n)))
+            at += n or 0
         table = pa.table(
             {
                 "input_ids": pa.array(docs, type=pa.list_(pa.int32())),
                 "id": pa.array(range(len(documents), len(documents) + len(docs)), type=pa.int64()),
             }
         )
-        pq.write_table(table, folder / f"p-{number}.parquet", row_group_size=group)
-        documents += docs
+        pq.write_table(
+            table,
+            folder / f"p-{number}.parquet",
+            row_group_size=group,
+            write_statistics=write_statistics,
+        )
+        documents += [d or [] for d in docs]
     return documents
+
+
+PACKED = ("tokens", "document_ids", "position_ids", "cu_seqlens")
+
+
+def windows_of(batches: Any) -> Iterator[tuple[int, dict[str, list[int]]]]:
+    """``(window id, its packed fields)`` of every window of ``batches``."""
+    for batch in batches:
+        for k, i in enumerate(batch.global_indexes.tolist()):
+            yield i, {name: batch[name][k].tolist() for name in PACKED}
+
+
+def check_packed(
+    windows: Iterable[tuple[int, dict[str, list[int]]]],
+    documents: list[list[int]],
+    seq_len: int,
+    next_token: bool,
+) -> list[int]:
+    """Every window holds the stream's tokens at its id, the documents (rows) they come from
+    and the boundaries of the documents inside it (an empty one has none); returns the window
+    ids seen."""
+    window = seq_len + int(next_token)
+    lengths = [len(d) for d in documents]
+    stream = np.array([t for d in documents for t in d], dtype=np.int64)
+    doc_of = np.repeat(np.arange(len(documents)), lengths)
+    starts = np.cumsum([0, *lengths])
+    seen = []
+    for i, fields in windows:
+        lo = i * seq_len
+        assert fields["tokens"] == stream[lo : lo + window].tolist()
+        assert fields["document_ids"] == doc_of[lo : lo + window].tolist()
+        position = np.arange(lo, lo + window) - np.maximum(starts[doc_of[lo : lo + window]], lo)
+        assert fields["position_ids"] == position.tolist()
+        inner = sorted({int(s) - lo for s in starts if lo < s < lo + seq_len})
+        assert fields["cu_seqlens"] == [0, *inner, seq_len]
+        seen.append(i)
+    return seen
 
 
 @pytest.mark.parametrize("next_token", [False, True])
 def test_packing_is_token_windows_plus_boundaries(tmp_path: Path, next_token: bool) -> None:
     rng = np.random.default_rng(2)
-    lengths = [(1 + rng.geometric(1 / 9, n)).tolist() for n in (30, 1, 45)]
+    lengths: list[list[int | None]] = [(1 + rng.geometric(1 / 9, n)).tolist() for n in (30, 1, 45)]
     documents = write_documents_files(tmp_path, lengths, group=7)
-    stream = np.concatenate([np.array(d) for d in documents])
-    doc_of = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
-    starts = np.cumsum([0] + [len(d) for d in documents])
     seq_len = 16
-    window = seq_len + int(next_token)
     dataset = ab.open_dataset(str(tmp_path))
     with ab.Loader(
         dataset,
@@ -601,27 +641,142 @@ def test_packing_is_token_windows_plus_boundaries(tmp_path: Path, next_token: bo
         shuffle="block",
         drop_last=False,
     ) as loader:
-        seen = []
-        for batch in loader:
-            for k, i in enumerate(batch.global_indexes.tolist()):
-                lo = i * seq_len
-                assert batch["tokens"][k].tolist() == stream[lo : lo + window].tolist()
-                assert batch["document_ids"][k].tolist() == doc_of[lo : lo + window].tolist()
-                position = np.arange(lo, lo + window) - np.maximum(
-                    starts[doc_of[lo : lo + window]], lo
-                )
-                assert batch["position_ids"][k].tolist() == position.tolist()
-                inner = [int(s) - lo for s in starts if lo < s < lo + seq_len]
-                assert batch["cu_seqlens"][k].tolist() == [0, *inner, seq_len]
-                seen.append(i)
-    assert sorted(seen) == list(range((stream.size - int(next_token)) // seq_len))
+        seen = check_packed(windows_of(loader), documents, seq_len, next_token)
+    tokens = sum(len(d) for d in documents)
+    assert sorted(seen) == list(range((tokens - int(next_token)) // seq_len))
 
 
-def test_packing_refuses_empty_documents(tmp_path: Path) -> None:
-    write_documents_files(tmp_path, [[3, 0, 4, 5]], group=2)
+def gappy_lengths(seed: int) -> list[list[int | None]]:
+    """Documents of a few files, a quarter of them empty and a tenth null; one file's first
+    row group holds no token, another file holds no row."""
+    rng = np.random.default_rng(seed)
+    files: list[list[int | None]] = [[0, None, 0, None, 0, 0, 0]]
+    for n in (40, 0, 33):
+        lengths: list[int | None] = (1 + rng.geometric(1 / 6, n)).tolist()
+        for d in np.flatnonzero(rng.random(n) < 0.25).tolist():
+            lengths[d] = 0
+        for d in np.flatnonzero(rng.random(n) < 0.1).tolist():
+            lengths[d] = None
+        files.append(lengths)
+    return files
+
+
+@pytest.mark.parametrize(("shuffle", "next_token"), [("block", True), (True, False), (False, True)])
+def test_packing_passes_over_empty_and_null_documents(
+    tmp_path: Path, shuffle: Any, next_token: bool
+) -> None:
+    documents = write_documents_files(tmp_path, gappy_lengths(4), group=6)
+    assert any(not d for d in documents[7:])
+    dataset = ab.open_dataset(str(tmp_path), options={"nulls": "fill"})
+    seq_len = 8
+    with ab.Loader(
+        dataset,
+        batch_size=4,
+        seq_len=seq_len,
+        next_token=next_token,
+        shuffle=shuffle,
+        drop_last=False,
+        **({"window": 2} if shuffle == "block" else {}),
+    ) as loader:
+        seen = check_packed(windows_of(loader), documents, seq_len, next_token)
+    tokens = sum(len(d) for d in documents)
+    # Every window once: together they cover every token of the stream but the tail.
+    assert sorted(seen) == list(range((tokens - int(next_token)) // seq_len))
+
+
+def test_packing_null_documents_are_an_error_unless_filled(tmp_path: Path) -> None:
+    write_documents_files(tmp_path, [[3, None, 4, 5]], group=2)
     dataset = ab.open_dataset(str(tmp_path))
     with (
         ab.Loader(dataset, batch_size=1, seq_len=4, shuffle=False) as loader,
-        pytest.raises(FormatError, match=r"row group 0, column 'input_ids'.*non-empty"),
+        pytest.raises(FormatError, match=r"row group 0, column 'input_ids' holds nulls"),
     ):
         list(loader)
+
+
+def test_packing_without_statistics_refuses_empty_documents(tmp_path: Path) -> None:
+    write_documents_files(tmp_path, [[3, 0, 4, 5]], group=2, write_statistics=False)
+    dataset = ab.open_dataset(str(tmp_path))
+    with (
+        ab.Loader(dataset, batch_size=1, seq_len=4, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"row group 0, column 'input_ids'.*no null count"),
+    ):
+        list(loader)
+
+
+def test_packing_refuses_null_tokens_inside_a_document(tmp_path: Path) -> None:
+    lists = pa.array([[1, 2, 3], [4, None, 6], [7, 8]], type=pa.list_(pa.int32()))
+    pq.write_table(pa.table({"t": lists}), tmp_path / "i.parquet", row_group_size=2)
+    dataset = ab.open_dataset(str(tmp_path / "i.parquet"), options={"nulls": "fill"})
+    with (
+        ab.Loader(dataset, batch_size=1, seq_len=2, shuffle=False) as loader,
+        pytest.raises(FormatError, match=r"i\.parquet: row group 0, column 't': null tokens"),
+    ):
+        list(loader)
+
+
+def test_packing_resumes_over_empty_and_null_documents(tmp_path: Path) -> None:
+    documents = write_documents_files(tmp_path, gappy_lengths(5), group=5)
+    dataset = ab.open_dataset(str(tmp_path), options={"nulls": "fill"})
+    args: dict[str, Any] = dict(batch_size=3, seq_len=6, shuffle="block", window=2, seed=7)
+    with ab.Loader(dataset, prefetch=4, **args) as loader:
+        full = [b.global_indexes.tolist() for b in loader]
+    for stop in (1, 4):
+        with ab.Loader(dataset, prefetch=4, **args) as loader:
+            it = iter(loader)
+            head = [next(it).global_indexes.tolist() for _ in range(stop)]
+            state = loader.state_dict()
+        with ab.Loader(dataset, prefetch=2, **args) as loader:
+            loader.load_state_dict(state)
+            rest = list(loader)
+            check_packed(windows_of(rest), documents, 6, False)
+            assert head + [b.global_indexes.tolist() for b in rest] == full
+    # Elastic: two ranks stop after 2 batches each, three ranks read the rest of the epoch
+    # (the global batch stays 6 windows).
+    del args["batch_size"]
+    delivered: list[int] = []
+    states = []
+    for rank in range(2):
+        with ab.Loader(dataset, batch_size=3, rank=rank, world_size=2, **args) as loader:
+            it = iter(loader)
+            delivered += [i for _ in range(2) for i in next(it).global_indexes.tolist()]
+            states.append(loader.state_dict())
+    for rank in range(3):
+        with ab.Loader(dataset, batch_size=2, rank=rank, world_size=3, **args) as loader:
+            loader.load_state_dict(states[0])
+            delivered += [i for b in loader for i in b.global_indexes.tolist()]
+    windows = sum(len(d) for d in documents) // 6
+    assert len(delivered) == len(set(delivered))
+    assert windows - 6 < len(delivered) <= windows  # all but the tail short of a global batch
+
+
+def test_a_mixture_of_two_packed_parquet_datasets(tmp_path: Path) -> None:
+    """Each dataset packs on its own: every window of each once per mixture epoch (default
+    weights), holding that dataset's tokens; document ids number rows through the mixture."""
+    parts = []
+    for name, seed in (("a", 6), ("b", 7)):
+        (tmp_path / name).mkdir()
+        parts.append(write_documents_files(tmp_path / name, gappy_lengths(seed), group=6))
+    datasets = [ab.open_dataset(str(tmp_path / n), options={"nulls": "fill"}) for n in "ab"]
+    blend = ab.mix(datasets)
+    seq_len = 8
+    sizes = [sum(len(d) for d in docs) // seq_len for docs in parts]
+    seen: list[list[int]] = [[], []]
+    rows_a = len(parts[0])
+    with ab.Loader(
+        blend, batch_size=4, seq_len=seq_len, shuffle="block", window=2, drop_last=False
+    ) as loader:
+        for batch in loader:
+            which, samples = blend.locate(batch.global_indexes, seq_len)
+            for (_, fields), d, i in zip(windows_of([batch]), which, samples, strict=True):
+                # Rows are numbered through the mixture: b's after a's.
+                fields["document_ids"] = [r - d * rows_a for r in fields["document_ids"]]
+                seen[d] += check_packed([(i, fields)], parts[d], seq_len, False)
+    assert [sorted(s) for s in seen] == [list(range(n)) for n in sizes]
+
+
+def test_a_mixture_of_parquet_and_tokens_is_refused(tmp_path: Path) -> None:
+    write_documents_files(tmp_path, [[3, 4, 5]], group=2)
+    tokens = ab.write_tokens(str(tmp_path / "tokens"), np.arange(100, dtype=np.uint16))
+    with pytest.raises(ab.ConfigError, match=r"one format.*\(parquet\).*\(tokens\)"):
+        ab.mix([ab.open_dataset(str(tmp_path / "p-0.parquet")), tokens])

@@ -23,7 +23,8 @@ Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of
 column a :class:`~asyncbatch.batch.Strings` column. A null is a FormatError naming the file,
 row group and column, unless the dataset was opened with ``options={"nulls": "fill"}``
 (numbers read 0, or NaN when floating; lists and strings read empty). With ``seq_len``,
-:class:`PackedParquet` packs a token list column into windows as the documents format does.
+:class:`PackedParquet` packs a token list column into windows as the documents format does
+(empty and null documents hold no tokens).
 """
 
 from __future__ import annotations
@@ -672,10 +673,13 @@ class PackedParquet:
     :class:`~asyncbatch.formats.documents.PackedDocuments` gives them (the same
     :func:`~asyncbatch.formats.documents.boundaries`).
 
-    The tokens of each row group are its column chunk's value count in the footer, so window
-    ``i`` (tokens ``[i·L, i·L + W)``) maps to its row groups by ``np.searchsorted`` with no
-    scan; documents are numbered by row. This holds when no document is empty or null (then a
-    chunk holds one value per token): a row group where it does not is a FormatError.
+    The tokens of each row group come from its footer: the column chunk's value count less its
+    null count (an empty or a null document is one level entry and no token), so window ``i``
+    maps to its row groups by ``np.searchsorted`` with no scan. Empty and null documents (the
+    latter with ``nulls="fill"``) hold no tokens and are passed over; documents are numbered by
+    row. Each row group read is checked against its count: a chunk without statistics is
+    taken to hold no empty or null document, and a FormatError says so when it does. Several
+    datasets (a mixture) are packed each on its own: no window crosses from one to the next.
     """
 
     converts = True
@@ -689,8 +693,6 @@ class PackedParquet:
         column: str | None = None,
         token_ids: bool = True,
     ) -> None:
-        if len(datasets) != 1:
-            raise ConfigError("packing (seq_len=) reads one Parquet dataset, not a mixture")
         if not isinstance(token_ids, bool):
             raise ConfigError(f"format_options token_ids must be True or False, got {token_ids!r}")
         dataset = datasets[0]
@@ -721,12 +723,16 @@ class PackedParquet:
         self.datasets, self.shard_urls = self.rows.datasets, self.rows.shard_urls
         self.shard_dataset = self.rows.shard_dataset
         (leaf,) = self.rows.leaves.tolist()
-        self.tokens = np.ascontiguousarray(dataset.arrays[VALUES][:, leaf])
+        self.tokens, self.counted = self._token_counts(leaf)
         self.token_ends = np.cumsum(self.tokens)
-        total = int(self.token_ends[-1]) if self.token_ends.size else 0
+        # Each dataset's tokens form its own stream; its windows start where it starts.
+        group_dataset = self.shard_dataset[self.rows.rg_file]
+        totals = np.bincount(group_dataset, self.tokens, len(self.datasets)).astype(np.int64)
         self.seq_len, self.window = seq_len, seq_len + int(next_token)
-        self.num_samples = max(0, (total - int(next_token)) // seq_len)
-        self.sizes = np.array([self.num_samples], dtype=np.int64)
+        self.sizes = np.maximum(0, totals - int(next_token)) // seq_len
+        self.num_samples = int(self.sizes.sum())
+        self._id_ends = np.cumsum(self.sizes)
+        self._token_base = np.cumsum(totals) - totals
         itemsize = np.dtype(kind.dtype).itemsize
         self.sample_bytes = self.window * itemsize + 8 + (self.window * 16 if token_ids else 0)
         per_group = self.tokens[self.tokens > 0]
@@ -742,10 +748,32 @@ class PackedParquet:
             self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
             self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
 
+    def _token_counts(self, leaf: int) -> tuple[Int64Array, npt.NDArray[np.bool_]]:
+        """Tokens of every row group (value count less null count, from the footers), and
+        whether its footer had the null count (else its value count stands, unchecked)."""
+        values = np.concatenate([d.arrays[VALUES][:, leaf] for d in self.datasets])
+        nulls = np.zeros_like(values)
+        counted = np.ones(values.shape, dtype=np.bool_)
+        files, local = self.rows.rg_file.tolist(), self.rows.rg_local.tolist()
+        for at, (file, g) in enumerate(zip(files, local, strict=True)):
+            stats = self.rows._file_metadata(file).row_group(g).column(leaf).statistics
+            if stats is not None and stats.has_null_count:
+                nulls[at] = stats.null_count
+            else:
+                counted[at] = False
+        return values - nulls, counted
+
+    def window_starts(self, ids: Int64Array) -> Int64Array:
+        """Token (of the row groups one after another) where each window starts."""
+        which = np.searchsorted(self._id_ends, ids, side="right")
+        local = ids - (self._id_ends - self.sizes)[which]
+        starts: Int64Array = self._token_base[which] + local * self.seq_len
+        return starts
+
     async def fetch(
         self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
     ) -> dict[str, Any]:
-        starts = ids * self.seq_len
+        starts = self.window_starts(ids)
         first = np.searchsorted(self.token_ends, starts, side="right")
         last = np.searchsorted(self.token_ends, starts + self.window - 1, side="right")
         # Every row group from each window's first to its last.
@@ -761,6 +789,43 @@ class PackedParquet:
         )
         return fields
 
+    def _documents(self, table: Any, needed: Int64Array) -> tuple[Int64Array, Any]:
+        """Offsets (from 0) and token values of the documents of row groups ``needed``, each
+        row group's tokens checked against its footer's count."""
+        pa, _ = pyarrow_modules()
+        array = table.column(self.column).combine_chunks()
+        if array.null_count:  # null documents (nulls="fill", else refused already): empty
+            array = _filled(array, pa)
+        values = array.flatten()
+        rows = self.rows.rows[needed]
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        offsets = offsets - offsets[0]
+        row_ends = np.cumsum(rows)
+        counted = offsets[row_ends] - offsets[row_ends - rows]
+        wrong = np.flatnonzero(counted != self.tokens[needed])
+        if values.null_count or wrong.size:
+            g = int(needed[wrong[0]]) if wrong.size else int(needed[0])
+            where = (
+                f"{self.shard_urls[self.rows.rg_file[g]]}: row group {self.rows.rg_local[g]},"
+                f" column {self.column!r}"
+            )
+            if values.null_count:
+                raise FormatError(
+                    f"{where}: null tokens inside documents (row groups"
+                    f" {self.rows.rg_local[needed].tolist()}); packing reads whole tokens only"
+                )
+            why = (
+                "its footer has no null count for the column, so empty or null documents"
+                " cannot be counted: packing needs statistics (pyarrow writes them by default)"
+                if not self.counted[g]
+                else "its footer's counts are wrong"
+            )
+            raise FormatError(
+                f"{where}: {counted[wrong[0]]} tokens in its documents but"
+                f" {self.tokens[g]} counted from its footer: {why}"
+            )
+        return offsets, values.to_numpy(zero_copy_only=False)
+
     def _decode(
         self,
         buffer: npt.NDArray[np.uint8],
@@ -769,23 +834,9 @@ class PackedParquet:
         starts: Int64Array,
     ) -> dict[str, Any]:
         table = self.rows.decode_groups(buffer, needed, spans)
-        array = table.column(self.column).combine_chunks()
-        offsets = np.asarray(array.offsets, dtype=np.int64)
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        offsets = offsets - offsets[0]
+        offsets, values = self._documents(table, needed)
         tokens, rows = self.tokens[needed], self.rows.rows[needed]
-        # Tokens of each row group decoded, against its footer's count.
         row_ends = np.cumsum(rows)
-        counted = offsets[row_ends] - offsets[row_ends - rows]
-        wrong = np.flatnonzero(counted != tokens)
-        if wrong.size:
-            g = int(needed[wrong[0]])
-            raise FormatError(
-                f"{self.shard_urls[self.rows.rg_file[g]]}: row group {self.rows.rg_local[g]},"
-                f" column {self.column!r}: {counted[wrong[0]]} tokens in its lists but"
-                f" {tokens[wrong[0]]} values in its footer (empty or null documents): packing"
-                " needs every document non-empty"
-            )
         group_start = self.token_ends[needed] - tokens  # in the whole stream
         group_base = np.cumsum(tokens) - tokens  # in ``values``
         # Each window's tokens: a gather from the row groups decoded.
@@ -793,14 +844,15 @@ class PackedParquet:
         which = np.searchsorted(self.token_ends[needed], at, side="right")
         window_tokens = values[at - group_start[which] + group_base[which]]
         # Document starts in stream positions (a gap between row groups not read is never
-        # inside a window), then the end of the last.
+        # inside a window), then the end of the last. An empty document starts where the
+        # next one does: it gets no token and no boundary of its own.
         row_group = np.repeat(np.arange(needed.size), rows)
         doc_starts = offsets[:-1] - group_base[row_group] + group_start[row_group]
         stream_offsets = np.append(doc_starts, group_start[-1] + tokens[-1])
         fields: dict[str, Any] = {TOKENS_FIELD: torch.from_numpy(window_tokens)}
         fields.update(boundaries(stream_offsets, starts, self.seq_len, self.window, self.token_ids))
         if self.token_ids:
-            # Rows numbered through the dataset: the document id of a row.
+            # Rows numbered through the dataset (the mixture): the document id of a row.
             first_row = (self.rows.ends - self.rows.rows)[needed]
             row_ids = np.append(
                 first_row[row_group] + np.arange(row_group.size) - np.repeat(row_ends - rows, rows),

@@ -84,6 +84,19 @@ def register_format(
             table[name] = part
 
 
+def one_format(datasets: Sequence[Dataset]) -> str:
+    """The format of ``datasets``; a ConfigError naming each one's when they differ."""
+    kinds = {d.manifest.format for d in datasets}
+    if len(kinds) != 1:
+        urls = ", ".join(f"{d.url} ({d.manifest.format})" for d in datasets)
+        raise ConfigError(
+            f"a mixture must be of one format, got {urls}: one source reads every batch, and"
+            " the formats' fields differ (a token stream has no documents, rows have no"
+            " windows); write the datasets in one format"
+        )
+    return kinds.pop()
+
+
 def make_source(
     datasets: Sequence[Dataset],
     *,
@@ -93,14 +106,11 @@ def make_source(
     options: Mapping[str, Any] | None = None,
 ) -> Source:
     """The source for ``datasets`` (all of one format), with format-specific ``options``."""
-    kinds = sorted({d.manifest.format for d in datasets})
-    if len(kinds) != 1:
-        urls = ", ".join(f"{d.url} ({d.manifest.format})" for d in datasets)
-        raise ConfigError(f"a mixture must be of one format, got {urls}")
-    factory = FORMATS.get(kinds[0])
+    kind = one_format(datasets)
+    factory = FORMATS.get(kind)
     if factory is None:
         raise ConfigError(
-            f"{datasets[0].url} holds format {kinds[0]!r}, which this asyncbatch cannot read"
+            f"{datasets[0].url} holds format {kind!r}, which this asyncbatch cannot read"
             f" (known: {', '.join(sorted(FORMATS))})"
         )
     return factory(
