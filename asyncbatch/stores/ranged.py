@@ -2,11 +2,12 @@
 
 A range completes only with exactly the bytes asked for: a 206 whose ``Content-Range``
 matches, or a 200 when the whole object was asked for. A server that ignores ``Range``
-gets one :class:`~asyncbatch.errors.RangeNotSupportedError`, never retried. Each object is
-pinned to the version (ETag) the store first saw; a later response with another version,
-or a 412 to an ``If-Match``, is a :class:`~asyncbatch.errors.ShardChangedError`. Bodies are
-read into the caller's buffer in chunks, each under the idle timeout; one that breaks off
-keeps the bytes received, so the next attempt asks only for the missing tail.
+gets one :class:`~asyncbatch.errors.RangeNotSupportedError`, never retried. The stack pins
+each object (``stack.py``) and passes the pin in: it goes out as ``If-Match``
+(:func:`if_match`), and a 412 is a :class:`~asyncbatch.errors.ShardChangedError`
+(:func:`changed`). Bodies are read into the caller's buffer in chunks, each under the idle
+timeout, advancing a :class:`~asyncbatch.stores.base.Progress`; one that breaks off keeps
+the bytes received, so the next attempt asks only for the missing tail.
 
 A suffix request (``Range: bytes=-N``: an object's last bytes, its size told by
 ``Content-Range``) is read by :func:`receive_tail`, which also copes with servers that
