@@ -24,11 +24,13 @@ from asyncbatch.errors import (
     NotFoundError,
     PermissionDeniedError,
     RetriesExhaustedError,
+    ShardChangedError,
     ShortReadError,
     StoreError,
 )
 from asyncbatch.manifest import MANIFEST_NAME
-from asyncbatch.stores import open_store
+from asyncbatch.stores import ObjectInfo, Progress, open_store
+from asyncbatch.stores.stack import stacked
 
 FAST = ab.RetryPolicy(max_attempts=4, base_delay=0.0, max_delay=0.001)
 
@@ -217,3 +219,90 @@ def test_the_adapter_page_shows_the_tested_adapter() -> None:
     code = (root / "tests" / "plugin" / "abtest_adapter.py").read_text()
     assert f"```python\n{code}```" in page
     assert f"```toml\n{(root / 'tests' / 'plugin' / 'pyproject.toml').read_text()}```" in page
+
+
+class VersionedTransport:
+    """Objects in a dict, each with a version that every read tells (an ETag on each
+    answer); it sends nothing as a precondition, so only the stack's comparison stands."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, str]] = {}
+        self.sent: list[str | None] = []
+
+    async def get_versioned_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], version: str | None
+    ) -> tuple[list[bytes], str | None]:
+        self.sent.append(version)
+        data, current = self.objects[url]
+        return [data[s:e] for s, e in zip(starts, ends, strict=True)], current
+
+    async def stat(self, url: str) -> ObjectInfo:
+        data, current = self.objects[url]
+        return ObjectInfo(len(data), current)
+
+
+def test_reads_that_tell_a_version_are_compared_with_the_pin() -> None:
+    transport = VersionedTransport()
+    transport.objects["v://a"] = (b"0123456789", "v1")
+
+    async def main() -> None:
+        store = stacked(transport, FAST)
+        buffer = memoryview(bytearray(4))
+        await store.read_ranges("v://a", starts=[2], ends=[6], buffers=[buffer])  # pins v1
+        assert bytes(buffer) == b"2345"
+        transport.objects["v://a"] = (b"abcdefghij", "v2")
+        with pytest.raises(ShardChangedError, match="version v1 when first seen, v2 now") as caught:
+            await store.read_ranges("v://a", starts=[0], ends=[4], buffers=[buffer])
+        assert caught.value.url == "v://a"
+        await store.close()
+
+    asyncio.run(main())
+    assert transport.sent == [None, "v1"]  # the pin goes back in as the precondition
+
+
+class ResumingTransport:
+    """A resumable transport whose first attempt at each range breaks off halfway with a
+    reset connection, as a broken HTTP body does."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.asked: list[tuple[int, int]] = []
+
+    async def read_range(
+        self,
+        url: str,
+        *,
+        start: int,
+        end: int,
+        buffer: memoryview,
+        progress: Progress,
+        version: str | None,
+    ) -> None:
+        first = start + progress.got
+        self.asked.append((first, end))
+        progress.version = "v1"
+        stop = end if progress.got else first + (end - first) // 2
+        buffer[progress.got : stop - start] = self.data[first:stop]
+        progress.got = stop - start
+        if stop < end:
+            raise ConnectionResetError("reset by peer")
+
+    async def stat(self, url: str) -> ObjectInfo:
+        return ObjectInfo(len(self.data), "v1")
+
+
+def test_a_resumable_transport_is_asked_only_for_the_missing_tail() -> None:
+    data = bytes(range(200))
+    transport = ResumingTransport(data)
+
+    async def main() -> list[bytes]:
+        store = stacked(transport, FAST)
+        buffers = [bytearray(100), bytearray(50)]
+        await store.read_ranges(
+            "r://a", starts=[0, 120], ends=[100, 170], buffers=[memoryview(b) for b in buffers]
+        )
+        await store.close()
+        return [bytes(b) for b in buffers]
+
+    assert asyncio.run(main()) == [data[:100], data[120:170]]
+    assert sorted(transport.asked) == [(0, 100), (50, 100), (120, 170), (145, 170)]

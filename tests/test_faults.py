@@ -40,6 +40,7 @@ from asyncbatch.stores import open_store
 from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
 from asyncbatch.stores.http import HttpStore
 from asyncbatch.stores.local import LocalStore
+from asyncbatch.stores.stack import RetryingStore, TransportStore
 
 #: Tiny backoffs: every fault costs milliseconds. The timeouts stay far above what a busy
 #: 2-core machine takes to answer (a CI run once took over 1 s for one GET), and an injected
@@ -287,12 +288,28 @@ def test_slow_drip_completes_where_a_stall_of_the_same_length_times_out(remote: 
 
 
 @pytest.mark.timeout(30)
+def test_a_moving_body_outlasts_the_bound_on_a_whole_call(remote: Remote) -> None:
+    url = remote.put(DATA)
+    # connect + first byte + idle = 3.5 s bounds a call the stack cannot see into; this body
+    # takes ~4.5 s but never pauses for 1.5 s: the transport's idle timeout is what counts.
+    policy = ab.RetryPolicy(
+        max_attempts=1, connect_timeout=1.0, first_byte_timeout=1.0, idle_timeout=1.5
+    )
+    remote.server.inject(Fault(drip=(20_000, 0.9)))
+    began = time.monotonic()
+    assert read(remote, url, 0, 100_000, policy=policy) == DATA[:100_000]
+    assert time.monotonic() - began > 3.5
+    assert remote.server.count("GET", path_of(url)) == 1
+
+
+@pytest.mark.timeout(30)
 def test_connection_refused_is_retried_and_typed(remote: Remote) -> None:
     from servers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     if remote.kind == "http":
-        url, store = f"{dead}/obj", HttpStore(max_inflight=2, retry=FAST)
+        url = f"{dead}/obj"
+        store = open_store(url, max_inflight=2, retry=FAST)
     else:
         url = f"s3://{BUCKET}/faults/none"
         store = open_store(url, s3_options(dead), retry=FAST)
@@ -498,7 +515,9 @@ def test_requests_in_flight_never_exceed_the_pool(files_server: FaultServer) -> 
 
     async def main() -> list[bytes]:
         store = remote.store(max_inflight=4)
-        assert isinstance(store, HttpStore)
+        assert isinstance(store, RetryingStore) and isinstance(store.inner, TransportStore)
+        transport = store.inner.transport
+        assert isinstance(transport, HttpStore)
         buffers = [bytearray(1_000) for _ in starts]
         try:
             await store.read_ranges(
@@ -507,8 +526,8 @@ def test_requests_in_flight_never_exceed_the_pool(files_server: FaultServer) -> 
                 ends=[s + 1_000 for s in starts],
                 buffers=[memoryview(b) for b in buffers],
             )
-            assert store._session is not None and store._session.connector is not None
-            assert store._session.connector.limit == 4
+            assert transport._session is not None and transport._session.connector is not None
+            assert transport._session.connector.limit == 4
         finally:
             await store.close()
         return [bytes(b) for b in buffers]

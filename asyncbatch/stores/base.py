@@ -5,7 +5,11 @@ ones, or a third party's) implements small capability protocols, obspec style. A
 transport needs two methods: :class:`GetsRanges` (``get_ranges``: bytes of ranges of one
 object) and :class:`Versioned` (``stat``: the object's size and version). Optional
 capabilities are protocols of their own, detected by type (``isinstance``), never looked up
-by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ReadsInto` (many ranges of
+by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ResumesRanges` (one
+attempt at one range into a buffer, resuming a broken body, sending and reporting versions:
+the stack then retries each range and compares every answer with the pin),
+:class:`GetsVersionedRanges` (``get_ranges`` with the version the bytes came from),
+:class:`ReadsInto` (many ranges of
 many objects into one buffer: the engine's fast path), :class:`ReadsIntoConverted` (the
 same, widening each element to the output dtype as it copies), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
@@ -134,10 +138,63 @@ class Coalesces(Protocol):
     coalesce_gap: int
 
 
+@dataclass
+class Progress:
+    """How far one range has got, kept across the attempts at it: ``got`` bytes received
+    (``buffer[:got]`` holds them), ``version`` the version the answer they came in told
+    (None until one did, or if the system tells none)."""
+
+    got: int = 0
+    version: str | None = None
+
+
+@runtime_checkable
+class ResumesRanges(Protocol):
+    """A transport that makes one attempt at one range into a buffer, resuming where an
+    earlier attempt stopped, and knows versions (HTTP's and S3's ``If-Match`` and ETag).
+
+    The stack keeps one :class:`Progress` per range across its attempts, so a body that
+    breaks off is asked again only for its missing tail. Such a transport bounds each phase
+    of its request itself (connect, first byte, idle pauses in the body): the stack puts no
+    bound on the whole call, so a slow body that keeps moving is never cut.
+    """
+
+    async def read_range(
+        self,
+        url: str,
+        *,
+        start: int,
+        end: int,
+        buffer: Buffer,
+        progress: Progress,
+        version: str | None,
+    ) -> None:
+        """Fill ``buffer[progress.got:]`` with bytes ``[start + progress.got, end)`` of
+        ``url``, advancing ``progress.got`` as bytes land; set ``progress.version`` to the
+        version the answer tells as soon as its headers arrive (before the body). Send
+        ``version`` (the pinned one), when given, as a precondition (``If-Match``): an
+        object that no longer has it is a :class:`~asyncbatch.errors.ShardChangedError`."""
+        ...
+
+
+@runtime_checkable
+class GetsVersionedRanges(Protocol):
+    """A transport whose ranged reads tell the version they were read from (used in place of
+    :class:`GetsRanges`): the stack compares it with the pin, so a replaced object is a
+    :class:`~asyncbatch.errors.ShardChangedError`, never mixed bytes."""
+
+    async def get_versioned_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], version: str | None
+    ) -> tuple[Sequence[bytes | memoryview], str | None]:
+        """``get_ranges``, with ``version`` (the pinned one), when given, sent as a
+        precondition; returns the buffers and the version they came from (None if unknown)."""
+        ...
+
+
 class SelfGuarded:
-    """Base of a transport that already does the stack's jobs at the protocol level
-    (retries that resume a broken body, ``If-Match`` pinning, ``Content-Range`` checks; the
-    local store's pins and unretried reads): the registry stacks no guard over it."""
+    """Base of a transport that already does the stack's jobs itself (the local store: pins
+    by file identity, lengths checked in its C read loop, reads never retried): the
+    registry stacks no guard over it."""
 
 
 @runtime_checkable

@@ -4,8 +4,8 @@ Async filesystems are used natively: one ``asynchronous=True`` instance per stor
 lazily in the loop that reads, never fsspec's own loop thread. Sync filesystems run in a
 bounded thread pool. A thin transport: the registry's stack (``stack.py``) checks every
 range's length, pins versions and retries under the
-:class:`~asyncbatch.stores.retry.RetryPolicy`. S3 and HTTP have their own stores
-(``s3.py``, ``http.py``), which check far more.
+:class:`~asyncbatch.stores.retry.RetryPolicy`. S3 and HTTP have transports of their own
+(``s3.py``, ``http.py``) that resume broken bodies and send the pin as ``If-Match``.
 """
 
 from __future__ import annotations

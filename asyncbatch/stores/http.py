@@ -1,42 +1,43 @@
-"""HTTP(S) store: byte ranges read with aiohttp, retried, length- and version-checked.
+"""HTTP(S) transport: byte ranges read with aiohttp, one attempt per call, status- and
+``Content-Range``-checked, each phase under its own timeout.
 
-fsspec's HTTP filesystem has no retries and no read timeout, accepts bodies that end early
-and returns the whole object when a server ignores ``Range``; this store reads ranges with
-aiohttp directly. One ``ClientSession`` per store, created lazily in the loop that reads;
-its connection pool holds ``max_inflight`` connections, exactly the requests the store lets
-run at once, so no request waits for a connection (or times out doing so). Objects are
-pinned to their ETag on first touch and later ranges send ``If-Match``.
+fsspec's HTTP filesystem has no read timeout, accepts bodies that end early and returns the
+whole object when a server ignores ``Range``; this transport reads ranges with aiohttp
+directly. One ``ClientSession`` per transport, created lazily in the loop that reads; its
+connection pool holds ``max_inflight`` connections, exactly the requests it lets run at
+once, so no request waits for a connection (or times out doing so). It offers
+:class:`~asyncbatch.stores.base.ResumesRanges`: the registry's stack (``stack.py``) retries
+each range for its missing tail, pins each object at its first ETag and passes the pin in,
+which this transport sends as ``If-Match``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..errors import ShortReadError, StoreError, StoreTimeoutError, describe_range
-from .base import Buffer, ObjectInfo, SelfGuarded
+from ..errors import ShortReadError, StoreError, StoreTimeoutError
+from .base import Buffer, ObjectInfo, Progress
 from .fsspec_store import FsspecStore
 from .ranged import (
     REMOTE_COALESCE_GAP,
-    Pins,
-    Progress,
     TailAnswer,
     changed,
     connection_error,
     expected_length,
     fail,
     fill,
+    if_match,
     parse_retry_after,
     receive_tail,
-    run_all,
     status_error,
     tail_from,
 )
-from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
 #: Bytes asked of the socket per read of a body.
@@ -46,8 +47,8 @@ CHUNK = 1 << 20
 _TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 
 
-class HttpStore(SelfGuarded):
-    """Read-only store for ``http://`` and ``https://`` URLs.
+class HttpStore:
+    """Read-only transport for ``http://`` and ``https://`` URLs.
 
     ``storage_options``: ``headers`` (sent with every request). Listing (of a server's HTML
     index pages) goes through fsspec's HTTP filesystem; writing is not supported.
@@ -67,7 +68,6 @@ class HttpStore(SelfGuarded):
         self._headers = dict(options.pop("headers", None) or {})
         self.max_inflight = max_inflight
         self.retry = retry
-        self.pins = Pins()
         self._session: aiohttp.ClientSession | None = None
         self._limit: asyncio.Semaphore | None = None
         self._lister: FsspecStore | None = None
@@ -121,7 +121,8 @@ class HttpStore(SelfGuarded):
             status, reason = response.status, response.reason or ""
             response.release()
             if status == 412:
-                raise changed(url, self.pins.get(url) or "?", await self._current_version(url))
+                sent = headers.get("If-Match") or "?"
+                raise changed(url, sent, await self._current_version(url))
             raise status_error(status, reason, url, start, end, retry_after=retry_after)
         return response
 
@@ -135,146 +136,109 @@ class HttpStore(SelfGuarded):
         except (aiohttp.ClientError, OSError, TimeoutError):
             return None
 
-    async def size(self, url: str) -> int:
-        """Size from a HEAD's ``Content-Length``; pins the object's ETag."""
-        return (await self.stat(url)).size
-
     async def stat(self, url: str) -> ObjectInfo:
-        """Size and ETag from a HEAD; pins the ETag."""
-
-        async def attempt() -> ObjectInfo:
-            _, limit = self._client()
-            async with limit:
-                response = await self._request("HEAD", url, {})
-                response.release()
-            etag = response.headers.get("ETag")
-            self.pins.check(url, etag)
-            length = response.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                raise fail(StoreError, "size unknown: the server sent no Content-Length", url)
-            return ObjectInfo(int(length), etag or None)
-
-        return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+        """Size and ETag from a HEAD."""
+        _, limit = self._client()
+        async with limit:
+            response = await self._request("HEAD", url, {})
+            response.release()
+        length = response.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise fail(StoreError, "size unknown: the server sent no Content-Length", url)
+        return ObjectInfo(int(length), response.headers.get("ETag") or None)
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
-        ``Range: bytes=-length`` GET (``If-Match`` once pinned); pins the ETag. An empty
-        object (416: it has no last bytes) costs a HEAD instead. A server that ignores or
-        misreads suffix ranges costs a ranged read after it (the answer's headers tell the
-        size), and from then on this store asks it for sizes and ranges instead."""
-
-        async def attempt() -> TailAnswer | None:
-            _, limit = self._client()
-            headers = {"Range": f"bytes=-{length}"}
-            condition = self.pins.condition(url)
-            if condition is not None:
-                headers["If-Match"] = condition
-            async with limit:
-                try:
-                    response = await self._request("GET", url, headers)
-                except ShortReadError:  # 416
-                    return None
-                answer = None
-                try:
-                    etag = response.headers.get("ETag")
-                    self.pins.check(url, etag)
-                    answer = await receive_tail(
-                        lambda: response.content.read(CHUNK),
-                        url,
-                        length,
-                        response.status,
-                        response.headers.get("Content-Range"),
-                        response.content_length,
-                        etag or None,
-                        self.retry.idle_timeout,
-                    )
-                finally:
-                    if answer is not None and answer.tail is not None:
-                        response.release()
-                    else:
-                        response.close()  # a body left unread: its connection cannot be reused
-            return answer
-
+        ``Range: bytes=-length`` GET. An empty object (416: it has no last bytes) costs a HEAD
+        instead. A server that ignores or misreads suffix ranges costs a ranged read after it
+        (the answer's headers tell the size), and from then on this transport asks it for
+        sizes and ranges instead."""
         answer = None
         if length > 0 and self._suffix_ranges:
-            what = f"read of the last {length} bytes of {url}"
-            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            answer = await self._get_tail(url, length)
             if answer is not None and answer.tail is None:
                 self._suffix_ranges = False
         return await tail_from(self, url, length, answer)
 
+    async def _get_tail(self, url: str, length: int) -> TailAnswer | None:
+        """One suffix GET; None for a 416."""
+        _, limit = self._client()
+        async with limit:
+            try:
+                response = await self._request("GET", url, {"Range": f"bytes=-{length}"})
+            except ShortReadError:  # 416
+                return None
+            answer = None
+            try:
+                answer = await receive_tail(
+                    lambda: response.content.read(CHUNK),
+                    url,
+                    length,
+                    response.status,
+                    response.headers.get("Content-Range"),
+                    response.content_length,
+                    response.headers.get("ETag") or None,
+                    self.retry.idle_timeout,
+                )
+            finally:
+                if answer is not None and answer.tail is not None:
+                    response.release()
+                else:
+                    response.close()  # a body left unread: its connection cannot be reused
+        return answer
+
     async def list(self, url: str) -> list[str]:
-        """The links of the page at ``url`` (fsspec's HTTP listing, not retried)."""
+        """The links of the page at ``url`` (fsspec's HTTP listing)."""
         if self._lister is None:
             options = {"headers": self._headers} if self._headers else {}
             self._lister = FsspecStore("http", options, max_inflight=self.max_inflight)
         return await self._lister.list(url)
 
-    async def read_ranges(
-        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
-    ) -> None:
-        await run_all(
-            self._read_range(url, start, end, buffer)
-            for start, end, buffer in zip(starts, ends, buffers, strict=True)
-            if end > start
-        )
-
-    async def _read_range(self, url: str, start: int, end: int, buffer: Buffer) -> None:
-        progress = Progress()
-
-        async def attempt() -> None:
-            _, limit = self._client()
-            async with limit:
-                await self._get(url, start, end, buffer, progress)
-
-        await with_retries(
-            self.retry,
-            attempt,
-            what=f"read of {describe_range(url, start, end)}",
-            url=url,
-            start=start,
-            end=end,
-        )
-
-    async def _get(
-        self, url: str, start: int, end: int, buffer: Buffer, progress: Progress
+    async def read_range(
+        self,
+        url: str,
+        *,
+        start: int,
+        end: int,
+        buffer: Buffer,
+        progress: Progress,
+        version: str | None,
     ) -> None:
         """One GET of the range's missing tail ``[start + progress.got, end)``."""
+        _, limit = self._client()
         first = start + progress.got
         headers = {"Range": f"bytes={first}-{end - 1}"}
-        condition = self.pins.condition(url)
+        condition = if_match(version)
         if condition is not None:
             headers["If-Match"] = condition
-        response = await self._request("GET", url, headers, start, end)
-        try:
-            self.pins.check(url, response.headers.get("ETag"))
-            expected = expected_length(
-                url,
-                start,
-                end,
-                first,
-                response.status,
-                response.headers.get("Content-Range"),
-                response.content_length,
-            )
-            await fill(
-                lambda: response.content.read(CHUNK),
-                buffer,
-                progress,
-                expected,
-                self.retry.idle_timeout,
-                url,
-                start,
-                end,
-            )
-        finally:
-            if progress.got < end - start:
-                response.close()  # a body left unread: its connection cannot be reused
-            else:
-                response.release()
-
-    async def write(self, url: str, data: Buffer | bytes) -> None:
-        raise StoreError(f"cannot write {url}: the HTTP store is read-only", url)
+        async with limit:
+            response = await self._request("GET", url, headers, start, end)
+            try:
+                progress.version = response.headers.get("ETag") or None
+                expected = expected_length(
+                    url,
+                    start,
+                    end,
+                    first,
+                    response.status,
+                    response.headers.get("Content-Range"),
+                    response.content_length,
+                )
+                await fill(
+                    lambda: response.content.read(CHUNK),
+                    buffer,
+                    progress,
+                    expected,
+                    self.retry.idle_timeout,
+                    url,
+                    start,
+                    end,
+                )
+            finally:
+                if progress.got < end - start:
+                    response.close()  # a body left unread: its connection cannot be reused
+                else:
+                    response.release()
 
     async def close(self) -> None:
         session, self._session = self._session, None

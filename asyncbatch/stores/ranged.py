@@ -2,11 +2,12 @@
 
 A range completes only with exactly the bytes asked for: a 206 whose ``Content-Range``
 matches, or a 200 when the whole object was asked for. A server that ignores ``Range``
-gets one :class:`~asyncbatch.errors.RangeNotSupportedError`, never retried. Each object is
-pinned to the version (ETag) the store first saw; a later response with another version,
-or a 412 to an ``If-Match``, is a :class:`~asyncbatch.errors.ShardChangedError`. Bodies are
-read into the caller's buffer in chunks, each under the idle timeout; one that breaks off
-keeps the bytes received, so the next attempt asks only for the missing tail.
+gets one :class:`~asyncbatch.errors.RangeNotSupportedError`, never retried. The stack pins
+each object (``stack.py``) and passes the pin in: it goes out as ``If-Match``
+(:func:`if_match`), and a 412 is a :class:`~asyncbatch.errors.ShardChangedError`
+(:func:`changed`). Bodies are read into the caller's buffer in chunks, each under the idle
+timeout, advancing a :class:`~asyncbatch.stores.base.Progress`; one that breaks off keeps
+the bytes received, so the next attempt asks only for the missing tail.
 
 A suffix request (``Range: bytes=-N``: an object's last bytes, its size told by
 ``Content-Range``) is read by :func:`receive_tail`, which also copes with servers that
@@ -21,7 +22,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import (
     CredentialsError,
@@ -36,7 +37,7 @@ from ..errors import (
     ThrottledError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, Store, tail_by_stat
+from .base import Buffer, ObjectInfo, Progress, ResumesRanges, Versioned, check_length
 from .retry import refused
 
 #: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
@@ -288,43 +289,43 @@ async def receive_tail(
     return TailAnswer(body, size, etag)
 
 
+class RangeTransport(ResumesRanges, Versioned, Protocol):
+    """A transport that resumes ranges and tells sizes and versions (S3's, HTTP's)."""
+
+
 async def tail_from(
-    store: Store, url: str, length: int, answer: TailAnswer | None
-) -> tuple[bytes | bytearray, ObjectInfo]:
-    """The tail ``answer`` holds; else a ranged read (and a stat, unless the answer told the
-    size) of ``store``."""
+    transport: RangeTransport, url: str, length: int, answer: TailAnswer | None
+) -> tuple[bytearray, ObjectInfo]:
+    """The tail ``answer`` holds; else one ranged read (after a stat, unless the answer told
+    the size) of ``transport``: one attempt each, the stack retries the whole."""
     if answer is not None and answer.tail is not None and answer.size is not None:
         return answer.tail, ObjectInfo(answer.size, answer.etag)
-    known = None if answer is None or answer.size is None else ObjectInfo(answer.size, answer.etag)
-    return await tail_by_stat(store, url, length, known)
+    if answer is None or answer.size is None:
+        info = await transport.stat(url)
+    else:
+        info = ObjectInfo(answer.size, answer.etag)
+    count = max(0, min(length, info.size))
+    tail = bytearray(count)
+    if count:
+        start, progress = info.size - count, Progress()
+        await transport.read_range(
+            url,
+            start=start,
+            end=info.size,
+            buffer=memoryview(tail),
+            progress=progress,
+            version=info.version,
+        )
+        if progress.version not in (None, info.version):  # a weak ETag: not sent as If-Match
+            raise changed(url, info.version or "?", progress.version)
+        check_length(url, start, info.size, progress.got)
+    return tail, info
 
 
-class Pins:
-    """The version (ETag) each object had when the store first touched it."""
-
-    def __init__(self) -> None:
-        self._versions: dict[str, str] = {}
-
-    def get(self, url: str) -> str | None:
-        return self._versions.get(url)
-
-    def condition(self, url: str) -> str | None:
-        """The ``If-Match`` value for ``url``: its strong ETag, if pinned (weak ones never
-        match with If-Match, so they are only compared afterwards)."""
-        version = self._versions.get(url)
-        return version if version is not None and not version.startswith("W/") else None
-
-    def check(self, url: str, version: str | None) -> None:
-        """Pin ``url`` at ``version`` if not yet pinned, else require the same version."""
-        if not version:
-            return
-        pinned = self._versions.setdefault(url, version)
-        if pinned != version:
-            raise changed(url, pinned, version)
-
-    def forget(self, url: str) -> None:
-        """Drop the pin (the store itself wrote the object)."""
-        self._versions.pop(url, None)
+def if_match(version: str | None) -> str | None:
+    """The ``If-Match`` value for a pinned ``version``: a strong ETag (weak ones never match
+    with If-Match, so the stack only compares them afterwards)."""
+    return version if version is not None and not version.startswith("W/") else None
 
 
 def changed(url: str, pinned: str, now: str | None) -> ShardChangedError:
@@ -355,13 +356,6 @@ async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
         error = task.exception() if task in done and not task.cancelled() else None
         if error is not None:
             raise error
-
-
-@dataclass
-class Progress:
-    """Bytes of one range received so far, kept across attempts."""
-
-    got: int = 0
 
 
 async def fill(

@@ -1,20 +1,20 @@
-"""S3 store: s3fs for credentials, endpoint, listing and writes; reads our own.
+"""S3 transport: s3fs for credentials, endpoint, listing and writes; reads our own.
 
 Ranges and sizes go straight to the aiobotocore client's ``get_object`` / ``head_object``
-with botocore's retries off (one attempt per call) and s3fs's ``_call_s3`` retries
-bypassed, so the store's :class:`~asyncbatch.stores.retry.RetryPolicy` is the only retry
-layer: a persistent 503 costs exactly ``max_attempts`` GETs. Each key is pinned to its ETag
-on first touch and later ranges send ``IfMatch``; every response's ``ContentRange`` is
-checked against the range asked. botocore and aiohttp errors are mapped to typed errors
-naming the key and range; none escapes raw.
+with botocore's retries off and s3fs's ``_call_s3`` retries bypassed: one attempt per call,
+so the registry's stack (``stack.py``) and its :class:`~asyncbatch.stores.retry.RetryPolicy`
+are the only retry layer (a persistent 503 costs exactly ``max_attempts`` GETs). It offers
+:class:`~asyncbatch.stores.base.ResumesRanges`: the stack retries each range for its missing
+tail, pins each key at its first ETag and passes the pin in, which this transport sends as
+``IfMatch``; every response's ``ContentRange`` is checked against the range asked. botocore
+and aiohttp errors are mapped to typed errors naming the key and range; none escapes raw.
 """
 
 from __future__ import annotations
 
 import asyncio
-import builtins
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
@@ -27,26 +27,23 @@ from ..errors import (
     ShortReadError,
     StoreError,
     StoreTimeoutError,
-    describe_range,
 )
-from .base import Buffer, ObjectInfo, SelfGuarded
+from .base import Buffer, ObjectInfo, Progress
 from .fsspec_store import FsspecStore
 from .ranged import (
-    Pins,
-    Progress,
     TailAnswer,
     changed,
     connection_error,
     expected_length,
     fail,
     fill,
+    if_match,
     parse_retry_after,
     receive_tail,
-    run_all,
     status_error,
     tail_from,
 )
-from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
+from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
 #: Bytes asked of the socket per read of a body.
@@ -114,8 +111,8 @@ class _Changed(Exception):
     """A 412 to an ``IfMatch``: turned into ShardChangedError once the new ETag is known."""
 
 
-class S3Store(FsspecStore, SelfGuarded):
-    """Store for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
+class S3Store(FsspecStore):
+    """Transport for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
 
     def __init__(
         self,
@@ -138,7 +135,6 @@ class S3Store(FsspecStore, SelfGuarded):
         if not options.keys() & _session_option_names():
             options["session"] = _new_session()
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
-        self.pins = Pins()
         #: False once the endpoint answered a suffix range with other bytes (s3rver).
         self._suffix_ranges = True
 
@@ -223,7 +219,7 @@ class S3Store(FsspecStore, SelfGuarded):
             error = self._error(exc, client.meta.endpoint_url, url, start, end)
             if isinstance(error, _Changed):
                 now = await self._current_version(url)
-                raise changed(url, self.pins.get(url) or "?", now) from exc
+                raise changed(url, kwargs.get("IfMatch") or "?", now) from exc
             raise error from exc
 
     async def _current_version(self, url: str) -> str | None:
@@ -245,82 +241,59 @@ class S3Store(FsspecStore, SelfGuarded):
             where["VersionId"] = version
         return where
 
-    async def size(self, url: str) -> int:
-        """Size from a HEAD; pins the key's ETag."""
-        return (await self.stat(url)).size
-
     async def stat(self, url: str) -> ObjectInfo:
-        """Size and ETag from a HEAD; pins the ETag."""
-
-        async def attempt() -> ObjectInfo:
-            _, limit, fs = await self._client()
-            async with limit:
-                try:
-                    head = await self._call_client(
-                        "head_object", url, None, None, **self._where(fs, url)
-                    )
-                except PermissionDeniedError as exc:
-                    if not isinstance(exc, CredentialsError):
-                        await self._explain_forbidden(fs, url)
-                    raise
-            etag = head.get("ETag")
-            self.pins.check(url, etag)
-            return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
-
-        return await with_retries(self.retry, attempt, what=f"HEAD of {url}", url=url)
+        """Size and ETag from a HEAD."""
+        _, limit, fs = await self._client()
+        async with limit:
+            try:
+                head = await self._call_client(
+                    "head_object", url, None, None, **self._where(fs, url)
+                )
+            except PermissionDeniedError as exc:
+                if not isinstance(exc, CredentialsError):
+                    await self._explain_forbidden(fs, url)
+                raise
+        etag = head.get("ETag")
+        return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
-        ``Range: bytes=-length`` GET (``IfMatch`` once pinned); pins the ETag as :meth:`stat`
-        does. An empty object (416: it has no last bytes) costs a HEAD instead. An endpoint
-        that misreads suffix ranges (s3rver) costs a ranged read after it (the answer's
-        headers tell the size), and from then on this store asks it for sizes and ranges."""
-
-        async def attempt() -> TailAnswer | None:
-            _, limit, fs = await self._client()
-            kwargs = self._where(fs, url)
-            kwargs["Range"] = f"bytes=-{length}"
-            condition = self.pins.condition(url)
-            if condition is not None:
-                kwargs["IfMatch"] = condition
-            async with limit:
-                try:
-                    response = await self._call_client("get_object", url, None, None, **kwargs)
-                except ShortReadError:  # 416
-                    return None
-                body = response["Body"]
-                try:
-                    etag = response.get("ETag")
-                    self.pins.check(url, etag)
-                    return await receive_tail(
-                        lambda: body.read(CHUNK),
-                        url,
-                        length,
-                        int(response["ResponseMetadata"]["HTTPStatusCode"]),
-                        response.get("ContentRange"),
-                        response.get("ContentLength"),
-                        str(etag) if etag else None,
-                        self.retry.idle_timeout,
-                    )
-                finally:
-                    body.close()
-
+        ``Range: bytes=-length`` GET. An empty object (416: it has no last bytes) costs a HEAD
+        instead. An endpoint that misreads suffix ranges (s3rver) costs a ranged read after
+        it (the answer's headers tell the size), and from then on this transport asks it for
+        sizes and ranges."""
         answer = None
         if length > 0 and self._suffix_ranges:
-            what = f"read of the last {length} bytes of {url}"
-            answer = await with_retries(self.retry, attempt, what=what, url=url)
+            answer = await self._get_tail(url, length)
             if answer is not None and answer.tail is None:
                 self._suffix_ranges = False
         return await tail_from(self, url, length, answer)
 
-    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
-        """The listing (one ListObjectsV2 per 1,000 keys) with each key's size and ETag;
-        pins the ETags, so later ranges send ``IfMatch`` with them as after :meth:`stat`."""
-        found = await super().list_info(url)
-        for name, info in found:
-            if info is not None:
-                self.pins.check(name, info.version)
-        return found
+    async def _get_tail(self, url: str, length: int) -> TailAnswer | None:
+        """One suffix GET; None for a 416."""
+        _, limit, fs = await self._client()
+        async with limit:
+            try:
+                response = await self._call_client(
+                    "get_object", url, None, None, Range=f"bytes=-{length}", **self._where(fs, url)
+                )
+            except ShortReadError:  # 416
+                return None
+            body = response["Body"]
+            try:
+                etag = response.get("ETag")
+                return await receive_tail(
+                    lambda: body.read(CHUNK),
+                    url,
+                    length,
+                    int(response["ResponseMetadata"]["HTTPStatusCode"]),
+                    response.get("ContentRange"),
+                    response.get("ContentLength"),
+                    str(etag) if etag else None,
+                    self.retry.idle_timeout,
+                )
+            finally:
+                body.close()
 
     async def _explain_forbidden(self, fs: Any, url: str) -> None:
         """Raise the GET's error for a key whose HEAD was refused, if it is a
@@ -336,46 +309,43 @@ class S3Store(FsspecStore, SelfGuarded):
             return
         response["Body"].close()  # allowed after all: the HEAD's own error stands
 
-    async def read_ranges(
-        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
-    ) -> None:
-        await run_all(
-            self._read_range(url, start, end, buffer)
-            for start, end, buffer in zip(starts, ends, buffers, strict=True)
-            if end > start
-        )
-
-    async def _read_range(self, url: str, start: int, end: int, buffer: Buffer) -> None:
-        progress = Progress()
-
-        async def attempt() -> None:
-            _, limit, fs = await self._client()
-            async with limit:
-                await self._get(fs, url, start, end, buffer, progress)
-
-        await with_retries(
-            self.retry,
-            attempt,
-            what=f"read of {describe_range(url, start, end)}",
-            url=url,
-            start=start,
-            end=end,
-        )
-
-    async def _get(
-        self, fs: Any, url: str, start: int, end: int, buffer: Buffer, progress: Progress
+    async def read_range(
+        self,
+        url: str,
+        *,
+        start: int,
+        end: int,
+        buffer: Buffer,
+        progress: Progress,
+        version: str | None,
     ) -> None:
         """One GET of the range's missing tail ``[start + progress.got, end)``."""
+        _, limit, fs = await self._client()
+        async with limit:
+            await self._get(fs, url, start, end, buffer, progress, version)
+
+    async def _get(
+        self,
+        fs: Any,
+        url: str,
+        start: int,
+        end: int,
+        buffer: Buffer,
+        progress: Progress,
+        version: str | None,
+    ) -> None:
+        """One GET of ``[start + progress.got, end)`` into the buffer, ``IfMatch`` ``version``."""
         first = start + progress.got
         kwargs = self._where(fs, url)
         kwargs["Range"] = f"bytes={first}-{end - 1}"
-        condition = self.pins.condition(url)
+        condition = if_match(version)
         if condition is not None:
             kwargs["IfMatch"] = condition
         response = await self._call_client("get_object", url, start, end, **kwargs)
         body = response["Body"]
         try:
-            self.pins.check(url, response.get("ETag"))
+            etag = response.get("ETag")
+            progress.version = str(etag) if etag else None
             expected = expected_length(
                 url,
                 start,
@@ -397,10 +367,6 @@ class S3Store(FsspecStore, SelfGuarded):
             )
         finally:
             body.close()
-
-    async def write(self, url: str, data: Buffer | bytes) -> None:
-        await super().write(url, data)
-        self.pins.forget(url)
 
 
 def s3_store(

@@ -4,24 +4,36 @@ built-in store.
 From the bottom: :class:`TransportStore` turns a transport (two methods, see
 :mod:`~asyncbatch.stores.base`) into the full :class:`~asyncbatch.stores.base.Store`: it
 checks every range's length (:class:`~asyncbatch.errors.ShortReadError` naming the URL and
-range, never short or shifted bytes), pins each object at the version its first ``stat``
-saw (:class:`~asyncbatch.errors.ShardChangedError` when a later one differs) and refuses
-what the transport cannot do with a typed error. :class:`RetryingStore` above it maps the
-transport's built-in exceptions to typed errors (:func:`map_error`) and runs each call
-under the :class:`~asyncbatch.stores.retry.RetryPolicy` with a timeout per attempt.
+range, never short or shifted bytes), pins each object at the version it was first seen
+with (``stat``, a tail, a listing, or a read that tells one) and raises
+:class:`~asyncbatch.errors.ShardChangedError` naming both versions when a later one
+differs, and refuses what the transport cannot do with a typed error.
+:class:`RetryingStore` above it maps the transport's built-in exceptions to typed errors
+(:func:`map_error`) and runs each call under the
+:class:`~asyncbatch.stores.retry.RetryPolicy`.
 
-Both layers offer :class:`~asyncbatch.stores.base.ReadsTail`: the transport's own (one
-request, pinned and length-checked) or a ``stat`` and a ranged read when it has none.
-A transport that offers :class:`~asyncbatch.stores.base.ReadsInto` keeps it through both
-layers: one call per group, no Python per range, so the engine's fast path stays fast (its
-contract is all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it).
-Built-in stores that guard themselves (:class:`~asyncbatch.stores.base.SelfGuarded`) are
-not wrapped.
+A call is one attempt, bounded by ``connect_timeout + first_byte_timeout + idle_timeout``,
+retried whole; except the ranges of a transport that offers
+:class:`~asyncbatch.stores.base.ResumesRanges` (the built-in S3 and HTTP ones): each range
+is retried on its own, with one :class:`~asyncbatch.stores.base.Progress` kept across its
+attempts so that only its missing tail is asked again, the pin passed in as a precondition
+and the version of every answer compared with it. Such a transport times each phase of its
+request itself, so no bound cuts a slow body that keeps moving.
+
+Both layers offer :class:`~asyncbatch.stores.base.ReadsTail` (the transport's own, pinned
+and length-checked, or a ``stat`` and a ranged read) and
+:class:`~asyncbatch.stores.base.ListsInfo` (the transport's own, pinned, or a plain listing
+that tells nothing). A transport that offers :class:`~asyncbatch.stores.base.ReadsInto`
+keeps it through both layers: one call per group, no Python per range, so the engine's
+fast path stays fast (its contract is all or raise; :mod:`asyncbatch.testing` checks that a
+transport keeps it). The local store guards itself
+(:class:`~asyncbatch.stores.base.SelfGuarded`) and is not wrapped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -43,11 +55,15 @@ from .base import (
     Closes,
     Coalesces,
     GetsRanges,
+    GetsVersionedRanges,
     Lists,
+    ListsInfo,
     ObjectInfo,
+    Progress,
     ReadsInto,
     ReadsRanges,
     ReadsTail,
+    ResumesRanges,
     SelfGuarded,
     Store,
     Versioned,
@@ -56,7 +72,7 @@ from .base import (
     fetch_tail,
     tail_by_stat,
 )
-from .ranged import REMOTE_COALESCE_GAP, fail
+from .ranged import REMOTE_COALESCE_GAP, fail, run_all
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 
 T = TypeVar("T")
@@ -94,14 +110,16 @@ class TransportStore:
     """The :class:`Store` protocol over a transport: lengths checked, versions pinned."""
 
     def __init__(self, transport: object) -> None:
-        if not isinstance(transport, GetsRanges | ReadsRanges) or not isinstance(
-            transport, Versioned | Store
-        ):
+        reads = GetsRanges | ReadsRanges | ResumesRanges | GetsVersionedRanges
+        if not isinstance(transport, reads) or not isinstance(transport, Versioned | Store):
             raise ConfigError(
                 f"{type(transport).__name__} is not a store transport: it needs get_ranges"
-                " (or read_ranges) and stat; see docs/adapters.md"
+                " (or read_ranges, read_range, get_versioned_ranges) and stat; see"
+                " docs/adapters.md"
             )
         self.transport = transport
+        #: Whether the transport resumes ranges: the retrying layer then retries each one.
+        self.resumes = isinstance(transport, ResumesRanges)
         self.coalesce_gap = (
             transport.coalesce_gap if isinstance(transport, Coalesces) else REMOTE_COALESCE_GAP
         )
@@ -115,16 +133,17 @@ class TransportStore:
         else:  # a Store written before stat existed: size only, nothing to pin
             assert isinstance(transport, Store)
             info = ObjectInfo(await transport.size(url), None)
-        self._pin(url, info)
+        self._pin(url, info.version)
         return info
 
-    def _pin(self, url: str, info: ObjectInfo) -> None:
-        if info.version is not None:
-            pinned = self._pins.setdefault(url, info.version)
-            if pinned != info.version:
+    def _pin(self, url: str, version: str | None) -> None:
+        """Pin ``url`` at ``version`` if not yet pinned, else require the same version."""
+        if version is not None:
+            pinned = self._pins.setdefault(url, version)
+            if pinned != version:
                 raise ShardChangedError(
                     f"the object changed since it was pinned: version {pinned} when first"
-                    f" seen, {info.version} now: {url}",
+                    f" seen, {version} now: {url}",
                     url,
                 )
 
@@ -135,7 +154,7 @@ class TransportStore:
         if not isinstance(transport, ReadsTail):
             return await tail_by_stat(self, url, length)
         tail, info = await transport.read_tail(url, length)
-        self._pin(url, info)
+        self._pin(url, info.version)
         count = max(0, min(length, info.size))
         check_length(url, info.size - count, info.size, len(tail))
         return tail, info
@@ -147,16 +166,29 @@ class TransportStore:
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
         transport = self.transport
+        if self.resumes:  # one attempt per range (the retrying layer retries each one)
+            await run_all(
+                self.attempt_range(url, start, end, buffer, Progress())
+                for start, end, buffer in zip(starts, ends, buffers, strict=True)
+                if end > start
+            )
+            return
         if isinstance(transport, ReadsRanges):
             await transport.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
             return
-        assert isinstance(transport, GetsRanges)
         wanted = [i for i, (start, end) in enumerate(zip(starts, ends, strict=True)) if end > start]
         if not wanted:
             return
-        chunks = await transport.get_ranges(
-            url, starts=[starts[i] for i in wanted], ends=[ends[i] for i in wanted]
-        )
+        wanted_starts, wanted_ends = [starts[i] for i in wanted], [ends[i] for i in wanted]
+        chunks: Sequence[bytes | memoryview]
+        if isinstance(transport, GetsVersionedRanges):
+            chunks, version = await transport.get_versioned_ranges(
+                url, starts=wanted_starts, ends=wanted_ends, version=self._pins.get(url)
+            )
+            self._pin(url, version)
+        else:
+            assert isinstance(transport, GetsRanges)
+            chunks = await transport.get_ranges(url, starts=wanted_starts, ends=wanted_ends)
         if len(chunks) != len(wanted):
             raise StoreError(
                 f"get_ranges returned {len(chunks)} buffers for {len(wanted)} ranges: {url}", url
@@ -166,10 +198,45 @@ class TransportStore:
             check_length(url, starts[index], ends[index], len(data))
             buffers[index][:] = data
 
+    async def attempt_range(
+        self, url: str, start: int, end: int, buffer: Buffer, progress: Progress
+    ) -> None:
+        """One attempt of a :class:`ResumesRanges` transport at ``[start, end)``, from
+        ``progress`` on: the pin sent as its precondition, the version its answer told
+        pinned or compared with the pin, all the bytes or :class:`ShortReadError`."""
+        transport = self.transport
+        assert isinstance(transport, ResumesRanges)
+        try:
+            await transport.read_range(
+                url,
+                start=start,
+                end=end,
+                buffer=buffer,
+                progress=progress,
+                version=self._pins.get(url),
+            )
+        except Exception:
+            self._pin(url, progress.version)  # bytes of another version explain a failure best
+            raise
+        self._pin(url, progress.version)
+        check_length(url, start, end, progress.got)
+
     async def list(self, url: str) -> list[str]:
         if not isinstance(self.transport, Lists):
             raise _unsupported(url, "list", "list()")
         return await self.transport.list(url)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        """The transport's listing with sizes and versions, each object pinned; without
+        one, the plain listing with no sizes or versions (None for every entry)."""
+        transport = self.transport
+        if not isinstance(transport, ListsInfo):
+            return [(name, None) for name in await self.list(url)]
+        found = await transport.list_info(url)
+        for name, info in found:
+            if info is not None:
+                self._pin(name, info.version)
+        return found
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         if not isinstance(self.transport, Writes):
@@ -202,11 +269,14 @@ class RetryingStore:
     """Forwards every call to ``inner`` with typed errors, retried under ``policy``.
 
     Each attempt is bounded by ``connect_timeout + first_byte_timeout + idle_timeout``: a
-    transport's call is opaque, so one bound covers its whole request.
+    transport's call is opaque, so one bound covers its whole request. Over a
+    :class:`TransportStore` whose transport resumes ranges, each range is retried on its own
+    for its missing tail, without that bound (the transport times each phase itself).
     """
 
     def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
         self.inner = inner
+        self._resuming = inner if isinstance(inner, TransportStore) and inner.resumes else None
         self.policy = policy
         self.coalesce_gap = inner.coalesce_gap
         self._timeout = policy.connect_timeout + policy.first_byte_timeout + policy.idle_timeout
@@ -228,7 +298,10 @@ class RetryingStore:
                 if bound.expired():
                     detail = f"no answer within {self._timeout:g} s"
                     raise fail(StoreTimeoutError, detail, url, start, end) from exc
-                raise map_error(exc, url, start, end) from exc
+                error = map_error(exc, url, start, end)
+                if error is exc:
+                    raise
+                raise error from exc
 
         return await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
 
@@ -244,6 +317,13 @@ class RetryingStore:
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
+        if self._resuming is not None:
+            await run_all(
+                self._read_range(self._resuming, url, start, end, buffer)
+                for start, end, buffer in zip(starts, ends, buffers, strict=True)
+                if end > start
+            )
+            return
         if len(starts) == 0:
             return
         # One call reads the group: the range named is the span it covers.
@@ -257,6 +337,24 @@ class RetryingStore:
             high,
         )
 
+    async def _read_range(
+        self, inner: TransportStore, url: str, start: int, end: int, buffer: Buffer
+    ) -> None:
+        """``[start, end)`` under the policy, one :class:`Progress` across the attempts."""
+        progress = Progress()
+
+        async def attempt() -> None:
+            try:
+                await inner.attempt_range(url, start, end, buffer, progress)
+            except Exception as exc:
+                error = map_error(exc, url, start, end)
+                if error is exc:
+                    raise
+                raise error from exc
+
+        what = f"read of {describe_range(url, start, end)}"
+        await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
+
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         return await self._run(
             lambda: fetch_tail(self.inner, url, length),
@@ -264,15 +362,24 @@ class RetryingStore:
             url,
         )
 
-    async def list(self, url: str) -> list[str]:
+    async def list(self, url: str) -> builtins.list[str]:
         return await self._run(lambda: self.inner.list(url), f"list of {url}", url)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        inner = self.inner
+        if not isinstance(inner, ListsInfo):
+            return [(name, None) for name in await self.list(url)]
+        return await self._run(lambda: inner.list_info(url), f"list of {url}", url)
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         # A write is not retried: the transport may have half-applied it.
         try:
             await self.inner.write(url, data)
         except Exception as exc:
-            raise map_error(exc, url) from exc
+            error = map_error(exc, url)
+            if error is exc:
+                raise
+            raise error from exc
 
     async def close(self) -> None:
         await self.inner.close()
@@ -303,7 +410,7 @@ class RetryingBufferStore(RetryingStore):
 def stacked(transport: object, policy: RetryPolicy = DEFAULT_POLICY) -> Store:
     """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts.
 
-    A :class:`SelfGuarded` built-in store comes back as it is.
+    A :class:`SelfGuarded` store (the local one) comes back as it is.
     """
     if isinstance(transport, SelfGuarded):
         assert isinstance(transport, Store)

@@ -1,11 +1,12 @@
 """An asyncbatch store over obstore (the Rust ``object_store`` crate): S3, GCS and Azure.
 
 URLs are ``obstore+s3://bucket/key`` (also ``obstore+gs://`` and ``obstore+az://``). The
-transport implements asyncbatch's two read-only capabilities, ``get_ranges`` and ``stat``,
-plus ``list`` and ``close``; asyncbatch stacks its guards over it (exact lengths, typed
-errors, retries with its own policy, version pinning), so this module only translates.
-Every ranged read carries ``If-Match`` with the ETag ``stat`` saw, so bytes of two versions
-of one object never mix.
+transport implements asyncbatch's read-only capabilities: ``get_versioned_ranges`` (ranged
+reads that take the pinned version and tell the one they read) and ``stat``, plus ``list``
+and ``close``; asyncbatch stacks its guards over it (exact lengths, typed errors, retries
+with its own policy, version pinning), so this module only translates. Every ranged read
+carries ``If-Match`` with the pinned ETag and reports the ETag it got, which the stack
+compares with the pin, so bytes of two versions of one object never mix.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class ObstoreTransport:
         if endpoint.startswith("http://"):
             self._client_options.setdefault("allow_http", True)
         self._stores: dict[str, ObjectStore] = {}
-        self._versions: dict[str, str | None] = {}
         self._limit = asyncio.Semaphore(max_inflight)
 
     def _locate(self, url: str) -> tuple[ObjectStore, str]:
@@ -96,41 +96,45 @@ class ObstoreTransport:
             meta = await obstore.head_async(store, path)
         except obe.BaseError as exc:
             raise _builtin(exc) from exc
-        version = meta["e_tag"] or meta["version"]
-        self._versions[url] = version
-        return ObjectInfo(meta["size"], version)
+        return ObjectInfo(meta["size"], meta["e_tag"] or meta["version"])
 
-    async def get_ranges(
-        self, url: str, *, starts: Sequence[int], ends: Sequence[int]
-    ) -> Sequence[bytes | memoryview]:
+    async def get_versioned_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], version: str | None
+    ) -> tuple[Sequence[bytes | memoryview], str | None]:
         # One request per range, in parallel: obstore's own get_ranges would merge ranges up
         # to 1 MiB apart, fetching bytes asyncbatch's planner chose to skip.
         store, path = self._locate(url)
-        version = self._versions.get(url)
-        return await asyncio.gather(
+        got = await asyncio.gather(
             *(self._get(store, url, path, s, e, version) for s, e in zip(starts, ends, strict=True))
         )
+        seen = {tag for _, tag in got if tag is not None}
+        if len(seen) > 1:  # replaced between two of these requests (none pinned yet)
+            raise ShardChangedError(f"{url} changed while read: ETags {sorted(seen)}", url)
+        return [data for data, _ in got], next(iter(seen), None)
 
     async def _get(
         self, store: ObjectStore, url: str, path: str, start: int, end: int, version: str | None
-    ) -> bytes | memoryview:
+    ) -> tuple[bytes | memoryview, str | None]:
+        """Bytes ``[start, end)`` and the ETag of the object they came from."""
         if end <= start:
-            return b""
+            return b"", None
         options: GetOptions = {"range": (start, end)}
         if version is not None:
             options["if_match"] = version
         async with self._limit:
             try:
                 result = await obstore.get_async(store, path, options=options)
-                return memoryview(await result.bytes_async())
+                data = memoryview(await result.bytes_async())
             except obe.PreconditionError as exc:
                 raise ShardChangedError(
                     f"{url} changed: its ETag is no longer {version}", url, start, end
                 ) from exc
             except obe.BaseError as exc:
                 if "range" in str(exc).lower() and "not satisfiable" in str(exc).lower():
-                    return b""  # starts past the end: the stack reports the short read
+                    return b"", None  # starts past the end: the stack reports the short read
                 raise _builtin(exc) from exc
+        meta = result.meta
+        return data, meta["e_tag"] or meta["version"]
 
     async def list(self, url: str) -> list[str]:
         store, path = self._locate(url.rstrip("/") + "/")
