@@ -253,6 +253,15 @@ def test_open_costs_one_request_per_file_two_for_a_large_footer(
             assert proxy.count("HEAD", ".parquet") == heads
             ranges = [r for _, p, r in proxy.log[logged:] if p.endswith(".parquet")]
             assert len(ranges) == 6 and not any(r.startswith("bytes=-") for r in ranges)
+            # The same through a node cache: the listing's sizes and ETags still reach the
+            # open (the cache and the request counter pass listings on), so still no HEAD.
+            # The cache fetches whole blocks: each of these small files is one block, so the
+            # large footer's second read is a hit.
+            before, heads = served(), proxy.count("HEAD", ".parquet")
+            cached = ab.open_dataset(root, options, cache=tmp_path / "cache").manifest.shards
+            assert set(cached) == set(dataset.manifest.shards)
+            assert served() - before == 5
+            assert proxy.count("HEAD", ".parquet") == heads
         with ab.Loader(dataset, batch_size=16, shuffle=False, drop_last=False) as loader:
             ids = [i for b in loader for i in b["id"].tolist()]
     assert ids == list(range(total))

@@ -275,6 +275,14 @@ class ListsInfo(Protocol):
         ...
 
 
+async def list_with_info(store: Store, url: str) -> list[tuple[str, ObjectInfo | None]]:
+    """The listing of ``url`` with sizes and versions where the store's listing tells them
+    (:class:`ListsInfo`), else its plain listing with None for every entry."""
+    if isinstance(store, ListsInfo):
+        return await store.list_info(url)
+    return [(name, None) for name in await store.list(url)]
+
+
 async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
     """The last ``min(length, size)`` bytes of ``url`` with its size and version: one
     request where the store offers :class:`ReadsTail`, else :func:`tail_by_stat`."""

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ChecksumError, describe_range
-from .base import Buffer, ObjectInfo, Store, Versioned, fetch_tail
+from .base import Buffer, ObjectInfo, Store, Versioned, fetch_tail, list_with_info
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
 from .local import LocalStore
@@ -101,10 +101,28 @@ class CachedStore:
         """The store's tail read, not cached (one request either way: a footer read at open);
         its size and version join what the loader has seen, and must match it."""
         tail, info = await fetch_tail(self.inner, url, length)
+        self._told(url, info)
+        return tail, info
+
+    async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
+        """The store's listing; each object's size and version join what the loader has
+        seen, and must match it."""
+        found = await list_with_info(self.inner, url)
+        for name, info in found:
+            if info is not None:
+                self._told(name, info)
+        return found
+
+    def _told(self, url: str, info: ObjectInfo) -> None:
+        """The store told ``url``'s size and version just now (a tail read, a listing): a
+        miss fetching its blocks need not ask again (:meth:`_stat_now`)."""
         known = self.seen.setdefault(url, info)
         if known.version != info.version:
             raise changed(url, known.version or "?", info.version)
-        return tail, info
+        if url not in self._infos:
+            told: asyncio.Future[ObjectInfo] = asyncio.get_running_loop().create_future()
+            told.set_result(info)
+            self._infos[url] = told
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         self._infos.pop(url, None)

@@ -7,6 +7,7 @@ above serve from elsewhere. A request is one byte range; a store's retries are n
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from .base import (
     Store,
     Versioned,
     fetch_tail,
+    list_with_info,
 )
 
 
@@ -49,6 +51,9 @@ class CountingStore:
 
     async def list(self, url: str) -> list[str]:
         return await self.inner.list(url)
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        return await list_with_info(self.inner, url)
 
     async def stat(self, url: str) -> ObjectInfo:
         """The store's size and version of ``url``; no version if it cannot tell one."""

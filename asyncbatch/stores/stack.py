@@ -70,6 +70,7 @@ from .base import (
     Writes,
     check_length,
     fetch_tail,
+    list_with_info,
     tail_by_stat,
 )
 from .ranged import REMOTE_COALESCE_GAP, fail, run_all
@@ -366,10 +367,7 @@ class RetryingStore:
         return await self._run(lambda: self.inner.list(url), f"list of {url}", url)
 
     async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
-        inner = self.inner
-        if not isinstance(inner, ListsInfo):
-            return [(name, None) for name in await self.list(url)]
-        return await self._run(lambda: inner.list_info(url), f"list of {url}", url)
+        return await self._run(lambda: list_with_info(self.inner, url), f"list of {url}", url)
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         # A write is not retried: the transport may have half-applied it.
