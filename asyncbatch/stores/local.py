@@ -410,7 +410,10 @@ class LocalStore(SelfGuarded):
         # Each job holds at most its share of max_open_files at once (reads of one file are
         # neighbours, so runs of one file are counted): thousands of shards in one group
         # stay under a low descriptor limit.
-        runs = np.cumsum(np.r_[True, which[1:] != which[:-1]]) - 1
+        new_file = np.empty(which.size, dtype=bool)  # (np.r_ costs ~10x more)
+        new_file[0] = True
+        np.not_equal(which[1:], which[:-1], out=new_file[1:])
+        runs = np.cumsum(new_file) - 1
         chunk = runs // max(1, self._files.max_open_files // self._threads)
         cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), int(which.size)]
         for a, b in itertools.pairwise(cuts):
