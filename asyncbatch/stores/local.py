@@ -131,18 +131,34 @@ class LocalFiles:
     def acquire(self, url: str) -> tuple[int, int, int]:
         """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
         matching :meth:`release`."""
+        return self.acquire_many([url])[0]
+
+    def acquire_many(self, urls: Sequence[str]) -> list[tuple[int, int, int]]:
+        """:meth:`acquire` of each of ``urls`` (no repeats), held until :meth:`release_many`;
+        files already open and checked in this run are taken under one hold of the lock."""
         with self._lock:
-            entry = self._held(url)
-            if entry is not None and entry[4] == self._run:
-                return entry[0], entry[2], entry[3]
-        if entry is not None:  # kept from an earlier run: is the path still this file?
-            try:
-                self.check_pin(url, _stat_path(url))
-            except BaseException:
-                self.release(url)
-                raise
-            entry[4] = self._run
-            return entry[0], entry[2], entry[3]
+            entries = [self._held(url) for url in urls]
+            run = self._run
+        got: list[tuple[int, int, int]] = []
+        try:
+            for url, entry in zip(urls, entries, strict=True):
+                got.append(self._open(url) if entry is None else self._recheck(url, entry, run))
+        except BaseException:
+            # Held: those acquired, and those taken above (the one that failed too).
+            held = zip(urls, entries, strict=True)
+            self.release_many([u for i, (u, e) in enumerate(held) if i < len(got) or e is not None])
+            raise
+        return got
+
+    def _recheck(self, url: str, entry: list[int], run: int) -> tuple[int, int, int]:
+        """An open file's entry; kept from an earlier run, checked against its path first."""
+        if entry[4] != run:  # is the path still this file?
+            self.check_pins([url], [_stat_path(url)])
+            entry[4] = run
+        return entry[0], entry[2], entry[3]
+
+    def _open(self, url: str) -> tuple[int, int, int]:
+        """Open, pin and map ``url`` into the LRU, held once."""
         try:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, PermissionError) as exc:
@@ -152,7 +168,7 @@ class LocalFiles:
         opened = [fd, 1, 0, -1, self._run]
         try:
             stat = os.fstat(fd)
-            self.check_pin(url, stat)
+            self.check_pins([url], [stat])
             if self.mmap and _preadv is not None:
                 # The pinned size is mapped; a file that cannot be mapped is read with pread.
                 with contextlib.suppress(OSError):
@@ -179,24 +195,30 @@ class LocalFiles:
             self._fds.move_to_end(url)
         return entry
 
-    def check_pin(self, url: str, stat: os.stat_result) -> None:
-        """Pin ``url`` at this version if not yet pinned, else require the same version."""
-        version = file_version(stat)
+    def check_pins(self, urls: Sequence[str], stats: Sequence[os.stat_result]) -> None:
+        """Pin each of ``urls`` at its version in ``stats`` if not yet pinned, else require
+        the same version."""
+        versions = [file_version(stat) for stat in stats]
         with self._lock:
-            pinned = self._pins.setdefault(url, version)
-        if pinned != version:
-            was = "inode {}, {} bytes, mtime {} ns".format(*pinned)
-            now = "inode {}, {} bytes, mtime {} ns".format(*version)
-            raise ShardChangedError(
-                f"the file changed since it was opened: {url} was {was}, is {now}", url
-            )
+            pins = [self._pins.setdefault(u, v) for u, v in zip(urls, versions, strict=True)]
+        for url, pinned, version in zip(urls, pins, versions, strict=True):
+            if pinned != version:
+                was = "inode {}, {} bytes, mtime {} ns".format(*pinned)
+                now = "inode {}, {} bytes, mtime {} ns".format(*version)
+                raise ShardChangedError(
+                    f"the file changed since it was opened: {url} was {was}, is {now}", url
+                )
 
     def release(self, url: str) -> None:
+        self.release_many([url])
+
+    def release_many(self, urls: Sequence[str]) -> None:
         with self._lock:
-            entry = self._fds.get(url)
-            if entry is not None:
-                entry[1] -= 1
-                self._evict_idle()
+            for url in urls:
+                entry = self._fds.get(url)
+                if entry is not None:
+                    entry[1] -= 1
+            self._evict_idle()
 
     def forget(self, url: str) -> None:
         """Unpin ``url`` and close it if no read holds it (the store wrote it)."""
@@ -255,7 +277,7 @@ class LocalStore(SelfGuarded):
     async def stat(self, url: str) -> ObjectInfo:
         """Size and identity (inode, size, mtime); pins the file at that identity."""
         stat = await self._stat(url)
-        self._files.check_pin(url, stat)
+        self._files.check_pins([url], [stat])
         return object_info(stat)
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
@@ -269,13 +291,13 @@ class LocalStore(SelfGuarded):
     def _read_tail(self, url: str, length: int) -> tuple[bytes, ObjectInfo]:
         stat = _stat_path(url)
         # The path, as stat checks it: a descriptor held open would still read the old file.
-        self._files.check_pin(url, stat)
+        self._files.check_pins([url], [stat])
         if self._closed:
             raise StoreError(f"store closed while reading {url}", url)
         fd = self._files.acquire(url)[0]
         try:
             stat = os.fstat(fd)
-            self._files.check_pin(url, stat)
+            self._files.check_pins([url], [stat])
             count = max(0, min(length, stat.st_size))
             start = stat.st_size - count
             try:
@@ -435,14 +457,13 @@ class LocalStore(SelfGuarded):
         used = np.unique(which).tolist()
         if self._closed:  # a job queued before close(), which waits for it
             raise StoreError(f"store closed while reading {urls[used[0]]}", urls[used[0]])
-        held: list[str] = []
+        held = [urls[index] for index in used]
+        opened = np.array(self._files.acquire_many(held), dtype=np.int64).T
         try:
             fd_of = np.full(len(urls), -1, dtype=np.int32)
             base_of = np.zeros(len(urls), dtype=np.int64)
             limit_of = np.full(len(urls), -1, dtype=np.int64)
-            for index in used:
-                fd_of[index], base_of[index], limit_of[index] = self._files.acquire(urls[index])
-                held.append(urls[index])
+            fd_of[used], base_of[used], limit_of[used] = opened
             lengths = ends - starts
             if _preadv is None:
                 done, got, error = _read_many_python(
@@ -471,8 +492,7 @@ class LocalStore(SelfGuarded):
                     fd_of[which], starts, lengths, dest, dest_offsets
                 )
             # A file changed under a read explains a short one too: check pins first.
-            for index in used:
-                self._files.check_pin(urls[index], os.fstat(int(fd_of[index])))
+            self._files.check_pins(held, [os.fstat(fd) for fd in opened[0].tolist()])
             if done < starts.size:
                 url = urls[int(which[done])]
                 start, end = int(starts[done]), int(ends[done])
@@ -489,8 +509,7 @@ class LocalStore(SelfGuarded):
                     )
                 check_length(url, start, end, got)
         finally:
-            for url in held:
-                self._files.release(url)
+            self._files.release_many(held)
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         path = local_path(url)
