@@ -541,3 +541,21 @@ def test_a_file_changed_between_runs_is_refused(tmp_path: Path, change: str) -> 
         error = NotFoundError if change == "delete" else ShardChangedError
         with pytest.raises(error, match="shard-00000.bin"):
             next(loader)
+
+
+def test_an_unclosed_loader_releases_its_kept_files_when_collected(tmp_path: Path) -> None:
+    """A loader whose run ended but was never closed holds no thread and warns of nothing;
+    collected, it closes the files and mappings it kept for its next run."""
+    import gc
+
+    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
+    shard = Path(dataset.shard_urls[0])
+    base = _mapped(shard)
+    loader = ab.Loader(dataset, batch_size=4, seq_len=16)
+    for _ in loader:
+        pass
+    assert _mapped(shard) == base + 1
+    del loader
+    gc.collect()
+    assert _mapped(shard) == base
+    assert str(shard) not in _open_paths()

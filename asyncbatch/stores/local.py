@@ -121,7 +121,10 @@ class LocalFiles:
         self._lock = threading.Lock()
         self._run = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_entries, self._fds)
+        finalizer = weakref.finalize(self, _close_entries, self._fds)
+        # Not at interpreter exit: a loader still running then is closed by its own hook,
+        # after this one would run, and its copies must not lose their mappings first.
+        finalizer.atexit = False
 
     def new_run(self) -> None:
         """Check each open file's path again on its next use (a new run begins)."""
