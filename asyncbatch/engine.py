@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,9 +54,9 @@ from .stores.base import (
     ReadsIntoConverted,
     Store,
 )
-from .stores.counting import ReadCounts
+from .stores.counting import CountingStore, ReadCounts
 from .stores.disk_cache import DiskCache
-from .stores.local import c_conversion, copy_pieces
+from .stores.local import LocalFiles, LocalStore, c_conversion, copy_pieces
 from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
@@ -124,6 +125,10 @@ class Engine:
         #: (counted from where the run starts), as the DataLoader takes them in turn.
         self.worker = worker
         self.stride = stride
+        #: Open local files (and their mappings) kept across runs, by store key, so a new
+        #: epoch or ``for`` loop neither opens nor maps them again; closed by :meth:`close`.
+        self._files: dict[tuple[str, str], LocalFiles] = {}
+        self._files_pid = os.getpid()
 
     async def run(
         self,
@@ -174,6 +179,7 @@ class Engine:
                             check=self.fill_check,
                         )
                     )
+                    self._keep_files(stores[-1], key)
                 of_dataset.append(index[key])
             shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
             reader = Reader(stores, self.source.shard_urls, shard_store, self.checks)
@@ -230,6 +236,24 @@ class Engine:
             # The terminal item goes last, so a consumer that sees it finds everything closed.
             if final is not None:
                 queue.put(final)
+
+    def _keep_files(self, store: Store, key: tuple[str, str]) -> None:
+        """A local store (under no cache) reads through the files this engine keeps for
+        ``key``, or hands its own over to be kept."""
+        inner = store.inner if isinstance(store, CountingStore) else store
+        if not isinstance(inner, LocalStore):
+            return
+        if self._files_pid != os.getpid():
+            # A forked child: the parent's threads may hold those tables' locks. Dropped, they
+            # close the child's copies of the descriptors and mappings when collected.
+            self._files, self._files_pid = {}, os.getpid()
+        self._files[key] = inner.keep_files(self._files.get(key))
+
+    def close(self) -> None:
+        """Close the local files kept across runs (those a run still reads, as it ends)."""
+        files, self._files = self._files, {}
+        for table in files.values():
+            table.close()
 
     def groups(
         self, first_batch: int, done: int = 0, history: History = (), first_size: int = 0

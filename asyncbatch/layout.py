@@ -90,23 +90,11 @@ class ShardMap:
         ends = starts + lengths
         first = self.shard_of(starts)
         last = self.shard_of(np.maximum(ends - 1, starts))
-        # One piece per (span, shard it touches): spans crossing shard ends split in two or more.
-        pieces_per_span = last - first + 1
-        span = np.repeat(np.arange(starts.size), pieces_per_span)
-        step = np.arange(span.size) - np.repeat(
-            np.cumsum(pieces_per_span) - pieces_per_span, pieces_per_span
-        )
-        shard = first[span] + step
-        piece_start = np.maximum(starts[span], self.starts[shard])
-        piece_end = np.minimum(ends[span], self.ends[shard])
-        keep = piece_end > piece_start  # zero-length spans read nothing
-        span, shard, piece_start, piece_end = (
-            span[keep],
-            shard[keep],
-            piece_start[keep],
-            piece_end[keep],
-        )
-        piece_dest = dest[span] + (piece_start - starts[span])
+        if (first == last).all() and (lengths > 0).all():
+            # The common case (windows much smaller than shards): each span is one piece.
+            shard, piece_start, piece_end, piece_dest = first, starts, ends, dest
+        else:
+            shard, piece_start, piece_end, piece_dest = self._split(starts, ends, dest, first, last)
 
         # Merge pieces of one shard whose gap is small. Global element positions increase with
         # the shard index, so a running maximum of ends never reaches into another shard.
@@ -166,3 +154,30 @@ class ShardMap:
             piece_length=(piece_end - piece_start)[indirect] * size,
             nbytes=int(lengths.sum()) * size,
         )
+
+    def _split(
+        self,
+        starts: Int64Array,
+        ends: Int64Array,
+        dest: Int64Array,
+        first: Int64Array,
+        last: Int64Array,
+    ) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
+        """(shard, start, end, destination) of one piece per (span, shard it touches): spans
+        crossing shard ends split in two or more, empty spans dropped."""
+        pieces_per_span = last - first + 1
+        span = np.repeat(np.arange(starts.size), pieces_per_span)
+        step = np.arange(span.size) - np.repeat(
+            np.cumsum(pieces_per_span) - pieces_per_span, pieces_per_span
+        )
+        shard = first[span] + step
+        piece_start = np.maximum(starts[span], self.starts[shard])
+        piece_end = np.minimum(ends[span], self.ends[shard])
+        keep = piece_end > piece_start  # zero-length spans read nothing
+        span, shard, piece_start, piece_end = (
+            span[keep],
+            shard[keep],
+            piece_start[keep],
+            piece_end[keep],
+        )
+        return shard, piece_start, piece_end, dest[span] + (piece_start - starts[span])

@@ -781,6 +781,8 @@ class Loader(_LoaderBase):
         self._closed = True
         self._wake_consumer()
         self._discard_run()
+        if self._engine is not None:
+            self._engine.close()
 
     def __enter__(self) -> Self:
         return self
@@ -924,6 +926,8 @@ class AsyncLoader(_LoaderBase):
         self._discard_run()
         stopping, self._stopping = self._stopping, set()
         await asyncio.gather(*stopping, return_exceptions=True)
+        if self._engine is not None:
+            self._engine.close()
 
     async def __aenter__(self) -> Self:
         return await self.open()

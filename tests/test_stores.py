@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -468,3 +469,93 @@ def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> No
             await store.close()
 
     asyncio.run(main())
+
+
+def _mapped(path: Path) -> int:
+    """How many mappings of ``path`` this process holds."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def _open_paths() -> set[str]:
+    """What this process's descriptors point at."""
+    paths = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the descriptor listdir itself used
+            paths.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return paths
+
+
+def test_a_loader_keeps_its_mapped_files_across_runs(tmp_path: Path) -> None:
+    """Consecutive ``for`` loops over one Loader read through the same descriptors and
+    mappings (no new mmap, no new first-touch faults); close() releases them."""
+    tokens = np.arange(6000, dtype=np.uint16)
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    shard = Path(dataset.shard_urls[0])
+    base = _mapped(shard)
+    with ab.Loader(dataset, batch_size=4, seq_len=16, seed=3) as loader:
+        epochs = []
+        for _ in range(3):
+            epochs.append([b["tokens"].numpy().copy() for b in loader])
+            # The run ended (its thread and pool are gone); the file stays open and mapped.
+            assert loader.statistics() is not None
+            assert _mapped(shard) == base + 1
+        assert str(shard) in _open_paths()
+    assert _mapped(shard) == base
+    for batches in epochs:
+        ids = np.concatenate([b[:, 0] for b in batches]) // 16
+        expected = tokens[ids[:, None] * 16 + np.arange(16)]
+        np.testing.assert_array_equal(np.concatenate(batches), expected)
+    assert not np.array_equal(np.concatenate(epochs[0]), np.concatenate(epochs[1]))
+
+    async def two_loops() -> None:
+        async with ab.AsyncLoader(dataset, batch_size=4, seq_len=16) as async_loader:
+            for _ in range(2):
+                async for _batch in async_loader:
+                    pass
+                assert _mapped(shard) == base + 1
+
+    asyncio.run(two_loops())
+    assert _mapped(shard) == base
+
+
+@pytest.mark.parametrize("change", ["replace", "truncate", "delete"])
+def test_a_file_changed_between_runs_is_refused(tmp_path: Path, change: str) -> None:
+    """A file kept open and mapped from an earlier run is checked against its path again:
+    replaced (a new inode, the same size), truncated or deleted between two ``for`` loops,
+    the next loop fails with ShardChangedError (or NotFoundError), never old bytes."""
+    from asyncbatch.errors import NotFoundError, ShardChangedError
+
+    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
+    shard = dataset.shard_urls[0]
+    with ab.Loader(dataset, batch_size=4, seq_len=16, shuffle=False) as loader:
+        for _ in loader:
+            pass
+        if change == "replace":
+            Path(f"{shard}.new").write_bytes(Path(shard).read_bytes()[::-1])
+            os.replace(f"{shard}.new", shard)
+        elif change == "truncate":
+            os.truncate(shard, 4096)
+        else:
+            os.remove(shard)
+        error = NotFoundError if change == "delete" else ShardChangedError
+        with pytest.raises(error, match="shard-00000.bin"):
+            next(loader)
+
+
+def test_an_unclosed_loader_releases_its_kept_files_when_collected(tmp_path: Path) -> None:
+    """A loader whose run ended but was never closed holds no thread and warns of nothing;
+    collected, it closes the files and mappings it kept for its next run."""
+    import gc
+
+    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
+    shard = Path(dataset.shard_urls[0])
+    base = _mapped(shard)
+    loader = ab.Loader(dataset, batch_size=4, seq_len=16)
+    for _ in loader:
+        pass
+    assert _mapped(shard) == base + 1
+    del loader
+    gc.collect()
+    assert _mapped(shard) == base
+    assert str(shard) not in _open_paths()

@@ -11,12 +11,16 @@ fails with a :class:`~asyncbatch.errors.ShardChangedError` instead. ``storage_op
 {"mmap": False}`` reads with ``pread`` (e.g. on a parallel filesystem that maps poorly), as
 does a file that cannot be mapped; without the helper (no compiler at install time) a Python
 loop of ``os.preadv`` calls reads, slower. Open files (and their mappings) are kept in a
-small LRU so that thousands of shards do not exhaust the process's descriptor limit.
+small LRU (:class:`LocalFiles`) so that thousands of shards do not exhaust the process's
+descriptor limit; a loader keeps it across its runs (epochs, ``for`` loops), so later epochs
+neither map the files again nor pay first-touch page faults again, and closes it in
+``close()``.
 
 Each file is pinned when it is first opened: its (inode, size, mtime) are recorded, checked
-again whenever it is reopened after leaving the LRU, and with one ``fstat`` per file after
-each group of reads. A file replaced, resized or rewritten during training is a
-:class:`~asyncbatch.errors.ShardChangedError`, not a silent mix of old and new bytes.
+again whenever it is reopened after leaving the LRU, against its path on its first use in
+each later run, and with one ``fstat`` per file after each group of reads. A file replaced,
+resized or rewritten during training is a :class:`~asyncbatch.errors.ShardChangedError`,
+not a silent mix of old and new bytes.
 Local reads are not retried: a local I/O error does not pass by waiting.
 """
 
@@ -28,6 +32,7 @@ import errno
 import itertools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +100,153 @@ def local_path(url: str) -> str:
     return url
 
 
+class LocalFiles:
+    """Open local files, their mappings and their pins: a thread-safe LRU of descriptors.
+
+    A :class:`LocalStore` makes its own table, or shares one kept by its owner across
+    stores (see :meth:`LocalStore.keep_files`): a loader keeps its table across runs, so a
+    new epoch neither maps its files again nor pays their first-touch page faults again.
+    Each run of a shared table (:meth:`new_run`) checks every kept file's path once more on
+    its first use, so a file replaced or deleted between runs is still refused, not read
+    from the old descriptor. A table nobody references releases its files when collected.
+    """
+
+    def __init__(self, max_open_files: int = 128, mmap: bool = True) -> None:
+        self.max_open_files = max_open_files
+        #: Whether reads copy from mappings (needs the C helper) rather than call pread.
+        self.mmap = mmap and _preadv is not None
+        #: url -> [fd, readers, mapping address, mapped bytes (-1: not mapped), run checked]
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()
+        self._pins: dict[str, Version] = {}  # url -> version when first opened
+        self._lock = threading.Lock()
+        self._run = 0
+        self._closed = False
+        finalizer = weakref.finalize(self, _close_entries, self._fds)
+        # Not at interpreter exit: a loader still running then is closed by its own hook,
+        # after this one would run, and its copies must not lose their mappings first.
+        finalizer.atexit = False
+
+    def new_run(self) -> None:
+        """Check each open file's path again on its next use (a new run begins)."""
+        with self._lock:
+            self._run += 1
+
+    def acquire(self, url: str) -> tuple[int, int, int]:
+        """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
+        matching :meth:`release`."""
+        return self.acquire_many([url])[0]
+
+    def acquire_many(self, urls: Sequence[str]) -> list[tuple[int, int, int]]:
+        """:meth:`acquire` of each of ``urls`` (no repeats), held until :meth:`release_many`;
+        files already open and checked in this run are taken under one hold of the lock."""
+        with self._lock:
+            entries = [self._held(url) for url in urls]
+            run = self._run
+        got: list[tuple[int, int, int]] = []
+        try:
+            for url, entry in zip(urls, entries, strict=True):
+                got.append(self._open(url) if entry is None else self._recheck(url, entry, run))
+        except BaseException:
+            # Held: those acquired, and those taken above (the one that failed too).
+            held = zip(urls, entries, strict=True)
+            self.release_many([u for i, (u, e) in enumerate(held) if i < len(got) or e is not None])
+            raise
+        return got
+
+    def _recheck(self, url: str, entry: list[int], run: int) -> tuple[int, int, int]:
+        """An open file's entry; kept from an earlier run, checked against its path first."""
+        if entry[4] != run:  # is the path still this file?
+            self.check_pins([url], [_stat_path(url)])
+            entry[4] = run
+        return entry[0], entry[2], entry[3]
+
+    def _open(self, url: str) -> tuple[int, int, int]:
+        """Open, pin and map ``url`` into the LRU, held once."""
+        try:
+            fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise map_error(exc, url) from exc
+        except OSError as exc:  # not retried: a local I/O error does not pass by waiting
+            raise StoreError(f"cannot open {url}: {exc}", url) from exc
+        opened = [fd, 1, 0, -1, self._run]
+        try:
+            stat = os.fstat(fd)
+            self.check_pins([url], [stat])
+            if self.mmap and _preadv is not None:
+                # The pinned size is mapped; a file that cannot be mapped is read with pread.
+                with contextlib.suppress(OSError):
+                    opened[2], opened[3] = _preadv.map_file(fd, stat.st_size), stat.st_size
+        except BaseException:
+            _close_entry(opened)
+            raise
+        with self._lock:
+            entry = self._held(url)
+            if entry is not None:  # another thread opened it meanwhile
+                _close_entry(opened)
+                return entry[0], entry[2], entry[3]
+            self._fds[url] = opened
+            self._evict_idle()
+        return opened[0], opened[2], opened[3]
+
+    def _held(self, url: str) -> list[int] | None:
+        """``url``'s entry with one more reader, if open; called with the lock held."""
+        if self._closed:
+            raise StoreError(f"store closed while reading {url}", url)
+        entry = self._fds.get(url)
+        if entry is not None:
+            entry[1] += 1
+            self._fds.move_to_end(url)
+        return entry
+
+    def check_pins(self, urls: Sequence[str], stats: Sequence[os.stat_result]) -> None:
+        """Pin each of ``urls`` at its version in ``stats`` if not yet pinned, else require
+        the same version."""
+        versions = [file_version(stat) for stat in stats]
+        with self._lock:
+            pins = [self._pins.setdefault(u, v) for u, v in zip(urls, versions, strict=True)]
+        for url, pinned, version in zip(urls, pins, versions, strict=True):
+            if pinned != version:
+                was = "inode {}, {} bytes, mtime {} ns".format(*pinned)
+                now = "inode {}, {} bytes, mtime {} ns".format(*version)
+                raise ShardChangedError(
+                    f"the file changed since it was opened: {url} was {was}, is {now}", url
+                )
+
+    def release(self, url: str) -> None:
+        self.release_many([url])
+
+    def release_many(self, urls: Sequence[str]) -> None:
+        with self._lock:
+            for url in urls:
+                entry = self._fds.get(url)
+                if entry is not None:
+                    entry[1] -= 1
+            self._evict_idle()
+
+    def forget(self, url: str) -> None:
+        """Unpin ``url`` and close it if no read holds it (the store wrote it)."""
+        with self._lock:
+            self._pins.pop(url, None)
+            entry = self._fds.get(url)
+            if entry is not None and entry[1] == 0:
+                _close_entry(self._fds.pop(url))
+
+    def _evict_idle(self) -> None:
+        """Close least recently used descriptors no read holds (all of them once closed);
+        called with the lock held."""
+        excess = len(self._fds) - (0 if self._closed else self.max_open_files)
+        if excess <= 0:
+            return
+        for url in [u for u, entry in self._fds.items() if entry[1] == 0][:excess]:
+            _close_entry(self._fds.pop(url))
+
+    def close(self) -> None:
+        """Close every file no read holds now; the others as their reads end. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._evict_idle()
+
+
 class LocalStore(SelfGuarded):
     """Store for local paths and ``file://`` URLs."""
 
@@ -104,16 +256,23 @@ class LocalStore(SelfGuarded):
     coalesce_gap = 16 * 1024
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
-        self._max_open_files = max_open_files
-        #: Whether reads copy from mappings (needs the C helper) rather than call pread.
-        self._mmap = mmap and _preadv is not None
-        #: url -> [fd, readers, mapping address, mapped bytes (-1: not mapped)]
-        self._fds: OrderedDict[str, list[int]] = OrderedDict()
-        self._pins: dict[str, Version] = {}  # url -> version when first opened
-        self._fds_lock = threading.Lock()
+        self._files = LocalFiles(max_open_files, mmap)
+        #: Whether close() closes the files (False once handed out by keep_files).
+        self._owns_files = True
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
+
+    def keep_files(self, kept: LocalFiles | None = None) -> LocalFiles:
+        """Hand this store's open files (descriptors, mappings, pins) to the caller, who keeps
+        them open past the store's close and closes them; ``kept``, the files of an earlier
+        store opened with the same options, replaces this store's own (for a new run)."""
+        if kept is not None and kept is not self._files:
+            self._files.close()  # its own, still empty
+            self._files = kept
+            kept.new_run()
+        self._owns_files = False
+        return self._files
 
     async def size(self, url: str) -> int:
         return (await self._stat(url)).st_size
@@ -121,7 +280,7 @@ class LocalStore(SelfGuarded):
     async def stat(self, url: str) -> ObjectInfo:
         """Size and identity (inode, size, mtime); pins the file at that identity."""
         stat = await self._stat(url)
-        self._check_pin(url, stat)
+        self._files.check_pins([url], [stat])
         return object_info(stat)
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
@@ -133,16 +292,15 @@ class LocalStore(SelfGuarded):
         return await loop.run_in_executor(self._pool, self._read_tail, url, length)
 
     def _read_tail(self, url: str, length: int) -> tuple[bytes, ObjectInfo]:
-        try:
-            stat = os.stat(local_path(url))
-        except (FileNotFoundError, PermissionError) as exc:
-            raise map_error(exc, url) from exc
+        stat = _stat_path(url)
         # The path, as stat checks it: a descriptor held open would still read the old file.
-        self._check_pin(url, stat)
-        fd = self._acquire(url)[0]
+        self._files.check_pins([url], [stat])
+        if self._closed:
+            raise StoreError(f"store closed while reading {url}", url)
+        fd = self._files.acquire(url)[0]
         try:
             stat = os.fstat(fd)
-            self._check_pin(url, stat)
+            self._files.check_pins([url], [stat])
             count = max(0, min(length, stat.st_size))
             start = stat.st_size - count
             try:
@@ -152,7 +310,7 @@ class LocalStore(SelfGuarded):
                 raise StoreError(f"read failed: {where}: {exc}", url, start, stat.st_size) from exc
             check_length(url, start, stat.st_size, len(tail))
         finally:
-            self._release(url)
+            self._files.release(url)
         return tail, object_info(stat)
 
     async def _stat(self, url: str) -> os.stat_result:
@@ -221,7 +379,7 @@ class LocalStore(SelfGuarded):
         staging buffer laid out like ``dest`` and cast in one call off the loop."""
         source, target = convert
         name = c_conversion(source, target)
-        if name is not None and self._mmap:
+        if name is not None and self._files.mmap:
             await self._read_jobs(urls, which, starts, ends, dest, dest_offsets, name)
             return
         ratio_in, ratio_out = source.itemsize, target.itemsize
@@ -277,8 +435,11 @@ class LocalStore(SelfGuarded):
         # Each job holds at most its share of max_open_files at once (reads of one file are
         # neighbours, so runs of one file are counted): thousands of shards in one group
         # stay under a low descriptor limit.
-        runs = np.cumsum(np.r_[True, which[1:] != which[:-1]]) - 1
-        chunk = runs // max(1, self._max_open_files // self._threads)
+        new_file = np.empty(which.size, dtype=bool)  # (np.r_ costs ~10x more)
+        new_file[0] = True
+        np.not_equal(which[1:], which[:-1], out=new_file[1:])
+        runs = np.cumsum(new_file) - 1
+        chunk = runs // max(1, self._files.max_open_files // self._threads)
         cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), int(which.size)]
         for a, b in itertools.pairwise(cuts):
             self._read_chunk(
@@ -297,20 +458,21 @@ class LocalStore(SelfGuarded):
     ) -> None:
         """Reads of a few files; ``convert``: a conversion of the C helper (mapped files)."""
         used = np.unique(which).tolist()
-        held: list[str] = []
+        if self._closed:  # a job queued before close(), which waits for it
+            raise StoreError(f"store closed while reading {urls[used[0]]}", urls[used[0]])
+        held = [urls[index] for index in used]
+        opened = np.array(self._files.acquire_many(held), dtype=np.int64).T
         try:
             fd_of = np.full(len(urls), -1, dtype=np.int32)
             base_of = np.zeros(len(urls), dtype=np.int64)
             limit_of = np.full(len(urls), -1, dtype=np.int64)
-            for index in used:
-                fd_of[index], base_of[index], limit_of[index] = self._acquire(urls[index])
-                held.append(urls[index])
+            fd_of[used], base_of[used], limit_of[used] = opened
             lengths = ends - starts
             if _preadv is None:
                 done, got, error = _read_many_python(
                     fd_of[which], starts, lengths, dest, dest_offsets
                 )
-            elif self._mmap and (limit_of[used] >= 0).all():
+            elif self._files.mmap and (limit_of[used] >= 0).all():
                 done, got, error = _preadv.copy_many(
                     base_of[which],
                     limit_of[which],
@@ -333,8 +495,7 @@ class LocalStore(SelfGuarded):
                     fd_of[which], starts, lengths, dest, dest_offsets
                 )
             # A file changed under a read explains a short one too: check pins first.
-            for index in used:
-                self._check_pin(urls[index], os.fstat(int(fd_of[index])))
+            self._files.check_pins(held, [os.fstat(fd) for fd in opened[0].tolist()])
             if done < starts.size:
                 url = urls[int(which[done])]
                 start, end = int(starts[done]), int(ends[done])
@@ -351,76 +512,7 @@ class LocalStore(SelfGuarded):
                     )
                 check_length(url, start, end, got)
         finally:
-            for url in held:
-                self._release(url)
-
-    def _acquire(self, url: str) -> tuple[int, int, int]:
-        """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
-        matching :meth:`_release`."""
-        with self._fds_lock:
-            if self._closed:
-                raise StoreError(f"store closed while reading {url}", url)
-            entry = self._fds.get(url)
-            if entry is not None:
-                entry[1] += 1
-                self._fds.move_to_end(url)
-                return entry[0], entry[2], entry[3]
-        try:
-            fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, PermissionError) as exc:
-            raise map_error(exc, url) from exc
-        except OSError as exc:  # not retried: a local I/O error does not pass by waiting
-            raise StoreError(f"cannot open {url}: {exc}", url) from exc
-        opened = [fd, 1, 0, -1]
-        try:
-            stat = os.fstat(fd)
-            self._check_pin(url, stat)
-            if self._mmap and _preadv is not None:
-                # The pinned size is mapped; a file that cannot be mapped is read with pread.
-                with contextlib.suppress(OSError):
-                    opened[2], opened[3] = _preadv.map_file(fd, stat.st_size), stat.st_size
-        except BaseException:
-            _close_entry(opened)
-            raise
-        with self._fds_lock:
-            if self._closed:  # close() ran while this thread was opening the file
-                _close_entry(opened)
-                raise StoreError(f"store closed while reading {url}", url)
-            entry = self._fds.get(url)
-            if entry is not None:  # another thread opened it meanwhile
-                _close_entry(opened)
-                entry[1] += 1
-                return entry[0], entry[2], entry[3]
-            self._fds[url] = opened
-            self._evict_idle()
-        return opened[0], opened[2], opened[3]
-
-    def _check_pin(self, url: str, stat: os.stat_result) -> None:
-        """Pin ``url`` at this version if not yet pinned, else require the same version."""
-        version = file_version(stat)
-        with self._fds_lock:
-            pinned = self._pins.setdefault(url, version)
-        if pinned != version:
-            was = "inode {}, {} bytes, mtime {} ns".format(*pinned)
-            now = "inode {}, {} bytes, mtime {} ns".format(*version)
-            raise ShardChangedError(
-                f"the file changed since it was opened: {url} was {was}, is {now}", url
-            )
-
-    def _release(self, url: str) -> None:
-        with self._fds_lock:
-            entry = self._fds.get(url)
-            if entry is not None:
-                entry[1] -= 1
-                self._evict_idle()
-
-    def _evict_idle(self) -> None:
-        """Close least recently used descriptors no read holds; called with the lock held."""
-        excess = len(self._fds) - self._max_open_files
-        if excess <= 0:
-            return
-        for url in [u for u, entry in self._fds.items() if entry[1] == 0][:excess]:
-            _close_entry(self._fds.pop(url))
+            self._files.release_many(held)
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         path = local_path(url)
@@ -433,27 +525,35 @@ class LocalStore(SelfGuarded):
             raise StoreError(f"store closed before writing {url}", url)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, _write_file, path, data)
-        with self._fds_lock:  # our own write: the next open pins the new file
-            self._pins.pop(url, None)
-            entry = self._fds.get(url)
-            if entry is not None and entry[1] == 0:
-                _close_entry(self._fds.pop(url))
+        self._files.forget(url)  # our own write: the next open pins the new file
 
     async def close(self) -> None:
-        with self._fds_lock:
-            if self._closed:
-                return
-            self._closed = True
-            entries = list(self._fds.values())
-            self._fds.clear()
+        """Stop the reading threads (after the reads under way) and close the files, unless
+        :meth:`keep_files` handed them out."""
+        if self._closed:
+            return
+        self._closed = True
         self._pool.shutdown(wait=True)
-        for entry in entries:
-            _close_entry(entry)
+        if self._owns_files:
+            self._files.close()
+
+
+def _stat_path(url: str) -> os.stat_result:
+    try:
+        return os.stat(local_path(url))
+    except (FileNotFoundError, PermissionError) as exc:
+        raise map_error(exc, url) from exc
+
+
+def _close_entries(entries: OrderedDict[str, list[int]]) -> None:
+    """Unmap and close every file of an LRU (its table was collected: no read holds one)."""
+    while entries:
+        _close_entry(entries.popitem()[1])
 
 
 def _close_entry(entry: list[int]) -> None:
     """Unmap and close one open file of the LRU."""
-    fd, _, address, length = entry
+    fd, _, address, length, _ = entry
     if length > 0 and _preadv is not None:
         _preadv.unmap_file(address, length)
     try:
