@@ -13,16 +13,17 @@ Everything else comes from the aiobotocore client s3fs made, so both paths agree
 * credentials: frozen again for every request (refreshing ones renew when they expire),
   with the session token sent as ``X-Amz-Security-Token``; ``anon=True`` (``UNSIGNED``)
   sends no signature;
-* each bucket's URL and signing region: from one presigned URL per bucket, which applies
-  the client's endpoint, addressing style (path-style for an IP ``endpoint_url``,
-  virtual-hosted on AWS), region, FIPS and dual-stack settings;
+* each bucket's URL and signing region: resolved once per bucket by the client's endpoint
+  rules (``_resolve_endpoint_ruleset``, as its ``get_object`` does), which apply its endpoint,
+  addressing style (path-style for an IP ``endpoint_url``, virtual-hosted on AWS), region,
+  FIPS and dual-stack settings;
 * TLS: the client's ``verify`` (a CA bundle, or off) and its default CA bundle.
 
 :func:`signed_gets` returns None (the store keeps botocore's ``get_object``) for what this
 module does not handle: a ``signature_version`` other than SigV4 or ``UNSIGNED``, a proxy
-(configured or from the environment), a client certificate. A bucket whose presigned URL is
-not plain SigV4 with only the ``host`` header signed (S3 Express, SigV4a), and a bucket that
-answers with a redirect (another region), go through botocore from then on.
+(configured or from the environment), a client certificate. A bucket whose endpoint rules ask
+for another signature (S3 Express, SigV4a) or extra headers, and a bucket that answers with
+a redirect (another region), go through botocore from then on.
 Event handlers registered on the botocore session do not see these GETs.
 """
 
@@ -38,24 +39,13 @@ import time
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from yarl import URL
 
 #: SHA-256 of the empty body: every GET's payload hash.
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-#: Query parameters a plain SigV4 presigned URL holds; any other means a scheme this module
-#: does not sign (S3 Express session tokens, SigV4a).
-_PRESIGN_FIELDS = {
-    "X-Amz-Algorithm",
-    "X-Amz-Credential",
-    "X-Amz-Date",
-    "X-Amz-Expires",
-    "X-Amz-SignedHeaders",
-    "X-Amz-Signature",
-    "X-Amz-Security-Token",
-}
 #: Error codes botocore follows to another region (its S3RegionRedirector).
 _REDIRECTS = {"PermanentRedirect", "AuthorizationHeaderMalformed", "TemporaryRedirect"}
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
@@ -184,32 +174,32 @@ class SignedGets:
         return self._session
 
     async def _bucket(self, bucket: str) -> _Bucket | None:
-        """Where ``bucket`` is, from one presigned URL (None: botocore must send its GETs)."""
+        """Where ``bucket`` is and its signing region, as botocore's endpoint rules resolve
+        them for a GetObject (None: botocore must send its GETs)."""
         if bucket in self._buckets:
             return self._buckets[bucket]
-        presigned = await self._client.generate_presigned_url(
-            "get_object", Params={"Bucket": bucket, "Key": "k"}, ExpiresIn=60
-        )
-        parts = urlsplit(presigned)
-        query = dict(parse_qsl(parts.query))
         where: _Bucket | None = None
-        if parts.path.endswith("/k") and query.keys() <= _PRESIGN_FIELDS:
-            path = parts.path[:-1]  # ends with "/"
+        client = self._client
+        context: dict[str, Any] = {}
+        try:
+            operation = client.meta.service_model.operation_model("GetObject")
+            endpoint, headers, _ = await client._resolve_endpoint_ruleset(
+                operation, {"Bucket": bucket, "Key": "k"}, context
+            )
+        except (AttributeError, TypeError):  # another botocore: its get_object it is
+            endpoint, headers = None, None
+        signing = context.get("signing", {})
+        region = signing.get("region") or client.meta.region_name or "us-east-1"
+        wanted = "none" if self._unsigned else "v4"
+        if endpoint and not headers and context.get("auth_type") in (None, wanted):
+            parts = urlsplit(endpoint)
             host = parts.netloc
             default_port = {"http": ":80", "https": ":443"}.get(parts.scheme)
             if default_port:
                 host = host.removesuffix(default_port)
+            path = parts.path.rstrip("/") + "/"
             base = f"{parts.scheme}://{parts.netloc}{path}"
-            if self._unsigned and not query:
-                where = _Bucket(base, host, path, None)
-            elif (
-                not self._unsigned
-                and query.get("X-Amz-Algorithm") == "AWS4-HMAC-SHA256"
-                and query.get("X-Amz-SignedHeaders") == "host"
-            ):
-                scope = unquote(query.get("X-Amz-Credential", "")).split("/")
-                if len(scope) == 5 and scope[3] == "s3":
-                    where = _Bucket(base, host, path, scope[2])
+            where = _Bucket(base, host, path, None if self._unsigned else region)
         self._buckets[bucket] = where
         return where
 
