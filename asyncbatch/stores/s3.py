@@ -3,7 +3,7 @@
 Sizes go straight to the aiobotocore client's ``head_object`` with botocore's retries off
 (one attempt per call) and s3fs's ``_call_s3`` retries bypassed. Ranges go over aiohttp,
 signed by :mod:`~asyncbatch.stores.s3_signed` with the client's credentials and endpoint
-(about 10x less CPU per request than botocore's ``get_object``, still used where that
+(a fraction of the CPU per request of botocore's ``get_object``, still used where that
 module does not apply). So the store's :class:`~asyncbatch.stores.retry.RetryPolicy` is
 the only retry layer: a persistent 503 costs exactly ``max_attempts`` GETs. Each key is
 pinned to its ETag on first touch and later ranges send ``IfMatch``; every response's
