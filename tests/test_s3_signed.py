@@ -309,3 +309,14 @@ def test_another_signature_version_goes_through_botocore(s3_endpoint: str) -> No
         return bytes(buffer)
 
     assert asyncio.run(go()) == DATA[5:105]
+
+
+def test_an_invalid_bucket_name_is_the_same_config_error_both_ways(s3_endpoint: str) -> None:
+    url = "s3://bad:bucket/signed/key"  # a name botocore refuses before sending
+    messages = []
+    for signed in (True, False):
+        with pytest.raises(ab.ConfigError) as caught:
+            read(s3_options(s3_endpoint), url, signed=signed)
+        messages.append(str(caught.value))
+    assert "invalid bucket name 'bad:bucket'" in messages[0]
+    assert messages[0] == messages[1]

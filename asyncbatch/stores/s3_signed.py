@@ -21,9 +21,10 @@ Everything else comes from the aiobotocore client s3fs made, so both paths agree
 
 :func:`signed_gets` returns None (the store keeps botocore's ``get_object``) for what this
 module does not handle: a ``signature_version`` other than SigV4 or ``UNSIGNED``, a proxy
-(configured or from the environment), a client certificate. A bucket whose endpoint rules ask
-for another signature (S3 Express, SigV4a) or extra headers, and a bucket that answers with
-a redirect (another region), go through botocore from then on.
+(configured or from the environment), a client certificate. An access point ARN, a bucket
+whose endpoint rules ask for another signature (S3 Express, SigV4a, S3 on Outposts) or extra
+headers, and a bucket that answers with a redirect (another region), go through botocore
+from then on.
 Event handlers registered on the botocore session do not see these GETs.
 """
 
@@ -178,6 +179,10 @@ class SignedGets:
         them for a GetObject (None: botocore must send its GETs)."""
         if bucket in self._buckets:
             return self._buckets[bucket]
+        from botocore.handlers import validate_bucket_name
+
+        # The check botocore makes before sending (a ParamValidationError: a ConfigError).
+        validate_bucket_name({"Bucket": bucket})
         where: _Bucket | None = None
         client = self._client
         context: dict[str, Any] = {}
@@ -186,12 +191,18 @@ class SignedGets:
             endpoint, headers, _ = await client._resolve_endpoint_ruleset(
                 operation, {"Bucket": bucket, "Key": "k"}, context
             )
-        except (AttributeError, TypeError):  # another botocore: its get_object it is
-            endpoint, headers = None, None
+        except Exception:  # noqa: BLE001 - an invalid bucket name, another botocore, ...:
+            endpoint, headers = None, None  # botocore's get_object raises its own error or copes
         signing = context.get("signing", {})
         region = signing.get("region") or client.meta.region_name or "us-east-1"
         wanted = "none" if self._unsigned else "v4"
-        if endpoint and not headers and context.get("auth_type") in (None, wanted):
+        if (
+            endpoint
+            and not headers
+            and not bucket.startswith("arn:")  # access points: botocore's
+            and context.get("auth_type") in (None, wanted)
+            and signing.get("signing_name", "s3") == "s3"
+        ):
             parts = urlsplit(endpoint)
             host = parts.netloc
             default_port = {"http": ":80", "https": ":443"}.get(parts.scheme)
