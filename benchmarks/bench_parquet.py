@@ -10,7 +10,9 @@ Face Hub (``data/train-00000-of-01000.parquet``), each ``--row-groups`` row grou
 
 **Open** (every file's row count known, the index asyncbatch builds):
 
-* ``asyncbatch``: ``ab.open_dataset("s3://bucket/corpus/data/train-*.parquet", storage_options)``;
+* ``asyncbatch``: ``ab.open_dataset("s3://bucket/corpus/data/train-*.parquet", storage_options)``,
+  ``--open-rounds`` times (median) and as often, alternating, with the S3 store's GETs sent
+  through botocore's ``get_object`` (``asyncbatch_botocore``) instead of signed by asyncbatch;
 * ``pyarrow.dataset``: ``pyarrow.dataset.dataset([key, ...], filesystem=S3FileSystem(...))``
   then ``count_rows()`` (reads every footer; given the file list, as pyarrow's listing fails on
   s3rver);
@@ -50,6 +52,7 @@ import itertools
 import json
 import platform
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -75,6 +78,7 @@ from s3rver import (
 )
 
 import asyncbatch as ab
+from asyncbatch.stores.s3 import S3Store
 
 
 def write_corpus(folder: Path, args: argparse.Namespace) -> int:
@@ -201,11 +205,27 @@ def run(endpoint: str, proxy: Proxy, args: argparse.Namespace, scratch: Path) ->
     shuffle_rows = args.window * args.rows
 
     # Open, after one untimed open of one file by each (imports, clients, connections).
+    # asyncbatch's open is timed --open-rounds times with its S3 GETs signed by asyncbatch
+    # (the default) and, alternating, sent through botocore's get_object: medians, and the
+    # median of the per-round ratios.
     ab.open_dataset(files[:1], options)
-    seconds, counts, dataset = timed(
-        lambda: ab.open_dataset(f"{prefix}/train-*.parquet", options), proxy
+    opens: dict[str, list[tuple[float, int]]] = {"asyncbatch": [], "asyncbatch_botocore": []}
+    for _ in range(args.open_rounds):
+        for name, signed in (("asyncbatch", True), ("asyncbatch_botocore", False)):
+            S3Store.sign_gets = signed
+            try:
+                seconds, counts, dataset = timed(
+                    lambda: ab.open_dataset(f"{prefix}/train-*.parquet", options), proxy
+                )
+            finally:
+                S3Store.sign_gets = True
+            opens[name].append((seconds, counts.requests))
+    for name, runs in opens.items():
+        seconds = statistics.median(run[0] for run in runs)
+        results[f"open_{name}"] = {"seconds": seconds, "requests": runs[-1][1]}
+    results["open_botocore_over_signed"] = statistics.median(
+        b[0] / a[0] for a, b in zip(opens["asyncbatch"], opens["asyncbatch_botocore"], strict=True)
     )
-    results["open_asyncbatch"] = {"seconds": seconds, "requests": counts.requests}
     import pyarrow.dataset as pads
     from pyarrow import fs as pafs
 
@@ -288,8 +308,10 @@ def report(results: dict[str, Any]) -> str:
     lines.append("| open | seconds | requests |")
     lines.append("|---|---:|---:|")
     for key, value in results.items():
-        if key.startswith("open_"):
+        if key.startswith("open_") and isinstance(value, dict):
             lines.append(f"| {key[5:]} | {value['seconds']:.2f} | {value['requests']} |")
+    ratio = results["open_botocore_over_signed"]
+    lines.append(f"asyncbatch open, botocore GETs / signed GETs (paired): {ratio:.2f}")
     lines.append("")
     lines.append(
         "| read | M tokens/s | first batch (s) | requests | MB through the proxy"
@@ -323,6 +345,9 @@ def main() -> None:
     parser.add_argument("--window", type=positive, default=8, help="row groups per window")
     parser.add_argument("--datasets-rows", type=positive, default=20_000)
     parser.add_argument("--datasets-download", action="store_true")
+    parser.add_argument(
+        "--open-rounds", type=positive, default=3, help="asyncbatch opens, each way (median)"
+    )
     parser.add_argument("--delay-ms", type=float, default=10.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--s3rver-dir", type=Path, default=None)

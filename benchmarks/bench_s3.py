@@ -14,6 +14,8 @@ server at the end, error or not. With ``seq_len`` 2048, batch 16, global shuffle
   request, so requests <= windows, and its prefetching requests count when they complete
   within the timed interval;
 * ``loader gap 0``: the same with ``coalesce_gap=0`` (only touching windows are merged);
+* ``loader botocore``: ``loader`` with the store's GETs sent through botocore's
+  ``get_object`` (``S3Store.sign_gets = False``) instead of signed by asyncbatch;
 * ``s3fs per window``: one ``s3fs.S3FileSystem(asynchronous=True)`` calling
   ``await fs._cat_ranges(paths, starts, ends, batch_size=N)`` with one range per window, for
   the same windows (its connection pool raised to N, as the Loader does);
@@ -64,6 +66,8 @@ from s3rver import (
 import asyncbatch as ab
 from asyncbatch.sampling.order import EpochOrder
 from asyncbatch.stores import open_store
+from asyncbatch.stores.s3 import S3Store
+from asyncbatch.stores.s3_signed import SignedGets
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16
@@ -103,14 +107,15 @@ class Sample:
 
 
 class RequestLog:
-    """Counts this process's S3 range GETs and HEADs at the aiobotocore client.
+    """Counts this process's S3 range GETs and HEADs at the aiobotocore client and at the
+    store's signed GETs.
 
-    Wraps ``AioBaseClient._make_api_call``, which every S3 request goes through, whether it
-    comes from s3fs (``_cat_file``) or from the Loader's store (which calls the client's
-    ``get_object`` / ``head_object`` itself), so the figures stay true whatever the Loader's
-    read planning or store does. A GET counts when its response headers arrive, with the
-    ``ContentLength`` it announces; ``recording`` (when set) also collects the ranges, in
-    that order.
+    Wraps ``AioBaseClient._make_api_call``, which every botocore request goes through, whether
+    it comes from s3fs (``_cat_file``) or from the Loader's store (its HEADs, and its GETs
+    with ``S3Store.sign_gets`` off), and ``SignedGets.get_object`` (the store's GETs), so the
+    figures stay true whatever the Loader's read planning or store does. A GET counts when
+    its response headers arrive, with the ``ContentLength`` it announces; ``recording`` (when
+    set) also collects the ranges, in that order.
     """
 
     def __init__(self) -> None:
@@ -119,24 +124,35 @@ class RequestLog:
         self.heads = 0
         self.recording: Ranges | None = None
         original = AioBaseClient._make_api_call
+        original_signed = SignedGets.get_object
 
         async def counted(client: Any, operation: str, params: dict[str, Any]) -> Any:
             response = await original(client, operation, params)
-            if operation == "HeadObject":
-                self.heads += 1
-            elif operation == "GetObject":
-                self.count += 1
-                self.nbytes += int(response.get("ContentLength") or 0)
-                recording = self.recording
-                spec = params.get("Range")
-                if recording is not None and spec:
-                    first, last = spec.removeprefix("bytes=").split("-")
-                    recording.paths.append(f"{params['Bucket']}/{params['Key']}")
-                    recording.starts.append(int(first))
-                    recording.ends.append(int(last) + 1)
+            self._record(operation, params, response)
+            return response
+
+        async def counted_signed(gets: SignedGets, **params: Any) -> Any:
+            response = await original_signed(gets, **params)
+            if gets._buckets.get(params["Bucket"]) is not None:  # else botocore's, counted
+                self._record("GetObject", params, response)
             return response
 
         AioBaseClient._make_api_call = counted  # type: ignore[method-assign]
+        SignedGets.get_object = counted_signed  # type: ignore[method-assign]
+
+    def _record(self, operation: str, params: dict[str, Any], response: Any) -> None:
+        if operation == "HeadObject":
+            self.heads += 1
+        elif operation == "GetObject":
+            self.count += 1
+            self.nbytes += int(response.get("ContentLength") or 0)
+            recording = self.recording
+            spec = params.get("Range")
+            if recording is not None and spec:
+                first, last = spec.removeprefix("bytes=").split("-")
+                recording.paths.append(f"{params['Bucket']}/{params['Key']}")
+                recording.starts.append(int(first))
+                recording.ends.append(int(last) + 1)
 
 
 def window_ranges(dataset: ab.Dataset, ids: npt.NDArray[np.int64]) -> Ranges:
@@ -180,11 +196,28 @@ def time_loader(
     log: RequestLog,
     gap: int | None = None,
     reference: list[bytes] | None = None,
+    signed: bool = True,
 ) -> Sample:
     """From constructing a Loader to holding its ``batches``-th batch: time and requests.
 
-    With ``reference``, the last batch must hold exactly those rows (bytes).
+    With ``reference``, the last batch must hold exactly those rows (bytes). ``signed=False``
+    sends the store's GETs through botocore's ``get_object``.
     """
+    S3Store.sign_gets = signed
+    try:
+        return _time_loader(dataset, batches, inflight, log, gap, reference)
+    finally:
+        S3Store.sign_gets = True
+
+
+def _time_loader(
+    dataset: ab.Dataset,
+    batches: int,
+    inflight: int,
+    log: RequestLog,
+    gap: int | None,
+    reference: list[bytes] | None,
+) -> Sample:
     count, nbytes, heads = log.count, log.nbytes, log.heads
     start = time.perf_counter()
     with make_loader(dataset, inflight, gap) as loader:
@@ -319,6 +352,7 @@ def run(endpoint: str, args: argparse.Namespace, log: RequestLog) -> None:
     measures: dict[str, Callable[[], Sample]] = {
         "loader": lambda: time_loader(dataset, batches, inflight, log),
         "loader gap 0": lambda: time_loader(dataset, batches, inflight, log, gap=0),
+        "loader botocore": lambda: time_loader(dataset, batches, inflight, log, signed=False),
         "s3fs per window": lambda: time_s3fs(options, per_window, inflight),
         "s3fs loader reqs": lambda: time_s3fs(options, loader_requests, inflight),
     }

@@ -82,6 +82,8 @@ class FaultServer:
         self.total = 0
         #: (method, path, Range header) of every request, in order.
         self.log: list[tuple[str, str, str]] = []
+        #: The headers of every request, in order.
+        self.headers: list[dict[str, str]] = []
         self.inflight = 0
         self.peak = 0
         self._lock = threading.Lock()
@@ -115,6 +117,7 @@ class FaultServer:
         with self._lock:
             self.requests.clear()
             self.log.clear()
+            self.headers.clear()
             self.total = self.peak = 0
 
     def pending(self) -> int:
@@ -137,6 +140,7 @@ class FaultServer:
         with self._lock:
             self.requests[(request.method, request.path)] += 1
             self.log.append((request.method, request.path, request.headers.get("Range", "")))
+            self.headers.append(dict(request.headers))
             self.total += 1
             self.inflight += 1
             self.peak = max(self.peak, self.inflight)

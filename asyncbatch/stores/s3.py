@@ -1,13 +1,16 @@
 """S3 transport: s3fs for credentials, endpoint, listing and writes; reads our own.
 
-Ranges and sizes go straight to the aiobotocore client's ``get_object`` / ``head_object``
-with botocore's retries off and s3fs's ``_call_s3`` retries bypassed: one attempt per call,
-so the registry's stack (``stack.py``) and its :class:`~asyncbatch.stores.retry.RetryPolicy`
-are the only retry layer (a persistent 503 costs exactly ``max_attempts`` GETs). It offers
-:class:`~asyncbatch.stores.base.ResumesRanges`: the stack retries each range for its missing
-tail, pins each key at its first ETag and passes the pin in, which this transport sends as
-``IfMatch``; every response's ``ContentRange`` is checked against the range asked. botocore
-and aiohttp errors are mapped to typed errors naming the key and range; none escapes raw.
+Sizes go straight to the aiobotocore client's ``head_object`` with botocore's retries off
+and s3fs's ``_call_s3`` retries bypassed. Ranges go over aiohttp, signed by
+:mod:`~asyncbatch.stores.s3_signed` with the client's credentials and endpoint (a fraction of
+the CPU per request of botocore's ``get_object``, still used where that module does not
+apply). Every call is one attempt, so the registry's stack (``stack.py``) and its
+:class:`~asyncbatch.stores.retry.RetryPolicy` are the only retry layer (a persistent 503
+costs exactly ``max_attempts`` GETs). It offers :class:`~asyncbatch.stores.base.ResumesRanges`:
+the stack retries each range for its missing tail, pins each key at its first ETag and
+passes the pin in, which this transport sends as ``IfMatch``; every response's
+``ContentRange`` is checked against the range asked. botocore and aiohttp errors are mapped
+to typed errors naming the key and range; none escapes raw.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .ranged import (
     tail_from,
 )
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .s3_signed import SignedGets, signed_gets
 from .validate import check_options
 
 #: Bytes asked of the socket per read of a body.
@@ -114,6 +118,11 @@ class _Changed(Exception):
 class S3Store(FsspecStore):
     """Transport for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
 
+    #: GETs go through :mod:`~asyncbatch.stores.s3_signed` (aiohttp, signed here) where the
+    #: client's configuration allows; False sends them through botocore's ``get_object``
+    #: (benchmarks compare the two).
+    sign_gets = True
+
     def __init__(
         self,
         protocol: str,
@@ -137,6 +146,8 @@ class S3Store(FsspecStore):
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
         #: False once the endpoint answered a suffix range with other bytes (s3rver).
         self._suffix_ranges = True
+        #: The signed GET path; False once the client's configuration ruled it out.
+        self._signed: SignedGets | bool | None = None
 
     async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
         fs = await self._filesystem()
@@ -206,10 +217,11 @@ class S3Store(FsspecStore):
     ) -> Any:
         """``client.method(**kwargs)`` under the first-byte timeout; errors mapped."""
         client, _, _ = await self._client()
+        call = self._sender(client, method)
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
             async with asyncio.timeout(wait):
-                return await getattr(client, method)(**kwargs)
+                return await call(**kwargs)
         except TimeoutError as exc:
             detail = f"no response headers within {wait:g} s"
             raise fail(StoreTimeoutError, detail, url, start, end) from exc
@@ -221,6 +233,19 @@ class S3Store(FsspecStore):
                 now = await self._current_version(url)
                 raise changed(url, kwargs.get("IfMatch") or "?", now) from exc
             raise error from exc
+
+    def _sender(self, client: Any, method: str) -> Any:
+        """``client.method``; for ``get_object``, the signed path's where the client's
+        configuration allows it (:func:`~asyncbatch.stores.s3_signed.signed_gets`)."""
+        if method != "get_object" or not self.sign_gets:
+            return getattr(client, method)
+        if self._signed is None:
+            timeout = self.retry.connect_timeout
+            found = signed_gets(client, max_inflight=self._max_inflight, connect_timeout=timeout)
+            self._signed = found or False
+        return (
+            self._signed.get_object if isinstance(self._signed, SignedGets) else client.get_object
+        )
 
     async def _current_version(self, url: str) -> str | None:
         """The key's ETag now (for error messages; None if it cannot tell)."""
@@ -236,7 +261,7 @@ class S3Store(FsspecStore):
 
     def _where(self, fs: Any, url: str) -> dict[str, Any]:
         bucket, key, version = fs.split_path(url)
-        where = {"Bucket": bucket, "Key": key}
+        where = {"Bucket": bucket, "Key": key, **fs.req_kw}  # RequestPayer if requester_pays
         if version:
             where["VersionId"] = version
         return where
@@ -367,6 +392,12 @@ class S3Store(FsspecStore):
             )
         finally:
             body.close()
+
+    async def close(self) -> None:
+        signed, self._signed = self._signed, None
+        if isinstance(signed, SignedGets):
+            await signed.close()
+        await super().close()
 
 
 def s3_store(
