@@ -27,6 +27,7 @@ from asyncbatch.errors import (
 )
 from asyncbatch.stores.s3 import S3Store
 from asyncbatch.stores.s3_signed import SignedGets, sign_v4
+from asyncbatch.stores.stack import stacked
 
 FAST = ab.RetryPolicy(
     max_attempts=2,
@@ -50,16 +51,19 @@ def put(options: dict[str, Any], bucket: str = BUCKET, **put_options: Any) -> st
     return url
 
 
-async def _read(store: S3Store, url: str, start: int, end: int, tail: int) -> tuple[bytes, bytes]:
+async def _read(
+    transport: S3Store, url: str, start: int, end: int, tail: int
+) -> tuple[bytes, bytes]:
+    store = stacked(transport, FAST)  # as open_store stacks it
     buffer = bytearray(end - start)
     try:
         await store.read_ranges(url, starts=[start], ends=[end], buffers=[memoryview(buffer)])
         last, _ = await store.read_tail(url, tail)
         # Which path the store took: a test of the signed path must not pass on botocore's.
         bucket = url.removeprefix("s3://").split("/")[0]
-        gets = store._signed
+        gets = transport._signed
         signed = isinstance(gets, SignedGets) and gets._buckets.get(bucket) is not None
-        assert signed == store.sign_gets
+        assert signed == transport.sign_gets
     finally:
         await store.close()
     return bytes(buffer), bytes(last)
@@ -297,13 +301,14 @@ def test_no_credentials_is_the_same_error_both_ways(
 def test_another_signature_version_goes_through_botocore(s3_endpoint: str) -> None:
     options = {**s3_options(s3_endpoint), "config_kwargs": {"signature_version": "s3"}}
     url = put(s3_options(s3_endpoint))
-    store = S3Store("s3", options, max_inflight=8, retry=FAST)
+    transport = S3Store("s3", options, max_inflight=8, retry=FAST)
+    store = stacked(transport, FAST)
 
     async def go() -> bytes:
         buffer = bytearray(100)
         try:
             await store.read_ranges(url, starts=[5], ends=[105], buffers=[memoryview(buffer)])
-            assert store._signed is False
+            assert transport._signed is False
         finally:
             await store.close()
         return bytes(buffer)
