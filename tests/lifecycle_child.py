@@ -14,6 +14,7 @@ import json
 import os
 import re
 import resource
+import signal
 import sys
 import threading
 import time
@@ -110,6 +111,9 @@ def stalled_http(root: Path, everything: bool = False) -> Iterator[str]:
 
 def sigint(args: dict[str, Any]) -> dict[str, Any]:
     """Block in next() on a store that never answers; the parent sends SIGINT."""
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no handler
+    # of its own: Ctrl-C's handler, as in any terminal, whoever started the test run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     path = args["path"]
     if args["kind"] == "open":
         return open_in_a_running_loop(path)
