@@ -78,7 +78,11 @@ def plot_scale(figures: dict[str, Any], path: Path) -> None:
 def plot_parquet(figures: dict[str, Any], path: Path) -> None:
     """Open seconds, M tokens/s and first-batch seconds of each loader on the same files."""
     plt = _pyplot()
-    opens = {k[5:]: v["seconds"] for k, v in figures.items() if k.startswith("open_")}
+    opens = {
+        k[5:]: v["seconds"]
+        for k, v in figures.items()
+        if k.startswith("open_") and isinstance(v, dict)  # not the paired ratio
+    }
     reads = {k[5:]: v for k, v in figures.items() if k.startswith("read_")}
     panels = [
         ("open: seconds", opens),
