@@ -268,6 +268,11 @@ class TransportStore:
 class TransportBufferStore(TransportStore):
     """A :class:`TransportStore` over a transport that reads into one caller's buffer."""
 
+    def __init__(self, transport: ReadsInto) -> None:
+        super().__init__(transport)
+        # Checked once here, not per group: a runtime protocol check costs microseconds.
+        self._into = transport
+
     async def read_into(
         self,
         urls: Sequence[str],
@@ -277,12 +282,16 @@ class TransportBufferStore(TransportStore):
         dest: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        assert isinstance(self.transport, ReadsInto)
-        await self.transport.read_into(urls, which, starts, ends, dest, dest_offsets)
+        await self._into.read_into(urls, which, starts, ends, dest, dest_offsets)
 
 
 class TransportConvertingStore(TransportBufferStore):
     """A :class:`TransportBufferStore` over a transport that also converts as it copies."""
+
+    def __init__(self, transport: ReadsInto) -> None:
+        super().__init__(transport)
+        assert isinstance(transport, ReadsIntoConverted)
+        self._converts = transport
 
     async def read_into_converted(
         self,
@@ -294,9 +303,9 @@ class TransportConvertingStore(TransportBufferStore):
         dest_offsets: npt.NDArray[np.int64],
         convert: Conversion,
     ) -> None:
-        transport = self.transport
-        assert isinstance(transport, ReadsIntoConverted)
-        await transport.read_into_converted(urls, which, starts, ends, dest, dest_offsets, convert)
+        await self._converts.read_into_converted(
+            urls, which, starts, ends, dest, dest_offsets, convert
+        )
 
 
 class RetryingStore:
@@ -329,14 +338,19 @@ class RetryingStore:
         start: int | None = None,
         end: int | None = None,
     ) -> T:
+        timeout = self._timeout
+
         async def attempt() -> T:
-            bound = asyncio.timeout(self._timeout)
+            # An Unbounded transport's call arms no timer: a group read's cost stays small.
+            bound = None if timeout is None else asyncio.timeout(timeout)
             try:
+                if bound is None:
+                    return await call()
                 async with bound:
                     return await call()
             except Exception as exc:
-                if bound.expired():
-                    detail = f"no answer within {self._timeout:g} s"
+                if bound is not None and bound.expired():
+                    detail = f"no answer within {timeout:g} s"
                     raise fail(StoreTimeoutError, detail, url, start, end) from exc
                 error = map_error(exc, url, start, end)
                 if error is exc:
@@ -428,6 +442,11 @@ class RetryingStore:
 class RetryingBufferStore(RetryingStore):
     """A :class:`RetryingStore` over a store that reads into one caller's buffer."""
 
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        super().__init__(inner, policy)
+        assert isinstance(inner, ReadsInto)
+        self._into = inner  # checked once, not per group
+
     async def read_into(
         self,
         urls: Sequence[str],
@@ -437,8 +456,7 @@ class RetryingBufferStore(RetryingStore):
         dest: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        inner = self.inner
-        assert isinstance(inner, ReadsInto)
+        inner = self._into
         await self._group(
             lambda: inner.read_into(urls, which, starts, ends, dest, dest_offsets), urls, which
         )
@@ -455,6 +473,11 @@ class RetryingBufferStore(RetryingStore):
 class RetryingConvertingStore(RetryingBufferStore):
     """A :class:`RetryingBufferStore` over a store that also converts as it copies."""
 
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        super().__init__(inner, policy)
+        assert isinstance(inner, ReadsIntoConverted)
+        self._converts = inner
+
     async def read_into_converted(
         self,
         urls: Sequence[str],
@@ -465,8 +488,7 @@ class RetryingConvertingStore(RetryingBufferStore):
         dest_offsets: npt.NDArray[np.int64],
         convert: Conversion,
     ) -> None:
-        inner = self.inner
-        assert isinstance(inner, ReadsIntoConverted)
+        inner = self._converts
         await self._group(
             lambda: inner.read_into_converted(
                 urls, which, starts, ends, dest, dest_offsets, convert
