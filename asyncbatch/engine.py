@@ -49,14 +49,16 @@ from .stores.base import (
     Buffer,
     Conversion,
     Discards,
+    KeepsFiles,
+    KeptFiles,
     ObjectInfo,
     ReadsInto,
     ReadsIntoConverted,
     Store,
 )
-from .stores.counting import CountingStore, ReadCounts
+from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
-from .stores.local import LocalFiles, LocalStore, c_conversion, copy_pieces
+from .stores.local import c_conversion, copy_pieces
 from .stores.ranged import run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
@@ -127,7 +129,7 @@ class Engine:
         self.stride = stride
         #: Open local files (and their mappings) kept across runs, by store key, so a new
         #: epoch or ``for`` loop neither opens nor maps them again; closed by :meth:`close`.
-        self._files: dict[tuple[str, str], LocalFiles] = {}
+        self._files: dict[tuple[str, str], KeptFiles] = {}
         self._files_pid = os.getpid()
 
     async def run(
@@ -240,14 +242,15 @@ class Engine:
     def _keep_files(self, store: Store, key: tuple[str, str]) -> None:
         """A local store (under no cache) reads through the files this engine keeps for
         ``key``, or hands its own over to be kept."""
-        inner = store.inner if isinstance(store, CountingStore) else store
-        if not isinstance(inner, LocalStore):
+        if not isinstance(store, KeepsFiles):  # a cache above the store
             return
         if self._files_pid != os.getpid():
             # A forked child: the parent's threads may hold those tables' locks. Dropped, they
             # close the child's copies of the descriptors and mappings when collected.
             self._files, self._files_pid = {}, os.getpid()
-        self._files[key] = inner.keep_files(self._files.get(key))
+        kept = store.keep_files(self._files.get(key))
+        if kept is not None:
+            self._files[key] = kept
 
     def close(self) -> None:
         """Close the local files kept across runs (those a run still reads, as it ends)."""

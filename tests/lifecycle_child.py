@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from servers import RangeHandler, RangeHTTPServer  # noqa: E402
 
 import asyncbatch as ab  # noqa: E402
+from asyncbatch.stores import ObjectInfo  # noqa: E402
 from asyncbatch.stores.local import LocalStore  # noqa: E402
 
 
@@ -64,6 +65,9 @@ class StalledStore(LocalStore):
 
     async def size(self, url: str) -> int:
         return await super().size(url.removeprefix("stalled://"))
+
+    async def stat(self, url: str) -> ObjectInfo:
+        return await super().stat(url.removeprefix("stalled://"))
 
     async def read_into(self, urls: list[str], *args: Any) -> None:
         if StalledStore.stall:

@@ -23,7 +23,7 @@ from asyncbatch import engine
 from asyncbatch.checksums import block_digests, encode_blocks
 from asyncbatch.cli import main as cli_main
 from asyncbatch.errors import ChecksumError, ConfigError, ManifestError
-from asyncbatch.stores import registry
+from asyncbatch.stores import ObjectInfo, registry
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.verify import verify_dataset
 
@@ -356,13 +356,14 @@ def test_size_level_catches_a_shard_of_another_size(
 
 
 class CountingStore(LocalStore):
-    """The local store under the ``counted://`` scheme, counting ``size`` calls per URL."""
+    """The local store under the ``counted://`` scheme, counting ``stat`` calls per URL (the
+    stack above asks the transport for sizes with ``stat``)."""
 
     calls: Counter[str] = Counter()
 
-    async def size(self, url: str) -> int:
+    async def stat(self, url: str) -> ObjectInfo:
         CountingStore.calls[url] += 1
-        return await super().size(url.removeprefix("counted://"))
+        return await super().stat(url.removeprefix("counted://"))
 
     async def read_into(self, urls: Sequence[str], *args: Any) -> None:
         await super().read_into([u.removeprefix("counted://") for u in urls], *args)

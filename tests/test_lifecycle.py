@@ -31,6 +31,7 @@ from lifecycle_child import read_rest
 
 import asyncbatch as ab
 from asyncbatch.errors import ConfigError, StoreError, UnknownSchemeError
+from asyncbatch.stores import ObjectInfo
 from asyncbatch.stores.local import LocalStore
 
 CHILD = Path(__file__).with_name("lifecycle_child.py")
@@ -111,6 +112,9 @@ class FailingStore(LocalStore):
 
     async def size(self, url: str) -> int:
         return await super().size(url.removeprefix("failing://"))
+
+    async def stat(self, url: str) -> ObjectInfo:
+        return await super().stat(url.removeprefix("failing://"))
 
     async def read_into(
         self, urls: list[str], which: Any, starts: Any, ends: Any, *args: Any

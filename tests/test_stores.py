@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,17 @@ import torch
 from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, ShortReadError, UnknownSchemeError
+from asyncbatch.errors import (
+    ConfigError,
+    NotFoundError,
+    RetriesExhaustedError,
+    ShortReadError,
+    UnknownSchemeError,
+)
+from asyncbatch.manifest import MANIFEST_NAME
 from asyncbatch.stores import open_store, register_store, registered_stores
+from asyncbatch.stores.local import LocalStore
+from asyncbatch.stores.stack import RetryingStore, TransportStore
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -223,7 +234,9 @@ def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     store = open_store("epstore://anything")
-    assert getattr(store, "served_scheme", None) == "epstore"
+    # The registry stacks its guards over what the factory returned.
+    assert isinstance(store, RetryingStore) and isinstance(store.inner, TransportStore)
+    assert getattr(store.inner.transport, "served_scheme", None) == "epstore"
     asyncio.run(store.close())
 
 
@@ -559,3 +572,136 @@ def test_an_unclosed_loader_releases_its_kept_files_when_collected(tmp_path: Pat
     gc.collect()
     assert _mapped(shard) == base
     assert str(shard) not in _open_paths()
+
+
+class _FlakyLocalStore(LocalStore):
+    """The local store with one transient ``EIO`` on its first shard read (as a parallel
+    filesystem's hiccup surfaces), or every shard read ``delay`` seconds late."""
+
+    def __init__(self, calls: list[str], delay: float = 0.0) -> None:
+        super().__init__()
+        self.calls = calls
+        self.delay = delay
+
+    async def _fault(self, urls: Sequence[str], which: npt.NDArray[np.int64]) -> None:
+        url = urls[int(which[0])]
+        if url.endswith(MANIFEST_NAME):
+            return
+        self.calls.append(url)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        elif len(self.calls) == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), url)
+
+    async def read_into(self, urls: Sequence[str], which: Any, *args: Any) -> None:
+        await self._fault(urls, which)
+        await super().read_into(urls, which, *args)
+
+    async def read_into_converted(self, urls: Sequence[str], which: Any, *args: Any) -> None:
+        await self._fault(urls, which)
+        await super().read_into_converted(urls, which, *args)
+
+
+@pytest.fixture
+def flaky_file_store(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], list[str]]:
+    """``flaky_file_store(delay)`` serves plain paths with :class:`_FlakyLocalStore` until
+    the test ends, and returns the list of its shard reads."""
+    from asyncbatch.stores import registry
+
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+
+    def register(delay: float = 0.0) -> list[str]:
+        calls: list[str] = []
+        register_store(
+            "file", lambda s, o, *, max_inflight: _FlakyLocalStore(calls, delay), clobber=True
+        )
+        return calls
+
+    return register
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int64])
+def test_a_transient_local_io_error_is_retried(
+    tmp_path: Path,
+    tokens: npt.NDArray[np.uint16],
+    flaky_file_store: Callable[[float], list[str]],
+    dtype: torch.dtype | None,
+) -> None:
+    """A plain ``OSError`` (EIO) from a local read is retried by the stack, and the loader
+    delivers exact bytes (int64: through the read that converts as it copies)."""
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    calls = flaky_file_store(0.0)
+    policy = ab.RetryPolicy(max_attempts=3, base_delay=0.0, max_delay=0.001)
+    extra: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+    with ab.Loader(dataset, batch_size=4, seq_len=50, retry=policy, **extra) as loader:
+        batches = list(loader)
+    assert len(calls) > 1  # the failed read, then the reads that succeeded
+    seen = np.concatenate([b.global_indexes for b in batches])
+    assert sorted(seen.tolist()) == list(range(len(tokens) // 50))
+    for batch in batches:
+        expected = expected_windows(tokens, batch.global_indexes, 50)
+        np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+        assert dtype is None or batch["tokens"].dtype == dtype
+
+
+def test_a_missing_local_file_is_not_retried(tmp_path: Path) -> None:
+    dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
+    os.remove(dataset.shard_urls[0])
+    policy = ab.RetryPolicy(max_attempts=5, base_delay=1.0, max_delay=1.0)
+    with (
+        ab.Loader(dataset, batch_size=4, seq_len=16, retry=policy) as loader,
+        pytest.raises(NotFoundError, match="shard-00000.bin") as caught,
+    ):
+        next(loader)
+    assert not isinstance(caught.value, RetriesExhaustedError)
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_local_read_is_not_cut_by_the_retry_timeouts(
+    tmp_path: Path,
+    tokens: npt.NDArray[np.uint16],
+    flaky_file_store: Callable[[float], list[str]],
+) -> None:
+    """The local transport is unbounded: a group read slower than the whole-call bound of a
+    remote request (here 0.3 s) completes, on its first attempt."""
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
+    calls = flaky_file_store(0.5)
+    policy = ab.RetryPolicy(
+        max_attempts=1, connect_timeout=0.1, first_byte_timeout=0.1, idle_timeout=0.1
+    )
+    with ab.Loader(dataset, batch_size=4, seq_len=50, retry=policy, prefetch=1) as loader:
+        batch = next(loader)
+    np.testing.assert_array_equal(
+        batch["tokens"].numpy(), expected_windows(tokens, batch.global_indexes, 50)
+    )
+    assert calls
+
+
+def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
+    """Stacked (and counted), the local store still reads groups into one buffer, converts
+    as it copies, reads tails, lists with sizes and hands its open files over to be kept."""
+    from asyncbatch.stores.base import (
+        KeepsFiles,
+        ListsInfo,
+        ReadsInto,
+        ReadsIntoConverted,
+        ReadsTail,
+        Writes,
+    )
+    from asyncbatch.stores.counting import ReadCounts
+    from asyncbatch.stores.local import LocalFiles
+
+    async def check() -> None:
+        for counts in (None, ReadCounts()):
+            store = open_store(str(tmp_path), counts=counts)
+            try:
+                for capability in (ReadsInto, ReadsIntoConverted, ReadsTail, ListsInfo, Writes):
+                    assert isinstance(store, capability), capability
+                assert isinstance(store, KeepsFiles)
+                files = store.keep_files()
+                assert isinstance(files, LocalFiles)
+            finally:
+                await store.close()
+            files.close()
+
+    asyncio.run(check())

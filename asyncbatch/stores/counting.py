@@ -17,12 +17,14 @@ import numpy.typing as npt
 from .base import (
     Buffer,
     Conversion,
+    KeptFiles,
     ObjectInfo,
     ReadsInto,
     ReadsIntoConverted,
     Store,
     Versioned,
     fetch_tail,
+    keep_files,
     list_with_info,
 )
 
@@ -81,6 +83,9 @@ class CountingStore:
 
     async def close(self) -> None:
         await self.inner.close()
+
+    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
+        return keep_files(self.inner, kept)
 
 
 class CountingBufferStore(CountingStore):

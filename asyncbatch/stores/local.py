@@ -21,7 +21,13 @@ again whenever it is reopened after leaving the LRU, against its path on its fir
 each later run, and with one ``fstat`` per file after each group of reads. A file replaced,
 resized or rewritten during training is a :class:`~asyncbatch.errors.ShardChangedError`,
 not a silent mix of old and new bytes.
-Local reads are not retried: a local I/O error does not pass by waiting.
+
+The registry stacks the guards of :mod:`~asyncbatch.stores.stack` over this store like any
+transport: a plain ``OSError`` (``EIO``, a parallel filesystem's hiccup) is retried under
+the :class:`~asyncbatch.stores.retry.RetryPolicy`; a missing or denied file, or a changed
+one, is not. Its calls get no time bound (:class:`~asyncbatch.stores.base.Unbounded`): a
+read runs in a thread no timeout can stop, and a large group on a slow filesystem is slow,
+not stalled.
 """
 
 from __future__ import annotations
@@ -50,9 +56,9 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from .base import Buffer, Conversion, ObjectInfo, SelfGuarded, check_length
+from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Unbounded, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
-from .stack import map_error
+from .stack import is_transient, map_error
 from .validate import check_options
 
 #: What pins a local file: (inode, size, mtime in ns).
@@ -164,10 +170,8 @@ class LocalFiles:
         """Open, pin and map ``url`` into the LRU, held once."""
         try:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, PermissionError) as exc:
+        except OSError as exc:  # typed; EIO retried by the stack, a missing file not
             raise map_error(exc, url) from exc
-        except OSError as exc:  # not retried: a local I/O error does not pass by waiting
-            raise StoreError(f"cannot open {url}: {exc}", url) from exc
         opened = [fd, 1, 0, -1, self._run]
         try:
             stat = os.fstat(fd)
@@ -247,7 +251,7 @@ class LocalFiles:
             self._evict_idle()
 
 
-class LocalStore(SelfGuarded):
+class LocalStore(Unbounded):
     """Store for local paths and ``file://`` URLs."""
 
     # A read syscall costs about as much as copying ~10 KB from the page cache: merging
@@ -263,10 +267,11 @@ class LocalStore(SelfGuarded):
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
 
-    def keep_files(self, kept: LocalFiles | None = None) -> LocalFiles:
+    def keep_files(self, kept: KeptFiles | None = None) -> LocalFiles:
         """Hand this store's open files (descriptors, mappings, pins) to the caller, who keeps
         them open past the store's close and closes them; ``kept``, the files of an earlier
         store opened with the same options, replaces this store's own (for a new run)."""
+        assert kept is None or isinstance(kept, LocalFiles), "kept by a local store"
         if kept is not None and kept is not self._files:
             self._files.close()  # its own, still empty
             self._files = kept
@@ -306,8 +311,7 @@ class LocalStore(SelfGuarded):
             try:
                 tail = os.pread(fd, count, start)
             except OSError as exc:
-                where = describe_range(url, start, stat.st_size)
-                raise StoreError(f"read failed: {where}: {exc}", url, start, stat.st_size) from exc
+                raise _read_failed(url, start, stat.st_size, exc) from exc
             check_length(url, start, stat.st_size, len(tail))
         finally:
             self._files.release(url)
@@ -506,10 +510,8 @@ class LocalStore(SelfGuarded):
                     )
                     raise ShardChangedError(message, url, start, end)
                 if error:
-                    message = f"read failed: {where}: {os.strerror(error)}"
-                    raise StoreError(message, url, start, end) from OSError(
-                        error, os.strerror(error)
-                    )
+                    cause = OSError(error, os.strerror(error))  # EIO stays a plain OSError
+                    raise _read_failed(url, start, end, cause) from cause
                 check_length(url, start, end, got)
         finally:
             self._files.release_many(held)
@@ -536,6 +538,15 @@ class LocalStore(SelfGuarded):
         self._pool.shutdown(wait=True)
         if self._owns_files:
             self._files.close()
+
+
+def _read_failed(url: str, start: int, end: int, exc: OSError) -> StoreError:
+    """The error of a failed read of ``[start, end)``, retried when ``exc`` may pass."""
+    error = StoreError(
+        f"read failed: {describe_range(url, start, end)}: {exc.strerror or exc}", url, start, end
+    )
+    error.retryable = is_transient(exc)  # type: ignore[attr-defined]
+    return error
 
 
 def _stat_path(url: str) -> os.stat_result:
@@ -661,7 +672,7 @@ def local_store(
     """Registry factory: a :class:`LocalStore`; options ``max_open_files``, ``max_threads``,
     ``mmap`` (default True: copy from mappings; False: ``pread``).
 
-    ``retry`` is accepted for a uniform signature; local reads are not retried."""
+    ``retry`` is accepted for a uniform signature: the stack above retries under it."""
     check_options("local files", storage_options, ("max_threads", "max_open_files", "mmap"))
     options = dict(storage_options)
     threads = int(options.pop("max_threads", min(max_inflight, 8)))

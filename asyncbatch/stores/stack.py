@@ -12,7 +12,8 @@ differs, and refuses what the transport cannot do with a typed error.
 (:func:`map_error`) and runs each call under the
 :class:`~asyncbatch.stores.retry.RetryPolicy`.
 
-A call is one attempt, bounded by ``connect_timeout + first_byte_timeout + idle_timeout``,
+A call is one attempt, bounded by ``connect_timeout + first_byte_timeout + idle_timeout``
+(not bounded for an :class:`~asyncbatch.stores.base.Unbounded` transport: the local one),
 retried whole; except the ranges of a transport that offers
 :class:`~asyncbatch.stores.base.ResumesRanges` (the built-in S3 and HTTP ones): each range
 is retried on its own, with one :class:`~asyncbatch.stores.base.Progress` kept across its
@@ -24,10 +25,11 @@ Both layers offer :class:`~asyncbatch.stores.base.ReadsTail` (the transport's ow
 and length-checked, or a ``stat`` and a ranged read) and
 :class:`~asyncbatch.stores.base.ListsInfo` (the transport's own, pinned, or a plain listing
 that tells nothing). A transport that offers :class:`~asyncbatch.stores.base.ReadsInto`
-keeps it through both layers: one call per group, no Python per range, so the engine's
-fast path stays fast (its contract is all or raise; :mod:`asyncbatch.testing` checks that a
-transport keeps it). The local store guards itself
-(:class:`~asyncbatch.stores.base.SelfGuarded`) and is not wrapped.
+(and :class:`~asyncbatch.stores.base.ReadsIntoConverted`) keeps it through both layers: one
+call per group, no Python per range, so the engine's fast path stays fast (its contract is
+all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it). Both layers
+forward :class:`~asyncbatch.stores.base.KeepsFiles`, so a loader keeps the local store's
+open files across runs whatever sits above it.
 """
 
 from __future__ import annotations
@@ -54,22 +56,26 @@ from .base import (
     Buffer,
     Closes,
     Coalesces,
+    Conversion,
     GetsRanges,
     GetsVersionedRanges,
+    KeptFiles,
     Lists,
     ListsInfo,
     ObjectInfo,
     Progress,
     ReadsInto,
+    ReadsIntoConverted,
     ReadsRanges,
     ReadsTail,
     ResumesRanges,
-    SelfGuarded,
     Store,
+    Unbounded,
     Versioned,
     Writes,
     check_length,
     fetch_tail,
+    keep_files,
     list_with_info,
     tail_by_stat,
 )
@@ -79,28 +85,34 @@ from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 T = TypeVar("T")
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether a built-in exception may pass by waiting: a reset or refused connection, or
+    a plain ``OSError`` (``EIO`` of a remote or parallel filesystem); not a missing file, a
+    denied one or a wrong path (``IsADirectoryError`` and its kind), which no retry fixes."""
+    return isinstance(exc, ConnectionError) or type(exc) is OSError
+
+
 def map_error(
     exc: BaseException, url: str, start: int | None = None, end: int | None = None
 ) -> BaseException:
     """The typed error for what a transport raised: asyncbatch's own errors pass unchanged;
-    ``FileNotFoundError`` is :class:`NotFoundError`, ``PermissionError``
-    :class:`PermissionDeniedError`; ``TimeoutError`` a retried :class:`StoreTimeoutError`;
-    ``ConnectionError`` and other plain ``OSError`` a retried :class:`StoreError` (a reset,
-    an I/O error of a remote filesystem); anything else a :class:`StoreError` not retried
-    (a bug does not pass by waiting)."""
+    ``FileNotFoundError`` (and ``NotADirectoryError``) is :class:`NotFoundError`,
+    ``PermissionError`` :class:`PermissionDeniedError`; ``TimeoutError`` a retried
+    :class:`StoreTimeoutError`; ``ConnectionError`` and other plain ``OSError`` a retried
+    :class:`StoreError` (a reset, an I/O error of a remote or parallel filesystem); anything
+    else a :class:`StoreError` not retried (a bug does not pass by waiting)."""
     if isinstance(exc, AsyncBatchError):
         return exc
     # The cause stays chained (``from exc``); the message says what it means.
-    if isinstance(exc, FileNotFoundError):
+    # A path through a file (NotADirectoryError) names no object either.
+    if isinstance(exc, FileNotFoundError | NotADirectoryError):
         return fail(NotFoundError, "not found", url, start, end)
     if isinstance(exc, PermissionError):
         return fail(PermissionDeniedError, "permission denied", url, start, end)
     what = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, TimeoutError):
         return fail(StoreTimeoutError, f"timed out ({what})", url, start, end)
-    # IsADirectoryError and its kind name a wrong path, which no retry fixes.
-    transient = isinstance(exc, ConnectionError) or type(exc) is OSError
-    return fail(StoreError, f"request failed: {what}", url, start, end, retryable=transient)
+    return fail(StoreError, f"request failed: {what}", url, start, end, retryable=is_transient(exc))
 
 
 def _unsupported(url: str, what: str, capability: str) -> StoreError:
@@ -249,9 +261,17 @@ class TransportStore:
         if isinstance(self.transport, Closes):
             await self.transport.close()
 
+    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
+        return keep_files(self.transport, kept)
+
 
 class TransportBufferStore(TransportStore):
     """A :class:`TransportStore` over a transport that reads into one caller's buffer."""
+
+    def __init__(self, transport: ReadsInto) -> None:
+        super().__init__(transport)
+        # Checked once here, not per group: a runtime protocol check costs microseconds.
+        self._into = transport
 
     async def read_into(
         self,
@@ -262,15 +282,38 @@ class TransportBufferStore(TransportStore):
         dest: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        assert isinstance(self.transport, ReadsInto)
-        await self.transport.read_into(urls, which, starts, ends, dest, dest_offsets)
+        await self._into.read_into(urls, which, starts, ends, dest, dest_offsets)
+
+
+class TransportConvertingStore(TransportBufferStore):
+    """A :class:`TransportBufferStore` over a transport that also converts as it copies."""
+
+    def __init__(self, transport: ReadsInto) -> None:
+        super().__init__(transport)
+        assert isinstance(transport, ReadsIntoConverted)
+        self._converts = transport
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion,
+    ) -> None:
+        await self._converts.read_into_converted(
+            urls, which, starts, ends, dest, dest_offsets, convert
+        )
 
 
 class RetryingStore:
     """Forwards every call to ``inner`` with typed errors, retried under ``policy``.
 
     Each attempt is bounded by ``connect_timeout + first_byte_timeout + idle_timeout``: a
-    transport's call is opaque, so one bound covers its whole request. Over a
+    transport's call is opaque, so one bound covers its whole request; not over an
+    :class:`Unbounded` transport (local files: no timeout stops a thread's read). Over a
     :class:`TransportStore` whose transport resumes ranges, each range is retried on its own
     for its missing tail, without that bound (the transport times each phase itself).
     """
@@ -280,7 +323,12 @@ class RetryingStore:
         self._resuming = inner if isinstance(inner, TransportStore) and inner.resumes else None
         self.policy = policy
         self.coalesce_gap = inner.coalesce_gap
-        self._timeout = policy.connect_timeout + policy.first_byte_timeout + policy.idle_timeout
+        unbounded = isinstance(inner, TransportStore) and isinstance(inner.transport, Unbounded)
+        self._timeout: float | None = (
+            None
+            if unbounded
+            else policy.connect_timeout + policy.first_byte_timeout + policy.idle_timeout
+        )
 
     async def _run(
         self,
@@ -290,14 +338,19 @@ class RetryingStore:
         start: int | None = None,
         end: int | None = None,
     ) -> T:
+        timeout = self._timeout
+
         async def attempt() -> T:
-            bound = asyncio.timeout(self._timeout)
+            # An Unbounded transport's call arms no timer: a group read's cost stays small.
+            bound = None if timeout is None else asyncio.timeout(timeout)
             try:
+                if bound is None:
+                    return await call()
                 async with bound:
                     return await call()
             except Exception as exc:
-                if bound.expired():
-                    detail = f"no answer within {self._timeout:g} s"
+                if bound is not None and bound.expired():
+                    detail = f"no answer within {timeout:g} s"
                     raise fail(StoreTimeoutError, detail, url, start, end) from exc
                 error = map_error(exc, url, start, end)
                 if error is exc:
@@ -382,9 +435,17 @@ class RetryingStore:
     async def close(self) -> None:
         await self.inner.close()
 
+    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
+        return keep_files(self.inner, kept)
+
 
 class RetryingBufferStore(RetryingStore):
     """A :class:`RetryingStore` over a store that reads into one caller's buffer."""
+
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        super().__init__(inner, policy)
+        assert isinstance(inner, ReadsInto)
+        self._into = inner  # checked once, not per group
 
     async def read_into(
         self,
@@ -395,24 +456,53 @@ class RetryingBufferStore(RetryingStore):
         dest: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
     ) -> None:
-        inner = self.inner
-        assert isinstance(inner, ReadsInto)
+        inner = self._into
+        await self._group(
+            lambda: inner.read_into(urls, which, starts, ends, dest, dest_offsets), urls, which
+        )
+
+    async def _group(
+        self, call: Callable[[], Awaitable[None]], urls: Sequence[str], which: npt.NDArray[np.int64]
+    ) -> None:
+        """``call``, a read of a group of ranges ``which`` names, under the policy."""
         first = urls[int(which[0])] if which.size else ""
-        await self._run(
-            lambda: inner.read_into(urls, which, starts, ends, dest, dest_offsets),
-            f"read of {int(starts.size)} ranges of {len(urls)} objects ({first}, ...)",
-            first,
+        what = f"read of {int(which.size)} ranges of {len(urls)} objects ({first}, ...)"
+        await self._run(call, what, first)
+
+
+class RetryingConvertingStore(RetryingBufferStore):
+    """A :class:`RetryingBufferStore` over a store that also converts as it copies."""
+
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        super().__init__(inner, policy)
+        assert isinstance(inner, ReadsIntoConverted)
+        self._converts = inner
+
+    async def read_into_converted(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion,
+    ) -> None:
+        inner = self._converts
+        await self._group(
+            lambda: inner.read_into_converted(
+                urls, which, starts, ends, dest, dest_offsets, convert
+            ),
+            urls,
+            which,
         )
 
 
 def stacked(transport: object, policy: RetryPolicy = DEFAULT_POLICY) -> Store:
-    """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts.
-
-    A :class:`SelfGuarded` store (the local one) comes back as it is.
-    """
-    if isinstance(transport, SelfGuarded):
-        assert isinstance(transport, Store)
-        return transport
+    """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts,
+    keeping its ``read_into`` (and ``read_into_converted``) if it has them."""
+    if isinstance(transport, ReadsIntoConverted) and isinstance(transport, ReadsInto):
+        return RetryingConvertingStore(TransportConvertingStore(transport), policy)
     if isinstance(transport, ReadsInto):
         return RetryingBufferStore(TransportBufferStore(transport), policy)
     return RetryingStore(TransportStore(transport), policy)
