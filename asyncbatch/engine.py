@@ -40,7 +40,7 @@ from .checks import (
 from .errors import ChecksumError
 from .formats.base import Converts, Source
 from .handoff import BatchQueue, Final
-from .layout import ReadPlan
+from .layout import ReadPlan, WindowPlan
 from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
 from .sampling.windows import History
@@ -54,6 +54,7 @@ from .stores.base import (
     ObjectInfo,
     ReadsInto,
     ReadsIntoConverted,
+    ReadsWindows,
     Store,
 )
 from .stores.counting import ReadCounts
@@ -299,9 +300,10 @@ class Engine:
         thread of ``self.transform``), then queue it; False once failed."""
         held = [0]  # bytes counted in the queue for this group until its batches are put
         stored: list[int] = []
+        sizes: list[int] | None = None
         try:
             try:
-                group, stored = await self._read_group(
+                group, stored, sizes = await self._read_group(
                     reader, decoder, gap, epoch, history, batches, queue, held
                 )
                 items: list[Batch | Final] = list(group)
@@ -310,7 +312,7 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
                 queue.add_bytes(-held[0])
                 held[0] = 0
-                group, items, stored = [], [Final(exc)], [0]
+                group, items, stored, sizes = [], [Final(exc)], [0], None
             if previous is not None and not await previous:
                 return False
             # After the group before it, so transforms run in batch order; later groups are
@@ -320,11 +322,11 @@ class Engine:
                 items = await asyncio.get_running_loop().run_in_executor(
                     transformer, apply_transform, self.transform, group
                 )
-                stored = stored[: len(items)]
+                stored, sizes = stored[: len(items)], None  # transformed: counted anew
                 if isinstance(items[-1], Final):
                     stored[-1] = 0
             # The queue counts the batches' own bytes from here, in place of what was held.
-            queue.put_many(items, release=held[0], stored=stored)
+            queue.put_many(items, release=held[0], stored=stored, sizes=sizes)
             held[0] = 0
             return not isinstance(items[-1], Final)
         finally:
@@ -341,12 +343,16 @@ class Engine:
         batches: range,
         queue: BatchQueue,
         held: list[int],
-    ) -> tuple[list[Batch], list[int]]:
-        """The group's batches and the bytes each holds in the store (its share of the
-        group's planned bytes); counts the bytes it holds in ``queue`` and ``held[0]``."""
+    ) -> tuple[list[Batch], list[int], list[int] | None]:
+        """The group's batches, the bytes each holds in the store (its share of the group's
+        planned bytes) and, where known, its own bytes; counts the bytes it holds in
+        ``queue`` and ``held[0]``."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
-        lengths = [order.batch_length(b) for b in batches]
+        if order.batch_length(batches[-1]) == order.batch_size:  # only the last may be short
+            lengths = [order.batch_size] * len(batches)
+        else:
+            lengths = [order.batch_length(b) for b in batches]
         if batches.step > 1:  # a DataLoader worker's share: every stride-th batch
             size = order.batch_size
             starts = [(b - batches.start) * size for b in batches]
@@ -359,10 +365,21 @@ class Engine:
 
         planned = [0]
 
-        async def read(plan: ReadPlan, convert: Conversion | None = None) -> npt.NDArray[np.uint8]:
+        async def read(
+            plan: ReadPlan | WindowPlan, convert: Conversion | None = None
+        ) -> npt.NDArray[np.uint8]:
             # A group holds its buffers, and their scratch while they are read.
-            planned[0] += plan.nbytes
             scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
+            if isinstance(plan, WindowPlan):
+                if reader.reads_windows:
+                    _hold(queue, held, plan.nbytes * scale)
+                    copied = await reader.read_windows(plan, convert)
+                    if copied is not None:
+                        planned[0] += plan.nbytes
+                        return copied
+                    _hold(queue, held, -plan.nbytes * scale)
+                plan = plan.plan()
+            planned[0] += plan.nbytes
             scratch = scratch_bytes(plan)
             _hold(queue, held, plan.nbytes * scale + scratch)
             buffer = await reader.read_plan(plan, convert)
@@ -382,7 +399,21 @@ class Engine:
         ]
         # Each batch's share of the stored bytes, by its samples (exact for equal samples).
         shares = [planned[0] * cut // max(1, cuts[-1]) for cut in cuts]
-        return group, [b - a for a, b in itertools.pairwise(shares)]
+        # Each batch's own bytes, from its rows where every field is an array cut by rows.
+        row_bytes = [_row_bytes(fields[name]) for name in names]
+        sizes = None
+        if None not in row_bytes:
+            per_row = sum(b for b in row_bytes if b is not None)
+            sizes = [n * per_row for n in lengths]
+        return group, [b - a for a, b in itertools.pairwise(shares)], sizes
+
+
+def _row_bytes(value: Any) -> int | None:
+    """Bytes per row of a tensor or array cut into batches along axis 0 (None: another
+    kind of value, counted batch by batch)."""
+    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim and value.shape[0]:
+        return int(value.nbytes) // int(value.shape[0])
+    return None
 
 
 def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
@@ -425,6 +456,44 @@ class Reader:
         self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
         #: Whether reads can convert as they copy: one store, which does.
         self._converting = len(stores) == 1 and isinstance(stores[0], ReadsIntoConverted)
+        #: The one store, when it copies windows itself and no read is widened to checksum
+        #: blocks (``verify="block"``).
+        self._windows = (
+            stores[0]
+            if len(stores) == 1
+            and isinstance(stores[0], ReadsWindows)
+            and (checks is None or checks.level != "block")
+            else None
+        )
+
+    @property
+    def reads_windows(self) -> bool:
+        """Whether :meth:`read_windows` may take a :class:`WindowPlan` unplanned."""
+        return self._windows is not None
+
+    async def read_windows(
+        self, plan: WindowPlan, convert: Conversion | None = None
+    ) -> npt.NDArray[np.uint8] | None:
+        """``plan``'s windows copied by the one store in one call, after the checks of the
+        shards they touch (as :meth:`read_plan` makes them); None, having read nothing,
+        where the store cannot (see :class:`~asyncbatch.stores.base.ReadsWindows`)."""
+        store = self._windows
+        assert store is not None
+        checks = self.checks
+        if checks is not None and checks.level != "off" and not checks.passed.all():
+            ends = plan.layout.ends
+            first = np.searchsorted(ends, plan.starts, side="right")
+            last = np.searchsorted(ends, plan.starts + max(0, plan.length - 1), side="right")
+            touched = np.unique(np.concatenate([first, last]))
+            if (last - first > 1).any():
+                touched = np.arange(int(first.min()), int(last.max()) + 1)
+            await self._check_shards(touched)
+        scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
+        buffer = np.empty(plan.nbytes * scale, dtype=np.uint8)
+        urls, starts, length = self.shard_urls, plan.starts, plan.length
+        if await store.read_windows(urls, plan.layout, starts, length, buffer, convert):
+            return buffer
+        return None
 
     async def read_plan(
         self, plan: ReadPlan, convert: Conversion | None = None

@@ -121,19 +121,25 @@ class BatchQueue:
         self.put_many((item,))
 
     def put_many(
-        self, items: Iterable[Any], release: int = 0, stored: Iterable[int] | None = None
+        self,
+        items: Iterable[Any],
+        release: int = 0,
+        stored: Iterable[int] | None = None,
+        sizes: Iterable[int] | None = None,
     ) -> None:
         """Append several items at once, waking the consumer once (engine side).
 
         The batches' bytes are counted from now on, and ``release`` bytes the engine counted
         while reading them (:meth:`add_bytes`) no longer are. ``stored[i]`` is what item
-        ``i`` held in the store, counted as delivered when it is taken.
+        ``i`` held in the store, counted as delivered when it is taken; ``sizes[i]``, if
+        given, its bytes as :func:`item_bytes` counts them (known to the engine per group).
         """
         items = list(items)
         stored = [0] * len(items) if stored is None else list(stored)
         # Each item is queued with its bytes, counted once here rather than again when taken.
-        sized = [(item, item_bytes(item), kept) for item, kept in zip(items, stored, strict=True)]
-        nbytes = sum(size for _, size, _ in sized) - release
+        counted = [item_bytes(item) for item in items] if sizes is None else list(sizes)
+        sized = list(zip(items, counted, stored, strict=True))
+        nbytes = sum(counted) - release
         with self._lock:
             self._items.extend(sized)
             self._bytes += nbytes

@@ -181,3 +181,28 @@ class ShardMap:
             piece_end[keep],
         )
         return shard, piece_start, piece_end, dest[span] + (piece_start - starts[span])
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPlan:
+    """Fixed windows of a dataset's element stream, not yet planned as byte ranges.
+
+    Window ``i`` is elements ``[starts[i], starts[i] + length)`` of ``layout``'s shards
+    (it may cross shard ends), laid out one after another in the buffer. A store that copies
+    windows itself (:class:`~asyncbatch.stores.base.ReadsWindows`: local mapped files) takes
+    them as they are, in one call; for any other, :meth:`plan` makes the byte ranges.
+    """
+
+    layout: ShardMap
+    starts: Int64Array
+    length: int
+    #: The store's request cost in bytes, for :meth:`plan`'s merging.
+    gap_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.starts.size) * self.length * self.layout.itemsize
+
+    def plan(self) -> ReadPlan:
+        """The windows as byte-range reads (see :meth:`ShardMap.plan`)."""
+        return self.layout.plan(self.starts, self.length, self.gap_bytes)

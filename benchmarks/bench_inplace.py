@@ -54,6 +54,11 @@ class CountingStore(LocalStore):
         paths = [url.removeprefix("benchcount://") for url in urls]
         await super().read_into(paths, which, starts, ends, dest, offsets)
 
+    async def read_windows(self, urls: Sequence[str], layout: Any, starts: Any, *args: Any) -> bool:
+        RANGES[0] += len(starts)
+        paths = [url.removeprefix("benchcount://") for url in urls]
+        return await super().read_windows(paths, layout, starts, *args)
+
 
 def write_all(root: Path, size_mb: int) -> dict[str, tuple[str, dict[str, Any]]]:
     """The same tokens as a tokens dataset, ``.npy`` files and raw files: name -> (url, open

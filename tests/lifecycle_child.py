@@ -74,6 +74,11 @@ class StalledStore(LocalStore):
             await asyncio.sleep(3600)
         await super().read_into([url.removeprefix("stalled://") for url in urls], *args)
 
+    async def read_windows(self, urls: list[str], *args: Any) -> bool:
+        if StalledStore.stall:
+            await asyncio.sleep(3600)
+        return await super().read_windows([url.removeprefix("stalled://") for url in urls], *args)
+
 
 def stalled_store(scheme: str, options: Any, *, max_inflight: int) -> StalledStore:
     return StalledStore()

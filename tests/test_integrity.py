@@ -368,6 +368,9 @@ class CountingStore(LocalStore):
     async def read_into(self, urls: Sequence[str], *args: Any) -> None:
         await super().read_into([u.removeprefix("counted://") for u in urls], *args)
 
+    async def read_windows(self, urls: Sequence[str], *args: Any) -> bool:
+        return await super().read_windows([u.removeprefix("counted://") for u in urls], *args)
+
     async def read_ranges(self, url: str, **kwargs: Any) -> None:
         await super().read_ranges(url.removeprefix("counted://"), **kwargs)
 

@@ -125,6 +125,9 @@ class FailingStore(LocalStore):
             [url.removeprefix("failing://") for url in urls], which, starts, ends, *args
         )
 
+    async def read_windows(self, *args: Any) -> bool:
+        return False  # declined: every read goes through read_into, which fails one
+
 
 ab.register_store("failing", lambda scheme, options, *, max_inflight: FailingStore())
 
@@ -173,9 +176,10 @@ def test_engine_errors_reach_the_consumer(
     def decodes_sample_4(buffer: Any, count: int) -> bool:
         return np.array_equal(buffer[:200].view(np.uint16), sample_4)
 
-    plan, decode = engine.source.plan, engine.source.decode
-    if where == "planning":
-        engine.source.plan = fail_when(plan, plans_sample_4, ValueError("injected"))
+    decode = engine.source.decode
+    if where == "planning":  # token windows plan with windows(), other formats with plan()
+        windows = engine.source.windows
+        engine.source.windows = fail_when(windows, plans_sample_4, ValueError("injected"))
     elif where == "decoding":
         engine.source.decode = fail_when(decode, decodes_sample_4, ValueError("injected"))
     elif where == "base-exception":

@@ -266,8 +266,9 @@ def test_local_reads_with_and_without_the_c_helper(
         monkeypatch.setattr(engine, "_cast_off_loop", no_cast_after)
     ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=3000)
     dataset = ab.open_dataset(str(tmp_path / "ds"), storage_options={"mmap": mode == "mmap"})
-    # In order, next-token windows overlap: every read is merged and copied out in pieces
-    # (converted as they are copied with a dtype); shuffled, most land in place.
+    # Mapped, each group's windows are copied in one call of the C helper (read_windows).
+    # With pread, in order, next-token windows overlap: every read is merged and copied out
+    # in pieces (converted as they are copied with a dtype); shuffled, most land in place.
     for shuffle in (True, False):
         with ab.Loader(
             dataset,
@@ -289,7 +290,7 @@ def test_local_reads_with_and_without_the_c_helper(
     with (
         # verify="off": the read loop's own length check must catch it.
         ab.Loader(dataset, batch_size=5, seq_len=33, shuffle=False, verify="off") as loader,
-        pytest.raises(ShortReadError, match=r"shard-00002.bin bytes \[0, "),
+        pytest.raises(ShortReadError, match=r"shard-00002.bin bytes \[\d+, \d+\) returned"),
     ):
         for _ in loader:
             pass
@@ -461,6 +462,98 @@ def test_bus_errors_outside_a_copy_still_end_the_process(tmp_path: Path) -> None
     assert child.returncode == -signal.SIGBUS, (child.returncode, child.stderr)
 
 
+GATHER_CHILD = """
+import os, sys
+import numpy as np
+from asyncbatch.stores import _preadv
+one = lambda *v: np.array(v, dtype=np.int64)
+tokens = np.arange(1000, 1100, dtype=np.uint16)
+# Shards of 30, 0 (empty), 5, 65 tokens behind headers of 8, 0, 2 and 4096 bytes.
+counts, headers = [30, 0, 5, 65], [8, 0, 2, 4096]
+bases, limits, fds, at = [], [], [], 0
+for k, (count, header) in enumerate(zip(counts, headers)):
+    path = os.path.join(sys.argv[1], f"s{k}")
+    with open(path, "wb") as file:
+        file.write(b"h" * header + tokens[at : at + count].tobytes())
+    at += count
+    fds.append(os.open(path, os.O_RDONLY))
+    size = os.fstat(fds[-1]).st_size
+    bases.append(_preadv.map_file(fds[-1], size))
+    limits.append(size)
+ends = np.cumsum(counts)
+def gather(starts, window, limit=None, convert=None, out=2):
+    dest = np.zeros(len(starts) * window * out, dtype=np.uint8)
+    extra = () if convert is None else (convert,)
+    got = _preadv.gather(one(*bases), one(*(limit or limits)), ends, one(*headers), 2,
+                         one(*starts), window, dest, *extra)
+    return got, dest
+got, dest = gather([0, 25, 28, 95, 40], 5)  # 25, 28: across the empty shard; 28: three shards
+assert got[0] == 5, got
+want = np.concatenate([tokens[s : s + 5] for s in (0, 25, 28, 95, 40)])
+assert (dest.view(np.uint16) == want).all()
+got, dest = gather([3, 27, 90], 10, convert="u2>i8", out=8)
+assert got[0] == 3, got
+want = np.concatenate([tokens[s : s + 10] for s in (3, 27, 90)]).astype(np.int64)
+assert (dest.view(np.int64) == want).all()
+print(gather([0, 50], 5, limit=[68, 0, 12, 4130])[0])  # shard 3 holds 17 of its 65 tokens
+print(gather([0, 50], 5, limit=[68, 0, 12, -1])[0])  # shard 3 not mapped
+os.truncate(os.path.join(sys.argv[1], "s3"), 10)  # shrinks under its mapping: bus errors
+print(gather([0, 60], 5)[0])
+for bad in ([96], [-1]):
+    try:
+        gather(bad, 5)
+    except ValueError as exc:
+        print(exc)
+"""
+
+
+def test_gather_plans_and_copies_windows_across_shards(tmp_path: Path) -> None:
+    """The C helper's one-call windows: found by binary search, across shard ends (an empty
+    shard and three shards included), converted in the copy; a short or shrunk file, or a
+    shard not mapped, stops with where; a window outside the elements is a ValueError."""
+    import subprocess
+    import sys
+
+    from asyncbatch.stores import local
+
+    if local._preadv is None:
+        pytest.skip("the C helper was not built")
+    child = subprocess.run(
+        [sys.executable, "-c", GATHER_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split("\n")[:5] == [
+        "(1, 3, 4126, 4136, 0)",  # window 1: bytes [4126, 4136) of shard 3, past its 4130
+        "(1, 3, 4126, 4136, -2)",  # shard 3 not mapped
+        "(1, 3, 4146, 4156, -1)",  # a bus error in shard 3: it shrank under its mapping
+        "gather: window 0 (elements 96 + 5) outside the 100 elements",
+        "gather: window 0 (elements -1 + 5) outside the 100 elements",
+    ]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int64])
+def test_windows_longer_than_shards(
+    tmp_path: Path, tokens: npt.NDArray[np.uint16], dtype: torch.dtype | None
+) -> None:
+    """Windows that span three or more shards read exactly through the mapped path, in
+    order and shuffled, and the loader counts one read per window."""
+    dataset = ab.write_tokens(str(tmp_path / "ds"), tokens[:600], shard_size=7)  # 86 shards
+    for shuffle in (False, True):
+        with ab.Loader(dataset, batch_size=5, seq_len=20, shuffle=shuffle, dtype=dtype) as loader:
+            batches = list(loader)
+            stats = loader.statistics()
+        seen = np.concatenate([b.global_indexes for b in batches])
+        assert sorted(seen.tolist()) == list(range(600 // 20))
+        for batch in batches:
+            expected = expected_windows(tokens, batch.global_indexes, 20)
+            np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+        assert stats.requests == 600 // 20
+        assert stats.bytes_fetched == stats.bytes_delivered == 600 * 2
+
+
 def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> None:
     from asyncbatch.errors import ShardChangedError
     from asyncbatch.stores.local import LocalStore
@@ -601,6 +694,10 @@ class _FlakyLocalStore(LocalStore):
         await self._fault(urls, which)
         await super().read_into_converted(urls, which, *args)
 
+    async def read_windows(self, urls: Sequence[str], *args: Any) -> bool:
+        await self._fault(urls, np.zeros(1, dtype=np.int64))
+        return await super().read_windows(urls, *args)
+
 
 @pytest.fixture
 def flaky_file_store(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], list[str]]:
@@ -679,13 +776,15 @@ def test_a_slow_local_read_is_not_cut_by_the_retry_timeouts(
 
 def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
     """Stacked (and counted), the local store still reads groups into one buffer, converts
-    as it copies, reads tails, lists with sizes and hands its open files over to be kept."""
+    as it copies, copies windows itself, reads tails, lists with sizes and hands its open
+    files over to be kept."""
     from asyncbatch.stores.base import (
         KeepsFiles,
         ListsInfo,
         ReadsInto,
         ReadsIntoConverted,
         ReadsTail,
+        ReadsWindows,
         Writes,
     )
     from asyncbatch.stores.counting import ReadCounts
@@ -695,7 +794,8 @@ def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
         for counts in (None, ReadCounts()):
             store = open_store(str(tmp_path), counts=counts)
             try:
-                for capability in (ReadsInto, ReadsIntoConverted, ReadsTail, ListsInfo, Writes):
+                capabilities = (ReadsInto, ReadsIntoConverted, ReadsWindows, ReadsTail, ListsInfo)
+                for capability in (*capabilities, Writes):
                     assert isinstance(store, capability), capability
                 assert isinstance(store, KeepsFiles)
                 files = store.keep_files()

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..batch import FieldSchema
-from ..layout import ReadPlan
+from ..layout import ReadPlan, WindowPlan
 
 if TYPE_CHECKING:
     from ..dataset import Dataset
@@ -31,12 +31,13 @@ Int64Array = npt.NDArray[np.int64]
 
 
 class ReadFn(Protocol):
-    """Carries out a read plan; returns the ``plan.nbytes`` bytes it describes, or with
-    ``convert`` (stored dtype, output dtype) its elements as the output dtype, converted
-    while they are copied where the store can."""
+    """Carries out a read plan (or windows, planned only where the store cannot copy them
+    itself); returns the ``plan.nbytes`` bytes it describes, or with ``convert`` (stored
+    dtype, output dtype) its elements as the output dtype, converted while they are copied
+    where the store can."""
 
     def __call__(
-        self, plan: ReadPlan, convert: Conversion | None = None
+        self, plan: ReadPlan | WindowPlan, convert: Conversion | None = None
     ) -> Awaitable[npt.NDArray[np.uint8]]: ...
 
 

@@ -22,7 +22,7 @@ import torch
 from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError
-from ..layout import ReadPlan, ShardMap
+from ..layout import ReadPlan, ShardMap, WindowPlan
 from .base import Offload, PlannedSource, ReadFn
 
 TOKENS_FIELD = "tokens"
@@ -86,24 +86,35 @@ class TokenWindows(PlannedSource):
         }
 
     def plan(self, sample_ids: npt.NDArray[np.int64], gap_bytes: int) -> ReadPlan:
+        return self.windows(sample_ids, gap_bytes).plan()
+
+    def windows(self, sample_ids: npt.NDArray[np.int64], gap_bytes: int) -> WindowPlan:
+        """The windows of ``sample_ids``, unplanned (a local store copies them in one call)."""
         if len(self.datasets) == 1:
-            return self.shard_map.plan(sample_ids * self.seq_len, self.window, gap_bytes)
-        which = np.searchsorted(self._id_ends, sample_ids, side="right")
-        local = sample_ids - (self._id_ends - self.sizes)[which]
-        starts = self._element_base[which] + local * self.seq_len
-        return self.shard_map.plan(starts, self.window, gap_bytes)
+            starts = sample_ids * self.seq_len
+        else:
+            which = np.searchsorted(self._id_ends, sample_ids, side="right")
+            local = sample_ids - (self._id_ends - self.sizes)[which]
+            starts = self._element_base[which] + local * self.seq_len
+        return WindowPlan(self.shard_map, starts, self.window, gap_bytes)
 
     async def fetch(
         self, ids: npt.NDArray[np.int64], read: ReadFn, gap: int, offload: Offload
     ) -> dict[str, Any]:
         """The windows ``ids``; a ``dtype`` conversion happens in the read's copy (formats
         built on this one that decode more than the tokens convert in their decode)."""
-        if not self.converts or type(self).decode is not TokenWindows.decode:
+        if type(self).plan is not TokenWindows.plan:  # a format that plans its own reads
             return await super().fetch(ids, read, gap, offload)
-        assert self.out_dtype is not None
-        buffer = await read(self.plan(ids, gap), (self.stored_dtype, self.out_dtype))
-        array = buffer.view(self.out_dtype).reshape(ids.size, self.window)
-        return {TOKENS_FIELD: torch.from_numpy(array)}
+        if self.converts and type(self).decode is TokenWindows.decode:
+            assert self.out_dtype is not None
+            buffer = await read(self.windows(ids, gap), (self.stored_dtype, self.out_dtype))
+            array = buffer.view(self.out_dtype).reshape(ids.size, self.window)
+            return {TOKENS_FIELD: torch.from_numpy(array)}
+        buffer = await read(self.windows(ids, gap))
+        if self.converts:
+            fields: dict[str, Any] = await offload(lambda: self.decode(buffer, ids))
+            return fields
+        return self.decode(buffer, ids)
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""

@@ -23,6 +23,19 @@
  *   offsets and lengths count source bytes, dest_offsets destination bytes, and read i fills
  *   lengths[i] / source size elements. Converting in the copy writes each value once; a
  *   separate cast after the copy would read and write the whole group again.
+ *
+ * gather(bases, limits, ends, headers, itemsize, starts, window, dest[, convert])
+ *     -> (done, shard, start, end, errno)
+ *   Plans and copies a group of fixed windows of a dataset's element stream in one call:
+ *   window i holds elements [starts[i], starts[i] + window) of the shards' concatenation,
+ *   which may cross shard ends, and lands at dest[i * window * out_size:]. ends: int64
+ *   cumulative element counts, one per shard; headers: the byte where each shard's
+ *   elements start in its file; bases / limits: each shard's mapping and its size (limit
+ *   -1: not mapped by the caller). Each window's shard is found by binary search over ends.
+ *   Returns done == len(starts) on success; otherwise window `done` stopped in shard
+ *   `shard` at file bytes [start, end), with errno 0 (past the mapping's end: a short
+ *   file), -1 (a bus error: the file shrank under its mapping) or -2 (the shard is not
+ *   mapped). convert as for copy_many.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -335,6 +348,123 @@ done:
     return result;
 }
 
+
+/* The first shard whose cumulative end lies past `element` (ends ascending). */
+static Py_ssize_t shard_of(const int64_t *ends, Py_ssize_t shards, int64_t element) {
+    Py_ssize_t lo = 0, hi = shards;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (ends[mid] <= element) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    Py_ssize_t itemsize, window;
+    const char *convert_name = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOnOnO|s", &objs[0], &objs[1], &objs[2], &objs[3], &itemsize,
+                          &objs[4], &window, &objs[5], &convert_name)) {
+        return NULL;
+    }
+    convert_fn convert = NULL;
+    int in_size = (int)itemsize, out_size = (int)itemsize;
+    if (convert_name != NULL) {
+        if ((convert = find_conversion(convert_name, &in_size, &out_size)) == NULL) return NULL;
+        if (in_size != itemsize) {
+            PyErr_Format(PyExc_ValueError, "gather: %s does not read items of %zd bytes",
+                         convert_name, itemsize);
+            return NULL;
+        }
+    }
+    static const char *names[6] = {"bases", "limits", "ends", "headers", "starts", "dest"};
+    Py_buffer views[6];
+    memset(views, 0, sizeof(views));
+    PyObject *result = NULL;
+    for (int k = 0; k < 6; k++) {
+        if (get_array(objs[k], &views[k], k == 5 ? 1 : 8, names[k], k == 5) < 0) goto done;
+    }
+    Py_ssize_t shards = views[2].len / 8, count = views[4].len / 8;
+    if (views[0].len / 8 != shards || views[1].len / 8 != shards || views[3].len / 8 != shards) {
+        PyErr_SetString(PyExc_ValueError, "gather: the per-shard arrays differ in length");
+        goto done;
+    }
+    if (itemsize <= 0 || window < 0 || count * window > views[5].len / out_size) {
+        PyErr_SetString(PyExc_ValueError, "gather: the windows do not fit the destination");
+        goto done;
+    }
+    const int64_t *base = (const int64_t *)views[0].buf;
+    const int64_t *limit = (const int64_t *)views[1].buf;
+    const int64_t *ends = (const int64_t *)views[2].buf;
+    const int64_t *header = (const int64_t *)views[3].buf;
+    const int64_t *start = (const int64_t *)views[4].buf;
+    char *out = (char *)views[5].buf;
+    int64_t total = shards ? ends[shards - 1] : 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (start[i] < 0 || start[i] > total - window) {
+            PyErr_Format(PyExc_ValueError, "gather: window %zd (elements %lld + %zd) outside"
+                         " the %lld elements", i, (long long)start[i], window, (long long)total);
+            goto done;
+        }
+    }
+    volatile Py_ssize_t i = 0;
+    volatile Py_ssize_t shard = 0;
+    volatile int64_t from_byte = 0, to_byte = 0;
+    volatile int error = 0;
+    const int64_t out_bytes = window * out_size;
+    sigjmp_buf jump;
+    Py_BEGIN_ALLOW_THREADS
+    if (sigsetjmp(jump, 1) == 0) {
+        copy_jump = &jump;
+        for (; i < count; i++) {
+            int64_t element = start[i], left = window;
+            char *to = out + i * out_bytes;
+            shard = shard_of(ends, shards, element);
+            while (left > 0) {
+                int64_t first = shard ? ends[shard - 1] : 0;
+                int64_t here = ends[shard] - element < left ? ends[shard] - element : left;
+                if (here == 0) { /* an empty shard */
+                    shard++;
+                    continue;
+                }
+                from_byte = header[shard] + (element - first) * itemsize;
+                to_byte = from_byte + here * itemsize;
+                if (limit[shard] < 0) {
+                    error = -2;
+                    break;
+                }
+                if (to_byte > limit[shard]) break; /* the file is shorter than its manifest */
+                const char *from = (const char *)(intptr_t)base[shard] + from_byte;
+                if (convert != NULL) {
+                    convert(to, from, here);
+                } else {
+                    memcpy(to, from, (size_t)(here * itemsize));
+                }
+                to += here * out_size;
+                element += here;
+                left -= here;
+                shard++;
+            }
+            if (left > 0) break;
+        }
+    } else {
+        error = -1; /* a bus error: the file shrank under its mapping */
+    }
+    copy_jump = NULL;
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nnLLi", (Py_ssize_t)i, (Py_ssize_t)shard, (long long)from_byte,
+                           (long long)to_byte, error);
+done:
+    for (int k = 0; k < 6; k++) {
+        if (views[k].obj) PyBuffer_Release(&views[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"read_many", read_many, METH_VARARGS,
      "read_many(fds, offsets, lengths, dest, dest_offsets) -> (done, got, errno)"},
@@ -343,6 +473,9 @@ static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS,
      "copy_many(bases, limits, offsets, lengths, dest, dest_offsets[, convert])"
      " -> (done, got, errno)"},
+    {"gather", gather, METH_VARARGS,
+     "gather(bases, limits, ends, headers, itemsize, starts, window, dest[, convert])"
+     " -> (done, shard, start, end, errno)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,3 +8,14 @@ def unmap_file(address: int, length: int) -> None: ...
 def copy_many(
     bases: Any, limits: Any, offsets: Any, lengths: Any, dest: Any, dest_offsets: Any
 ) -> tuple[int, int, int]: ...
+def gather(
+    bases: Any,
+    limits: Any,
+    ends: Any,
+    headers: Any,
+    itemsize: int,
+    starts: Any,
+    window: int,
+    dest: Any,
+    convert: str = ...,
+) -> tuple[int, int, int, int, int]: ...

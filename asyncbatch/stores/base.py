@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from ..layout import ShardMap
+
 Buffer = memoryview
 #: (stored dtype, output dtype) of a converting read.
 Conversion = tuple["np.dtype[Any]", "np.dtype[Any]"]
@@ -261,6 +263,29 @@ class ReadsIntoConverted(Protocol):
         """``read_into``, with the elements of ``convert[0]`` in each range written to
         ``dest`` as ``convert[1]`` (a safe cast): ``starts`` and ``ends`` count stored bytes,
         ``dest_offsets`` bytes of ``dest``."""
+        ...
+
+
+@runtime_checkable
+class ReadsWindows(Protocol):
+    """A store that plans and copies fixed windows of a dataset's element stream itself, in
+    one call per group (local mapped files: no per-read arrays, no Python per window)."""
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        """Copy elements ``[starts[i], starts[i] + window)`` of the concatenation of the
+        shards ``urls`` (laid out as ``layout`` says; a window may cross shard ends) to
+        ``dest[i * window * size:]``, ``size`` the output element's (``convert``: stored
+        dtype, output dtype, a safe cast made in the copy). False, having read nothing,
+        when it cannot here (files it does not map, too many at once, a conversion it
+        lacks): the caller then plans byte ranges instead."""
         ...
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ..layout import ShardMap
 from .base import (
     Buffer,
     Conversion,
@@ -21,6 +22,7 @@ from .base import (
     ObjectInfo,
     ReadsInto,
     ReadsIntoConverted,
+    ReadsWindows,
     Store,
     Versioned,
     fetch_tail,
@@ -125,9 +127,32 @@ class CountingConvertingStore(CountingBufferStore):
         await self.inner.read_into_converted(urls, which, starts, ends, dest, dest_offsets, convert)
 
 
+class CountingWindowsStore(CountingConvertingStore):
+    """A :class:`CountingConvertingStore` over a store that also copies windows itself: each
+    window counts as one read."""
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        assert isinstance(self.inner, ReadsWindows)
+        if not await self.inner.read_windows(urls, layout, starts, window, dest, convert):
+            return False
+        self.counts.requests += int(starts.size)
+        self.counts.bytes_fetched += int(starts.size) * window * layout.itemsize
+        return True
+
+
 def counting(store: Store, counts: ReadCounts) -> Store:
     """``store`` with its reads counted in ``counts``, keeping its ``read_into`` (and
-    ``read_into_converted``) if it has them."""
+    ``read_into_converted``, ``read_windows``) if it has them."""
+    if isinstance(store, ReadsWindows) and isinstance(store, ReadsIntoConverted):
+        return CountingWindowsStore(store, counts)
     if isinstance(store, ReadsIntoConverted):
         return CountingConvertingStore(store, counts)
     if isinstance(store, ReadsInto):

@@ -56,6 +56,7 @@ from ..errors import (
     StoreError,
     describe_range,
 )
+from ..layout import ShardMap
 from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Unbounded, check_length
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .stack import is_transient, map_error
@@ -392,6 +393,93 @@ class LocalStore(Unbounded):
         await self._read_jobs(urls, which, starts, ends, staging, staged_at, None)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, _cast, staging, dest, source, target)
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: Int64Array,
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        """The group's windows planned and copied out of the files' mappings in one GIL-free
+        call of the C helper (it finds each window's shard by binary search over the
+        cumulative counts), with the conversion in the copy; False, having read nothing,
+        without mappings or the conversion, or when the group touches more files than
+        may be open at once."""
+        name = None if convert is None else c_conversion(*convert)
+        if not self._files.mmap or (convert is not None and name is None):
+            return False
+        if not starts.size:
+            return True
+        loop = asyncio.get_running_loop()
+        done: bool = await loop.run_in_executor(
+            self._pool, self._gather, urls, layout, starts, window, dest, name
+        )
+        return done
+
+    def _gather(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: Int64Array,
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: str | None,
+    ) -> bool:
+        count = layout.ends.size
+        first = np.searchsorted(layout.ends, starts, side="right")
+        last = np.searchsorted(layout.ends, starts + max(0, window - 1), side="right")
+        if (last - first > 1).any():  # windows longer than a shard: every shard between too
+            spans = np.bincount(first, minlength=count + 1)
+            spans -= np.bincount(last + 1, minlength=count + 1)
+            touched = np.cumsum(spans[:count]) > 0
+        else:
+            touched = np.zeros(count, dtype=bool)
+            touched[first] = True
+            touched[last] = True
+        used = np.flatnonzero(touched)
+        if used.size > self._files.max_open_files:
+            return False
+        if self._closed:  # a job queued before close(), which waits for it
+            raise StoreError(f"store closed while reading {urls[int(used[0])]}", urls[int(used[0])])
+        held = [urls[index] for index in used.tolist()]
+        opened = np.array(self._files.acquire_many(held), dtype=np.int64).reshape(-1, 3).T
+        try:
+            if (opened[2] < 0).any():  # a file that could not be mapped: read with pread
+                return False
+            bases = np.zeros(count, dtype=np.int64)
+            limits = np.full(count, -1, dtype=np.int64)
+            bases[used], limits[used] = opened[1], opened[2]
+            assert _preadv is not None
+            extra = () if convert is None else (convert,)
+            done, shard, start, end, error = _preadv.gather(
+                bases,
+                limits,
+                layout.ends,
+                layout.offsets,
+                layout.itemsize,
+                starts,
+                window,
+                dest,
+                *extra,
+            )
+            # A file changed under a read explains a short one too: check pins first.
+            self._files.check_pins(held, [os.fstat(fd) for fd in opened[0].tolist()])
+            if done < starts.size:
+                url = urls[shard]
+                if error == -1:
+                    where = describe_range(url, start, end)
+                    message = (
+                        f"the file shrank under the read (a bus error in its mapping): {where}"
+                    )
+                    raise ShardChangedError(message, url, start, end)
+                assert error == 0, "every shard a window touches is mapped"
+                check_length(url, start, end, max(0, int(limits[shard]) - start))
+        finally:
+            self._files.release_many(held)
+        return True
 
     async def _read_jobs(
         self,

@@ -52,6 +52,7 @@ from ..errors import (
     StoreTimeoutError,
     describe_range,
 )
+from ..layout import ShardMap
 from .base import (
     Buffer,
     Closes,
@@ -68,6 +69,7 @@ from .base import (
     ReadsIntoConverted,
     ReadsRanges,
     ReadsTail,
+    ReadsWindows,
     ResumesRanges,
     Store,
     Unbounded,
@@ -308,6 +310,27 @@ class TransportConvertingStore(TransportBufferStore):
         )
 
 
+class TransportWindowsStore(TransportConvertingStore):
+    """A :class:`TransportConvertingStore` over a transport that also plans and copies
+    windows of an element stream itself."""
+
+    def __init__(self, transport: ReadsInto) -> None:
+        super().__init__(transport)
+        assert isinstance(transport, ReadsWindows)
+        self._windows = transport
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        return await self._windows.read_windows(urls, layout, starts, window, dest, convert)
+
+
 class RetryingStore:
     """Forwards every call to ``inner`` with typed errors, retried under ``policy``.
 
@@ -498,9 +521,40 @@ class RetryingConvertingStore(RetryingBufferStore):
         )
 
 
+class RetryingWindowsStore(RetryingConvertingStore):
+    """A :class:`RetryingConvertingStore` over a store that also copies windows itself."""
+
+    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+        super().__init__(inner, policy)
+        assert isinstance(inner, ReadsWindows)
+        self._windows = inner
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        layout: ShardMap,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        inner = self._windows
+        first = urls[0] if urls else ""
+        what = f"read of {int(starts.size)} windows of {len(urls)} objects ({first}, ...)"
+        return await self._run(
+            lambda: inner.read_windows(urls, layout, starts, window, dest, convert), what, first
+        )
+
+
 def stacked(transport: object, policy: RetryPolicy = DEFAULT_POLICY) -> Store:
     """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts,
-    keeping its ``read_into`` (and ``read_into_converted``) if it has them."""
+    keeping its ``read_into`` (and ``read_into_converted``, ``read_windows``) if it has them."""
+    if (
+        isinstance(transport, ReadsWindows)
+        and isinstance(transport, ReadsIntoConverted)
+        and isinstance(transport, ReadsInto)
+    ):
+        return RetryingWindowsStore(TransportWindowsStore(transport), policy)
     if isinstance(transport, ReadsIntoConverted) and isinstance(transport, ReadsInto):
         return RetryingConvertingStore(TransportConvertingStore(transport), policy)
     if isinstance(transport, ReadsInto):
