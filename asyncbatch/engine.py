@@ -66,16 +66,19 @@ from .stores.retry import RetryPolicy
 from .transform import Transform, apply_transform
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
-MAX_GROUP = 64
+MAX_GROUP = 128
 MAX_GROUP_BYTES = 16 * 2**20
+#: Groups the prefetch queue holds at once: while the consumer takes one, the next ones are
+#: read (the copies of one, without the GIL, beside the planning of another).
+GROUPS_IN_QUEUE = 4
 
 Positions = Sequence[int] | npt.NDArray[np.int64]
 
 
 def group_size(prefetch: int, batch_bytes: int, want: int = 0) -> int:
-    """Batches per group: two groups fit in the prefetch queue, and one stays under 16 MiB
-    unless ``want`` (a block shuffle's window) asks for more and the queue has room."""
-    base = min(MAX_GROUP, prefetch // 2, MAX_GROUP_BYTES // max(1, batch_bytes))
+    """Batches per group: four groups fit in the prefetch queue, and one stays under 16 MiB
+    unless ``want`` (a block shuffle's window) asks for more and the queue holds two."""
+    base = min(MAX_GROUP, prefetch // GROUPS_IN_QUEUE, MAX_GROUP_BYTES // max(1, batch_bytes))
     return max(1, base, min(want, prefetch // 2))
 
 
@@ -475,8 +478,8 @@ class Reader:
         self, plan: WindowPlan, convert: Conversion | None = None
     ) -> npt.NDArray[np.uint8] | None:
         """``plan``'s windows copied by the one store in one call, after the checks of the
-        shards they touch (as :meth:`read_plan` makes them); None, having read nothing,
-        where the store cannot (see :class:`~asyncbatch.stores.base.ReadsWindows`)."""
+        shards they touch (as :meth:`read_plan` makes them); None where the store cannot
+        (see :class:`~asyncbatch.stores.base.ReadsWindows`): plan byte ranges instead."""
         store = self._windows
         assert store is not None
         checks = self.checks

@@ -67,7 +67,7 @@ from .stores.retry import RetryPolicy
 from .transform import Transform, check_transform
 
 STATE_VERSION = 3
-MAX_DEFAULT_PREFETCH = 128
+MAX_DEFAULT_PREFETCH = 512
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it). Stopping takes milliseconds; the
 #: bound is for a machine so loaded that closing connections and pools takes seconds.
@@ -631,7 +631,7 @@ class Loader(_LoaderBase):
             ``"none"``: in order.
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
-            2 to 128, or two block-shuffle windows.
+            2 to 512, or two block-shuffle windows.
         max_inflight: Read requests in flight at once.
         next_token: One more token per window, for next-token targets.
         dtype: Output dtype (numpy or torch); ``None``: as stored. One that cannot hold

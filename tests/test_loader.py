@@ -251,13 +251,12 @@ def _open_fds() -> dict[str, str]:
 
 def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
-        assert small.prefetch == 128
+        assert small.prefetch == 512
     # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
     # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
     with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:
         assert big.prefetch == 2
-    # 16 × 2048 × (2 stored + 8 as int64) bytes = 320 KiB per batch: 204 fit, capped at 128;
-    # 64 × 2048 × 10 bytes = 1.25 MiB: 51 fit.
+    # 64 × 2048 × (2 stored + 8 as int64) bytes = 1.25 MiB per batch: 51 fit.
     with ab.Loader(
         dataset, batch_size=64, seq_len=2048, dtype=torch.int64, drop_last=False
     ) as wide:

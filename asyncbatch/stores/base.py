@@ -283,9 +283,9 @@ class ReadsWindows(Protocol):
         """Copy elements ``[starts[i], starts[i] + window)`` of the concatenation of the
         shards ``urls`` (laid out as ``layout`` says; a window may cross shard ends) to
         ``dest[i * window * size:]``, ``size`` the output element's (``convert``: stored
-        dtype, output dtype, a safe cast made in the copy). False, having read nothing,
-        when it cannot here (files it does not map, too many at once, a conversion it
-        lacks): the caller then plans byte ranges instead."""
+        dtype, output dtype, a safe cast made in the copy). False when it cannot here
+        (files it does not map, too many at once, a conversion it lacks): the caller then
+        plans byte ranges for all of them and reads those into ``dest`` instead."""
         ...
 
 

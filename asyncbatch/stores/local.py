@@ -1,20 +1,22 @@
 """Local and HPC filesystem store: reads straight into the caller's buffers.
 
-Reads run in a bounded thread pool, never on the event loop. The engine's path,
-:meth:`LocalStore.read_into`, reads a whole group of ranges into one buffer in a single call
-of the small C helper ``_preadv``, with the GIL released, so pool threads read in parallel
-and no Python runs per range. By default the helper copies from a read-only mapping of each
-file (``mmap``): for the small windows of a global shuffle this costs about half a ``pread``
-call, which is mostly system-call overhead. A file truncated under its mapping would kill
-the process with SIGBUS; the helper catches the fault inside its copy loop and the read
-fails with a :class:`~asyncbatch.errors.ShardChangedError` instead. ``storage_options=
-{"mmap": False}`` reads with ``pread`` (e.g. on a parallel filesystem that maps poorly), as
-does a file that cannot be mapped; without the helper (no compiler at install time) a Python
-loop of ``os.preadv`` calls reads, slower. Open files (and their mappings) are kept in a
-small LRU (:class:`LocalFiles`) so that thousands of shards do not exhaust the process's
-descriptor limit; a loader keeps it across its runs (epochs, ``for`` loops), so later epochs
-neither map the files again nor pay first-touch page faults again, and closes it in
-``close()``.
+Reads run in a bounded thread pool, never on the event loop. The engine's path for token
+windows, :meth:`LocalStore.read_windows`, plans and copies a whole group in a single call of
+the small C helper ``_preadv`` with the GIL released: it finds each window's shard by binary
+search over the cumulative counts and copies (and widens, with ``dtype=``) straight out of the
+files' mappings, so no Python runs per window and no read plan is built.
+:meth:`LocalStore.read_into` does the same for any group of planned byte ranges. By default the
+helper copies from a read-only mapping of each file (``mmap``): for the small windows of a
+global shuffle this costs about half a ``pread`` call, which is mostly system-call overhead. A
+file truncated under its mapping would kill the process with SIGBUS; the helper catches the
+fault inside its copy loop and the read fails with a
+:class:`~asyncbatch.errors.ShardChangedError` instead. ``storage_options= {"mmap": False}``
+reads with ``pread`` (e.g. on a parallel filesystem that maps poorly), as does a file that
+cannot be mapped; without the helper (no compiler at install time) a Python loop of
+``os.preadv`` calls reads, slower. Open files (and their mappings) are kept in a small LRU
+(:class:`LocalFiles`) so that thousands of shards do not exhaust the process's descriptor
+limit; a loader keeps it across its runs (epochs, ``for`` loops), so later epochs neither map
+the files again nor pay first-touch page faults again, and closes it in ``close()``.
 
 Each file is pinned when it is first opened: its (inode, size, mtime) are recorded, checked
 again whenever it is reopened after leaving the LRU, against its path on its first use in
@@ -85,6 +87,10 @@ Int64Array = npt.NDArray[np.int64]
 #: Reads one pool job does before a group is split across threads: fewer, larger jobs win
 #: on few cores, since each job costs a thread hop and the reads run without the GIL.
 RANGES_PER_JOB = 512
+#: Destination bytes per thread job of :meth:`LocalStore.read_windows`: a group that writes
+#: more (a widening ``dtype`` writes 4x what it reads) copies in parallel parts; smaller
+#: ones in one call, since each job costs a thread hop and its own look-ups.
+GATHER_JOB_BYTES = 8 * 2**20
 
 
 def _write_file(path: str, data: Buffer | bytes) -> None:
@@ -405,19 +411,36 @@ class LocalStore(Unbounded):
     ) -> bool:
         """The group's windows planned and copied out of the files' mappings in one GIL-free
         call of the C helper (it finds each window's shard by binary search over the
-        cumulative counts), with the conversion in the copy; False, having read nothing,
-        without mappings or the conversion, or when the group touches more files than
-        may be open at once."""
+        cumulative counts), with the conversion in the copy, in parallel parts for groups
+        that write more than ``GATHER_JOB_BYTES``; False without mappings or the conversion,
+        or when a part touches more files than may be open at once."""
         name = None if convert is None else c_conversion(*convert)
         if not self._files.mmap or (convert is not None and name is None):
             return False
-        if not starts.size:
+        count = int(starts.size)
+        if not count:
             return True
+        # Large groups copy in parallel, each part in one call (the GIL is released in it).
+        jobs = max(1, min(self._threads, count, int(dest.size) // GATHER_JOB_BYTES))
+        cuts = [count * j // jobs for j in range(jobs + 1)]
+        width = window * (dest.size // max(1, count * window))  # destination bytes per window
         loop = asyncio.get_running_loop()
-        done: bool = await loop.run_in_executor(
-            self._pool, self._gather, urls, layout, starts, window, dest, name
+        done = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._pool,
+                    self._gather,
+                    urls,
+                    layout,
+                    starts[a:b],
+                    window,
+                    dest[a * width : b * width],
+                    name,
+                )
+                for a, b in itertools.pairwise(cuts)
+            )
         )
-        return done
+        return all(done)
 
     def _gather(
         self,
