@@ -10,6 +10,7 @@ Python loop runs over the spans.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,6 +199,9 @@ class WindowPlan:
     length: int
     #: The store's request cost in bytes, for :meth:`plan`'s merging.
     gap_bytes: int
+    #: How the source plans these windows as byte ranges, when not by
+    #: :meth:`ShardMap.plan` (a format whose layout merges reads its own way).
+    planner: Callable[[], ReadPlan] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -205,4 +209,6 @@ class WindowPlan:
 
     def plan(self) -> ReadPlan:
         """The windows as byte-range reads (see :meth:`ShardMap.plan`)."""
+        if self.planner is not None:
+            return self.planner()
         return self.layout.plan(self.starts, self.length, self.gap_bytes)

@@ -41,10 +41,10 @@ import torch
 from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError, FormatError
-from ..layout import ReadPlan, ShardMap
+from ..layout import ReadPlan, ShardMap, WindowPlan
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import Store
-from .base import Opener, PlannedSource
+from .base import Offload, Opener, PlannedSource, ReadFn
 from .npy import object_infos
 from .tokens import TOKENS_FIELD, output_dtype
 
@@ -302,6 +302,29 @@ class LLMBatchRecords(PlannedSource):
             self._element_base[which] + slot * self._slot[which] + row * self.seq_len
         )
         return starts
+
+    async def fetch(
+        self, ids: npt.NDArray[np.int64], read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        """The records ``ids`` as windows of the element stream (whole slots, or records),
+        which a local store copies in one call, converting as it copies; planned as
+        :meth:`plan` does for any other store."""
+        slots = self.whole_slots(ids)
+        if slots is None:
+            starts = self.element_starts(ids)
+            windows = WindowPlan(
+                self.shard_map, starts, self.seq_len, gap, lambda: self.plan(ids, gap)
+            )
+        else:
+            raw = int(self._batch[0]) * self.seq_len
+            starts = slots * int(self._slot[0])
+            windows = WindowPlan(self.shard_map, starts, raw, gap, lambda: self.plan(ids, gap))
+        if not self.converts:
+            return self.decode(await read(windows), ids)
+        assert self.out_dtype is not None
+        buffer = await read(windows, (self.stored_dtype, self.out_dtype))
+        array = buffer.view(self.out_dtype).reshape(ids.size, self.seq_len)
+        return {TOKENS_FIELD: torch.from_numpy(array)}
 
     def plan(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan:
         slots = self.whole_slots(ids)
