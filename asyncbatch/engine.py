@@ -66,19 +66,26 @@ from .stores.retry import RetryPolicy
 from .transform import Transform, apply_transform
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
-MAX_GROUP = 128
+MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
-#: Groups the prefetch queue holds at once: while the consumer takes one, the next ones are
-#: read (the copies of one, without the GIL, beside the planning of another).
-GROUPS_IN_QUEUE = 4
+#: Groups the prefetch queue holds at once. Local files: four groups of up to 128 batches,
+#: so that while the consumer takes one, one group's copies (without the GIL) run beside
+#: the planning of the next. Remote stores: two, each group's requests overlapping anyway.
+GROUPS_IN_QUEUE = 2
+MAX_LOCAL_GROUP = 128
+LOCAL_GROUPS_IN_QUEUE = 4
 
 Positions = Sequence[int] | npt.NDArray[np.int64]
 
 
-def group_size(prefetch: int, batch_bytes: int, want: int = 0) -> int:
-    """Batches per group: four groups fit in the prefetch queue, and one stays under 16 MiB
-    unless ``want`` (a block shuffle's window) asks for more and the queue holds two."""
-    base = min(MAX_GROUP, prefetch // GROUPS_IN_QUEUE, MAX_GROUP_BYTES // max(1, batch_bytes))
+def group_size(prefetch: int, batch_bytes: int, want: int = 0, local: bool = False) -> int:
+    """Batches per group: two groups fit in the prefetch queue (four, of up to 128 batches,
+    for ``local`` files), and one stays under 16 MiB unless ``want`` (a block shuffle's
+    window) asks for more and the queue holds two."""
+    most, depth = (
+        (MAX_LOCAL_GROUP, LOCAL_GROUPS_IN_QUEUE) if local else (MAX_GROUP, GROUPS_IN_QUEUE)
+    )
+    base = min(most, prefetch // depth, MAX_GROUP_BYTES // max(1, batch_bytes))
     return max(1, base, min(want, prefetch // 2))
 
 

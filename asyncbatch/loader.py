@@ -63,11 +63,14 @@ from .sampling.order import (
 from .sampling.windows import History, Segment, extend_history
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
+from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 from .transform import Transform, check_transform
 
 STATE_VERSION = 3
-MAX_DEFAULT_PREFETCH = 512
+MAX_DEFAULT_PREFETCH = 128
+#: The same for runs that read local files only (their groups copy without the GIL).
+MAX_LOCAL_DEFAULT_PREFETCH = 512
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it). Stopping takes milliseconds; the
 #: bound is for a machine so loaded that closing connections and pools takes seconds.
@@ -358,14 +361,16 @@ class _LoaderBase:
         want = 0
         if self.block_size is not None and self.window is not None:
             want = -(-self.block_size * self.window // (self.batch_size * stride))
+        local = all(scheme_of(dataset.url) == "file" for dataset in source.datasets)
         if self._prefetch_arg is None:
-            default = max(2, min(MAX_DEFAULT_PREFETCH, PREFETCH_BYTES // batch_bytes))
+            most = MAX_LOCAL_DEFAULT_PREFETCH if local else MAX_DEFAULT_PREFETCH
+            default = max(2, min(most, PREFETCH_BYTES // batch_bytes))
             self.prefetch = max(default, 2 * want)
         self._engine = Engine(
             source,
             order,
             max_inflight=self.max_inflight,
-            group=group_size(self.prefetch, batch_bytes, want),
+            group=group_size(self.prefetch, batch_bytes, want, local),
             coalesce_gap=self.coalesce_gap,
             worker=worker,
             stride=stride,
@@ -631,7 +636,7 @@ class Loader(_LoaderBase):
             ``"none"``: in order.
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
-            2 to 512, or two block-shuffle windows.
+            2 to 128 (512 when every dataset is local files), or two block-shuffle windows.
         max_inflight: Read requests in flight at once.
         next_token: One more token per window, for next-token targets.
         dtype: Output dtype (numpy or torch); ``None``: as stored. One that cannot hold

@@ -251,7 +251,7 @@ def _open_fds() -> dict[str, str]:
 
 def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
-        assert small.prefetch == 512
+        assert small.prefetch == 512  # local files: up to 512 (remote stores: 128)
     # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
     # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
     with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:

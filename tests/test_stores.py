@@ -805,3 +805,44 @@ def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
             files.close()
 
     asyncio.run(check())
+
+
+def test_concurrent_first_calls_create_one_client(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups of a run start together: their first calls on a new S3 store create one
+    filesystem (one client session), never one each with all but the last lost unclosed."""
+    from conftest import BUCKET, s3_options
+
+    from asyncbatch.stores.fsspec_store import FsspecStore
+
+    url = f"s3://{BUCKET}/first-calls/blob"
+    options = s3_options(s3_endpoint)
+    created: list[object] = []
+    create = FsspecStore._create
+
+    async def counted(self: FsspecStore) -> Any:
+        fs = await create(self)
+        created.append(fs)
+        return fs
+
+    monkeypatch.setattr(FsspecStore, "_create", counted)
+
+    async def main() -> list[int]:
+        store = open_store(url, options)
+        try:
+            return await asyncio.gather(*(store.size(url) for _ in range(8)))
+        finally:
+            await store.close()
+
+    async def write() -> None:
+        store = open_store(url, options)
+        try:
+            await store.write(url, b"x" * 100)
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    created.clear()
+    assert asyncio.run(main()) == [100] * 8
+    assert len(created) == 1

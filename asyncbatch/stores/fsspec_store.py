@@ -50,25 +50,35 @@ class FsspecStore:
         self._fs: Any = None
         self._limit: asyncio.Semaphore | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._opening = asyncio.Lock()
 
     async def _filesystem(self) -> Any:
         if self._fs is None:
-            if self.is_async:
-                fs = self._cls(
-                    asynchronous=True,
-                    loop=asyncio.get_running_loop(),
-                    skip_instance_cache=True,
-                    **self._options,
-                )
-                await fs.set_session()
-            else:
-                fs = self._cls(skip_instance_cache=True, **self._options)
-                self._pool = ThreadPoolExecutor(
-                    min(self._max_inflight, 32), thread_name_prefix="asyncbatch-fsspec"
-                )
-            self._limit = asyncio.Semaphore(self._max_inflight)
-            self._fs = fs
+            # The groups of a run start together: one of them creates the filesystem (and
+            # its client session), the others wait for it, so no session is made twice and
+            # lost unclosed.
+            async with self._opening:
+                if self._fs is None:
+                    self._fs = await self._create()
         return self._fs
+
+    async def _create(self) -> Any:
+        """A new filesystem (async: its client session set up) and the bound on its calls."""
+        if self.is_async:
+            fs = self._cls(
+                asynchronous=True,
+                loop=asyncio.get_running_loop(),
+                skip_instance_cache=True,
+                **self._options,
+            )
+            await fs.set_session()
+        else:
+            fs = self._cls(skip_instance_cache=True, **self._options)
+            self._pool = ThreadPoolExecutor(
+                min(self._max_inflight, 32), thread_name_prefix="asyncbatch-fsspec"
+            )
+        self._limit = asyncio.Semaphore(self._max_inflight)
+        return fs
 
     async def _call(self, url: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``fs._method`` (async) or ``fs.method`` (sync, in a thread); typed errors."""
