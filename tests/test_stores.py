@@ -811,7 +811,8 @@ def test_concurrent_first_calls_create_one_client(
     s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The groups of a run start together: their first calls on a new S3 store create one
-    filesystem (one client session), never one each with all but the last lost unclosed."""
+    filesystem (one client session), never one each with all but the last lost unclosed,
+    even when creating it waits (credentials fetched over the network)."""
     from conftest import BUCKET, s3_options
 
     from asyncbatch.stores.fsspec_store import FsspecStore
@@ -822,6 +823,9 @@ def test_concurrent_first_calls_create_one_client(
     create = FsspecStore._create
 
     async def counted(self: FsspecStore) -> Any:
+        # Creating yields to the loop, as it does where credentials are fetched over the
+        # network (an instance profile, SSO): the other calls come meanwhile.
+        await asyncio.sleep(0.05)
         fs = await create(self)
         created.append(fs)
         return fs
