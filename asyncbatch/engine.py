@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -231,24 +231,39 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
             final = Final(exc)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for store in stores:
-                try:
-                    await store.close()
-                except Exception as exc:  # a failed close still ends the run, with its error
-                    if final is not None and final.error is None:
-                        final = Final(exc)
-            # Both wait for a call under way (a transform cannot be interrupted), so no
-            # thread outlives the run.
-            if decoder is not None:
-                decoder.shutdown(wait=True)
-            if transformer is not None:
-                transformer.shutdown(wait=True)
-            # The terminal item goes last, so a consumer that sees it finds everything closed.
-            if final is not None:
-                queue.put(final)
+            # The loader stops a run by cancelling it, also while the run ends on its own: the
+            # end runs to completion all the same, or a store cut off mid-close would leave
+            # its client session open.
+            await to_the_end(self._end_run(queue, final, tasks, stores, decoder, transformer))
+
+    @staticmethod
+    async def _end_run(
+        queue: BatchQueue,
+        final: Final | None,
+        tasks: set[asyncio.Task[bool]],
+        stores: list[Store],
+        decoder: ThreadPoolExecutor | None,
+        transformer: ThreadPoolExecutor | None,
+    ) -> None:
+        """Stop the run's groups, close its stores and threads, then queue ``final``."""
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for store in stores:
+            try:
+                await store.close()
+            except Exception as exc:  # a failed close still ends the run, with its error
+                if final is not None and final.error is None:
+                    final = Final(exc)
+        # Both wait for a call under way (a transform cannot be interrupted), so no
+        # thread outlives the run.
+        if decoder is not None:
+            decoder.shutdown(wait=True)
+        if transformer is not None:
+            transformer.shutdown(wait=True)
+        # The terminal item goes last, so a consumer that sees it finds everything closed.
+        if final is not None:
+            queue.put(final)
 
     def _keep_files(self, store: Store, key: tuple[str, str]) -> None:
         """A local store (under no cache) reads through the files this engine keeps for
@@ -726,6 +741,21 @@ class Reader:
         size = await store.size(url)
         if size != expected:
             raise size_error(url, expected, size)
+
+
+async def to_the_end(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` in a task of its own and wait for it to finish, even when the caller is
+    cancelled meanwhile (then raise :class:`asyncio.CancelledError` once it has)."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 async def _cast_off_loop(

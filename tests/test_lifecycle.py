@@ -545,3 +545,52 @@ def test_close_from_another_thread_wakes_next(dataset: ab.Dataset, tmp_path: Pat
     assert not consumer.is_alive()
     assert len(errors) == 1
     assert isinstance(errors[0], ab.LoaderClosedError), repr(errors[0])
+
+
+class SlowToClose(LocalStore):
+    """Local files under ``slowclose://`` URLs, whose store takes a while to close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closing = threading.Event()
+        self.closed = False
+
+    async def size(self, url: str) -> int:
+        return await super().size(url.removeprefix("slowclose://"))
+
+    async def stat(self, url: str) -> ObjectInfo:
+        return await super().stat(url.removeprefix("slowclose://"))
+
+    async def read_into(self, urls: list[str], *args: Any) -> None:
+        await super().read_into([url.removeprefix("slowclose://") for url in urls], *args)
+
+    async def read_windows(self, urls: list[str], *args: Any) -> bool:
+        return await super().read_windows([url.removeprefix("slowclose://") for url in urls], *args)
+
+    async def close(self) -> None:
+        self.closing.set()
+        await asyncio.sleep(0.3)  # the loader is closed meanwhile
+        await super().close()
+        self.closed = True
+
+
+@pytest.mark.timeout(30)
+def test_closing_the_loader_while_its_run_ends_lets_the_stores_close(
+    dataset: ab.Dataset,
+) -> None:
+    """The run read its whole epoch and closes its stores when the loader is closed (and
+    cancels it): the stores still close to the end. Cut short, an S3 store left its client
+    session open."""
+    made: list[SlowToClose] = []
+
+    def factory(scheme: str, options: Any, *, max_inflight: int) -> SlowToClose:
+        made.append(SlowToClose())
+        return made[-1]
+
+    ab.register_store("slowclose", factory, clobber=True)
+    slow = ab.Dataset("slowclose://" + dataset.url, dataset.manifest)
+    loader = ab.Loader(slow, batch_size=40, seq_len=100)  # 2 batches: one run reads them all
+    assert next(loader)["tokens"].shape == (40, 100)
+    assert len(made) == 1 and made[0].closing.wait(10)
+    loader.close()
+    assert made[0].closed

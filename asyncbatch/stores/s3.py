@@ -395,9 +395,11 @@ class S3Store(FsspecStore):
 
     async def close(self) -> None:
         signed, self._signed = self._signed, None
-        if isinstance(signed, SignedGets):
-            await signed.close()
-        await super().close()
+        try:
+            if isinstance(signed, SignedGets):
+                await signed.close()
+        finally:  # the client too, whatever became of the GETs' session
+            await super().close()
 
 
 def s3_store(
