@@ -234,7 +234,7 @@ class Engine:
             # The loader stops a run by cancelling it, also while the run ends on its own: the
             # end runs to completion all the same, or a store cut off mid-close would leave
             # its client session open.
-            await to_the_end(self._end_run(queue, final, tasks, stores, decoder, transformer))
+            await _to_the_end(self._end_run(queue, final, tasks, stores, decoder, transformer))
 
     @staticmethod
     async def _end_run(
@@ -743,18 +743,22 @@ class Reader:
             raise size_error(url, expected, size)
 
 
-async def to_the_end(work: Coroutine[Any, Any, None]) -> None:
+async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
     """Run ``work`` in a task of its own and wait for it to finish, even when the caller is
-    cancelled meanwhile (then raise :class:`asyncio.CancelledError` once it has)."""
-    task = asyncio.ensure_future(work)
-    cancelled = False
+    cancelled meanwhile (then raise that cancellation once it has)."""
+    try:
+        task = asyncio.get_running_loop().create_task(work)
+    except RuntimeError:  # no loop runs it (a coroutine closed after its loop)
+        work.close()
+        raise
+    cancelled: asyncio.CancelledError | None = None
     while not task.done():
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    if cancelled is not None:
+        raise cancelled
     task.result()
 
 

@@ -554,6 +554,8 @@ class SlowToClose(LocalStore):
         super().__init__()
         self.closing = threading.Event()
         self.closed = False
+        #: The run reading through this store (set by the test once it runs).
+        self.run: asyncio.Task[None] | None = None
 
     async def size(self, url: str) -> int:
         return await super().size(url.removeprefix("slowclose://"))
@@ -569,7 +571,11 @@ class SlowToClose(LocalStore):
 
     async def close(self) -> None:
         self.closing.set()
-        await asyncio.sleep(0.3)  # the loader is closed meanwhile
+        deadline = time.monotonic() + 10
+        # Until the loader's close() cancelled the run, which is still closing this store.
+        while not (self.run is not None and self.run.cancelling()):
+            assert time.monotonic() < deadline, "the run was not cancelled"
+            await asyncio.sleep(0.005)
         await super().close()
         self.closed = True
 
@@ -591,6 +597,8 @@ def test_closing_the_loader_while_its_run_ends_lets_the_stores_close(
     slow = ab.Dataset("slowclose://" + dataset.url, dataset.manifest)
     loader = ab.Loader(slow, batch_size=40, seq_len=100)  # 2 batches: one run reads them all
     assert next(loader)["tokens"].shape == (40, 100)
-    assert len(made) == 1 and made[0].closing.wait(10)
+    assert len(made) == 1
+    made[0].run = loader._task
+    assert made[0].closing.wait(10)
     loader.close()
     assert made[0].closed
