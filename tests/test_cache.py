@@ -28,6 +28,7 @@ from asyncbatch import cli
 from asyncbatch.errors import ShardChangedError
 from asyncbatch.stores import cache as cached
 from asyncbatch.stores import open_store
+from asyncbatch.stores import s3 as s3_store
 from asyncbatch.stores.disk_cache import STALE_TEMP_SECONDS, cache_info
 
 CHILD = Path(__file__).with_name("cache_child.py")
@@ -167,17 +168,26 @@ def test_async_loader_reads_through_the_cache(
 
 @pytest.mark.parametrize("store", ["s3"])
 def test_second_epoch_from_s3_fetches_nothing(
-    write_dataset: WriteDataset, tokens: npt.NDArray[np.uint16], tmp_path: Path
+    write_dataset: WriteDataset,
+    tokens: npt.NDArray[np.uint16],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     url, options = write_dataset(tokens, shard_size=16_000)
     cache = ab.DiskCache(tmp_path / "cache", block_size=BLOCK)
+    sessions = []  # aiobotocore sessions the S3 store made (~10 ms of CPU each)
+    new_session = s3_store._new_session
+    monkeypatch.setattr(s3_store, "_new_session", lambda: sessions.append(1) or new_session())
     with ab.Loader(url, batch_size=4, seq_len=SEQ, storage_options=options, cache=cache) as loader:
         check_epoch(loader, tokens)
         fetched, misses, hits = cache.fetched_bytes, cache.misses, cache.hits
         assert fetched >= tokens.nbytes
+        made = len(sessions)  # opening the dataset, then the first epoch
+        assert made >= 1
         check_epoch(loader, tokens)
         assert (cache.fetched_bytes, cache.misses) == (fetched, misses)
         assert cache.hits > hits
+        assert len(sessions) == made  # the second epoch asked S3 nothing, and made no session
 
 
 def test_each_block_is_fetched_once_and_kept_across_caches(

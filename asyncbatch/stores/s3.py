@@ -141,13 +141,19 @@ class S3Store(FsspecStore):
         config.setdefault("read_timeout", max(retry.first_byte_timeout, retry.idle_timeout))
         config["retries"] = {"total_max_attempts": 1, "mode": "standard"}
         options["config_kwargs"] = config
-        if not options.keys() & _session_option_names():
-            options["session"] = _new_session()
         super().__init__(protocol, options, max_inflight=max_inflight, retry=retry)
+        #: Whether the store makes the aiobotocore session itself (when the filesystem is
+        #: first needed: an epoch read from a node cache asks S3 nothing and makes none).
+        self._own_session = not options.keys() & _session_option_names()
         #: False once the endpoint answered a suffix range with other bytes (s3rver).
         self._suffix_ranges = True
         #: The signed GET path; False once the client's configuration ruled it out.
         self._signed: SignedGets | bool | None = None
+
+    async def _create(self) -> Any:
+        if self._own_session:
+            self._options["session"] = _new_session()
+        return await super()._create()
 
     async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
         fs = await self._filesystem()
