@@ -25,6 +25,7 @@ from asyncbatch.errors import (
     UnknownSchemeError,
 )
 from asyncbatch.manifest import MANIFEST_NAME
+from asyncbatch.stores import local as local_store
 from asyncbatch.stores import open_store, register_store, registered_stores
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.stores.stack import RetryingStore, TransportStore
@@ -751,6 +752,41 @@ def test_a_missing_local_file_is_not_retried(tmp_path: Path) -> None:
     ):
         next(loader)
     assert not isinstance(caught.value, RetriesExhaustedError)
+
+
+def test_local_stats_of_one_turn_share_one_thread_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's first groups check every shard they touch at once: the local store stats them
+    all in one job, and each caller still gets its own answer (a missing file: its error)."""
+    urls = []
+    for i in range(300):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"x" * i)
+        urls.append(str(path))
+    jobs = []
+    stat_paths = local_store._stat_paths
+
+    def counted(urls: Sequence[str]) -> list[Any]:
+        jobs.append(len(urls))
+        return stat_paths(urls)
+
+    monkeypatch.setattr(local_store, "_stat_paths", counted)
+
+    async def main() -> list[Any]:
+        store = LocalStore()
+        try:
+            missing = str(tmp_path / "missing")
+            calls = [store.size(url) for url in [*urls, missing]] + [store.stat(urls[7])]
+            return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await store.close()
+
+    *sizes, missing, info = asyncio.run(main())
+    assert sizes == list(range(300))
+    assert isinstance(missing, NotFoundError) and "missing" in str(missing)
+    assert info.size == 7
+    assert jobs == [302]
 
 
 @pytest.mark.timeout(30)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import threading
@@ -273,6 +274,8 @@ class LocalStore(Unbounded):
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
+        #: Per loop, the stat calls waiting for this turn's shared job (see :meth:`_stat`).
+        self._stats: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[Any]]]] = {}
 
     def keep_files(self, kept: KeptFiles | None = None) -> LocalFiles:
         """Hand this store's open files (descriptors, mappings, pins) to the caller, who keeps
@@ -325,10 +328,22 @@ class LocalStore(Unbounded):
         return tail, object_info(stat)
 
     async def _stat(self, url: str) -> os.stat_result:
-        try:
-            return await aiofiles.os.stat(local_path(url))
-        except (FileNotFoundError, PermissionError) as exc:
-            raise map_error(exc, url) from exc
+        """``os.stat`` of ``url``'s path, off the loop. The calls made in one turn of the loop
+        share one thread job: a run's first groups check every shard they touch at once
+        (thousands, in a global shuffle), and a job each cost about 0.2 ms of thread hops."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[os.stat_result] = loop.create_future()
+        pending = self._stats.setdefault(loop, [])
+        if not pending:
+            loop.call_soon(self._stat_pending, loop)
+        pending.append((url, waiter))
+        return await waiter
+
+    def _stat_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        pending = self._stats.pop(loop, [])
+        urls = [url for url, _ in pending]
+        job = loop.run_in_executor(None, _stat_paths, urls)
+        job.add_done_callback(functools.partial(_hand_out_stats, pending))
 
     async def list(self, url: str) -> list[str]:
         path = local_path(url)
@@ -658,6 +673,42 @@ def _read_failed(url: str, start: int, end: int, exc: OSError) -> StoreError:
     )
     error.retryable = is_transient(exc)  # type: ignore[attr-defined]
     return error
+
+
+def _stat_paths(urls: Sequence[str]) -> list[os.stat_result | Exception]:
+    """``os.stat`` of each URL's path, or the error it raised."""
+    found: list[os.stat_result | Exception] = []
+    for url in urls:
+        try:
+            found.append(os.stat(local_path(url)))
+        except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+            found.append(exc)
+    return found
+
+
+def _hand_out_stats(
+    pending: Sequence[tuple[str, asyncio.Future[Any]]],
+    job: asyncio.Future[list[os.stat_result | Exception]],
+) -> None:
+    """Each waiter of ``pending`` gets its result of ``job`` (typed as :func:`_stat_path`
+    types it), unless its caller stopped waiting."""
+    failed = asyncio.CancelledError() if job.cancelled() else job.exception()
+    if failed is not None:  # the job did not run (no executor left at the loop's end)
+        for _, waiter in pending:
+            if not waiter.done():
+                waiter.set_exception(failed)
+        return
+    for (url, waiter), result in zip(pending, job.result(), strict=True):
+        if waiter.done():
+            continue
+        if isinstance(result, FileNotFoundError | PermissionError):
+            error = map_error(result, url)
+            error.__cause__ = result
+            waiter.set_exception(error)
+        elif isinstance(result, Exception):
+            waiter.set_exception(result)
+        else:
+            waiter.set_result(result)
 
 
 def _stat_path(url: str) -> os.stat_result:
