@@ -717,8 +717,13 @@ class Reader:
                 else:
                     checks.passed[shard] = True
                     future.set_result(None)
+        # Waiting never cancels them (other groups wait for them too); the first failure in
+        # shard order is raised.
+        pending = [future for future in waiting if not future.done()]
+        if pending:
+            await asyncio.wait(pending)
         for future in waiting:
-            await asyncio.shield(future)
+            future.result()
 
     async def _check_shard(self, shard: int) -> None:
         assert self.checks is not None

@@ -49,6 +49,7 @@ class CountingStore:
         self.inner = inner
         self.counts = counts
         self.coalesce_gap = inner.coalesce_gap
+        self._versioned: Versioned | None = inner if isinstance(inner, Versioned) else None
 
     async def size(self, url: str) -> int:
         return await self.inner.size(url)
@@ -61,8 +62,8 @@ class CountingStore:
 
     async def stat(self, url: str) -> ObjectInfo:
         """The store's size and version of ``url``; no version if it cannot tell one."""
-        if isinstance(self.inner, Versioned):
-            return await self.inner.stat(url)
+        if self._versioned is not None:
+            return await self._versioned.stat(url)
         return ObjectInfo(await self.inner.size(url), None)
 
     async def read_ranges(

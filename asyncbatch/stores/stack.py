@@ -133,6 +133,9 @@ class TransportStore:
                 " docs/adapters.md"
             )
         self.transport = transport
+        #: The transport as :class:`Versioned`, if it is (checked once: a protocol
+        #: ``isinstance`` costs microseconds, and a run stats every shard).
+        self._versioned: Versioned | None = transport if isinstance(transport, Versioned) else None
         #: Whether the transport resumes ranges: the retrying layer then retries each one.
         self.resumes = isinstance(transport, ResumesRanges)
         self.coalesce_gap = (
@@ -142,10 +145,10 @@ class TransportStore:
 
     async def stat(self, url: str) -> ObjectInfo:
         """Size and version; pins ``url`` at the first version seen."""
-        transport = self.transport
-        if isinstance(transport, Versioned):
-            info = await transport.stat(url)
+        if self._versioned is not None:
+            info = await self._versioned.stat(url)
         else:  # a Store written before stat existed: size only, nothing to pin
+            transport = self.transport
             assert isinstance(transport, Store)
             info = ObjectInfo(await transport.size(url), None)
         self._pin(url, info.version)
@@ -343,6 +346,7 @@ class RetryingStore:
 
     def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
         self.inner = inner
+        self._versioned: Versioned | None = inner if isinstance(inner, Versioned) else None
         self._resuming = inner if isinstance(inner, TransportStore) and inner.resumes else None
         self.policy = policy
         self.coalesce_gap = inner.coalesce_gap
@@ -383,8 +387,8 @@ class RetryingStore:
         return await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
 
     async def stat(self, url: str) -> ObjectInfo:
-        inner = self.inner
-        if isinstance(inner, Versioned):
+        inner = self._versioned
+        if inner is not None:
             return await self._run(lambda: inner.stat(url), f"stat of {url}", url)
         return ObjectInfo(await self.size(url), None)
 
