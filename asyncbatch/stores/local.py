@@ -342,7 +342,13 @@ class LocalStore(Unbounded):
     def _stat_pending(self, loop: asyncio.AbstractEventLoop) -> None:
         pending = self._stats.pop(loop, [])
         urls = [url for url, _ in pending]
-        job = loop.run_in_executor(None, _stat_paths, urls)
+        try:
+            job = loop.run_in_executor(None, _stat_paths, urls)
+        except RuntimeError as exc:  # the loop is shutting its executor down
+            for _, waiter in pending:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
         job.add_done_callback(functools.partial(_hand_out_stats, pending))
 
     async def list(self, url: str) -> list[str]:
