@@ -682,12 +682,12 @@ def _read_failed(url: str, start: int, end: int, exc: OSError) -> StoreError:
 
 
 def _stat_paths(urls: Sequence[str]) -> list[os.stat_result | Exception]:
-    """``os.stat`` of each URL's path, or the error it raised."""
+    """:func:`_stat_path` of each URL, or the error it raised."""
     found: list[os.stat_result | Exception] = []
     for url in urls:
         try:
-            found.append(os.stat(local_path(url)))
-        except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+            found.append(_stat_path(url))
+        except Exception as exc:  # noqa: BLE001 - handed to that URL's caller
             found.append(exc)
     return found
 
@@ -696,22 +696,18 @@ def _hand_out_stats(
     pending: Sequence[tuple[str, asyncio.Future[Any]]],
     job: asyncio.Future[list[os.stat_result | Exception]],
 ) -> None:
-    """Each waiter of ``pending`` gets its result of ``job`` (typed as :func:`_stat_path`
-    types it), unless its caller stopped waiting."""
+    """Each waiter of ``pending`` gets its result of ``job``, unless its caller stopped
+    waiting."""
     failed = asyncio.CancelledError() if job.cancelled() else job.exception()
     if failed is not None:  # the job did not run (no executor left at the loop's end)
         for _, waiter in pending:
             if not waiter.done():
                 waiter.set_exception(failed)
         return
-    for (url, waiter), result in zip(pending, job.result(), strict=True):
+    for (_, waiter), result in zip(pending, job.result(), strict=True):
         if waiter.done():
             continue
-        if isinstance(result, FileNotFoundError | PermissionError):
-            error = map_error(result, url)
-            error.__cause__ = result
-            waiter.set_exception(error)
-        elif isinstance(result, Exception):
+        if isinstance(result, Exception):
             waiter.set_exception(result)
         else:
             waiter.set_result(result)
