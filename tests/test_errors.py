@@ -88,9 +88,15 @@ def test_a_worker_error_reaches_the_consumer_with_its_attributes(
     else:
         batches = source.dataloader(num_workers=2, timeout=60)
     taken = 0
-    with pytest.raises(ab.ShortReadError) as caught:
-        for _ in batches:
-            taken += 1
+    iterator = iter(batches)
+    try:
+        with pytest.raises(ab.ShortReadError) as caught:
+            for _ in iterator:
+                taken += 1
+    finally:
+        # Now: the traceback keeps the iterator alive, and the garbage collector would stop
+        # its workers later, during another test, taking seconds there.
+        iterator._shutdown_workers()  # type: ignore[attr-defined]
     assert taken > 0  # the epoch broke midway, at the last shard
     error = caught.value
     assert error.url == f"{url}/{last.path}"

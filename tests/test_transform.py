@@ -343,9 +343,15 @@ def test_dataloader_workers_apply_the_transform(dataset: ab.Dataset) -> None:
     # A worker's TransformError reaches the parent as one, naming the batch.
     failing = ab.LoaderDataset(dataset, transform=FailOn(6), **kwargs)
     seen = []
-    with pytest.raises(ab.TransformError, match="batch 6 of epoch 0"):
-        for batch in failing.dataloader(num_workers=2, timeout=60):
-            seen.append(batch.global_indexes.tolist())
+    iterator = iter(failing.dataloader(num_workers=2, timeout=60))
+    try:
+        with pytest.raises(ab.TransformError, match="batch 6 of epoch 0"):
+            for batch in iterator:
+                seen.append(batch.global_indexes.tolist())
+    finally:
+        # Now: the traceback keeps the iterator alive, and the garbage collector would stop
+        # its workers later, during another test, taking seconds there.
+        iterator._shutdown_workers()  # type: ignore[attr-defined]
     # The DataLoader takes batches from the workers in turn: batches 0-5 came first.
     assert seen == [ids for ids, _ in want[:6]]
 
