@@ -26,6 +26,7 @@ import numpy.typing as npt
 import torch
 
 from .batch import Batch
+from .buffers import BufferPool
 from .checks import (
     BLOCK_SCRATCH_BYTES,
     DEFAULT_VERIFY,
@@ -142,6 +143,10 @@ class Engine:
         #: epoch or ``for`` loop neither opens nor maps them again; closed by :meth:`close`.
         self._files: dict[tuple[str, str], KeptFiles] = {}
         self._files_pid = os.getpid()
+        #: Memory of the batches the consumer is done with, filled again by later groups
+        #: and runs (see :mod:`asyncbatch.buffers`).
+        self.buffers = BufferPool()
+        self._buffers_pid = os.getpid()
 
     async def run(
         self,
@@ -195,7 +200,9 @@ class Engine:
                     self._keep_files(stores[-1], key)
                 of_dataset.append(index[key])
             shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
-            reader = Reader(stores, self.source.shard_urls, shard_store, self.checks)
+            if self._buffers_pid != os.getpid():  # a forked child: the parent's lock may be held
+                self.buffers, self._buffers_pid = BufferPool(), os.getpid()
+            reader = Reader(stores, self.source.shard_urls, shard_store, self.checks, self.buffers)
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
@@ -279,7 +286,9 @@ class Engine:
             self._files[key] = kept
 
     def close(self) -> None:
-        """Close the local files kept across runs (those a run still reads, as it ends)."""
+        """Close the local files kept across runs (those a run still reads, as it ends),
+        and drop the free batch memory."""
+        self.buffers.clear()
         files, self._files = self._files, {}
         for table in files.values():
             table.close()
@@ -471,9 +480,12 @@ class Reader:
         shard_urls: Sequence[str],
         shard_store: npt.NDArray[np.int64],
         checks: ShardChecks | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.stores = stores
         self.shard_urls = shard_urls
+        #: Where batch buffers and scratch come from (kept across runs by the engine).
+        self.buffers = buffers if buffers is not None else BufferPool()
         self.shard_store = shard_store
         self.checks = checks
         #: Shard checks under way or failed in this run, shared by the groups that wait.
@@ -514,7 +526,7 @@ class Reader:
                 touched = np.arange(int(first.min()), int(last.max()) + 1)
             await self._check_shards(touched)
         scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
-        buffer = np.empty(plan.nbytes * scale, dtype=np.uint8)
+        buffer = self.buffers.empty(plan.nbytes * scale)
         urls, starts, length = self.shard_urls, plan.starts, plan.length
         if await store.read_windows(urls, plan.layout, starts, length, buffer, convert):
             return buffer
@@ -546,14 +558,14 @@ class Reader:
             return await _cast_off_loop(await self.read_plan(plan), convert)
         scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
         shards, starts, ends = plan.read_shard, plan.read_start, plan.read_end
-        buffer = np.empty(plan.nbytes * scale, dtype=np.uint8)
+        buffer = self.buffers.empty(plan.nbytes * scale)
         indirect = plan.read_dest < 0
         if not indirect.any():
             await self._read_all(shards, starts, ends, buffer, plan.read_dest * scale, convert)
             return buffer
         sizes = np.where(indirect, ends - starts, 0)
         scratch_at = np.cumsum(sizes) - sizes
-        scratch = np.empty(int(sizes.sum()), dtype=np.uint8)
+        scratch = self.buffers.empty(int(sizes.sum()))
         i, d = np.flatnonzero(indirect), np.flatnonzero(~indirect)
         to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
         if d.size:
@@ -627,7 +639,7 @@ class Reader:
             np.concatenate([plan.read_dest[direct], plan.piece_dest]),
             np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
         )
-        buffer = np.empty(plan.nbytes, dtype=np.uint8)
+        buffer = self.buffers.empty(plan.nbytes)
         view = memoryview(buffer)  # type: ignore[arg-type]
         run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
         # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
@@ -639,7 +651,7 @@ class Reader:
         for r0, r1 in itertools.pairwise(edges):
             base = int(run_at[r0])
             top = int(run_at[r1 - 1] + run_length[r1 - 1])
-            scratch = np.empty(top - base, dtype=np.uint8)
+            scratch = self.buffers.empty(top - base)
             b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
             runs = slice(r0, r1)
             shards, starts, ends = (
