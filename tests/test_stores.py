@@ -337,12 +337,18 @@ def test_c_helper_converts_while_it_copies() -> None:
         lengths = np.array([20, 20], dtype=np.int64)
         local.copy_pieces(raw, offsets, lengths, dest.view(np.uint8), at, name)
         np.testing.assert_array_equal(dest, np.r_[source[5:15], source[590:600]])
-    # uint16 to int32 / int64 runs a vector loop: outputs that start off its alignment and
-    # lengths that are not a multiple of its width take the scalar head and tail.
+    # uint16 to int32 / int64 runs vector loops (one per instruction set, each version this
+    # CPU runs checked): outputs that start off their alignment and lengths that are not a
+    # multiple of their width take the scalar head and tail.
     tokens = np.arange(60_000, 60_000 + 64, dtype=np.uint16)
+    versions = local._preadv.conversion_versions()
+    assert {"u2>i4:c", "u2>i8:c"} <= set(versions)
     for target in (np.int32, np.int64):
         name = local.c_conversion(np.dtype(np.uint16), np.dtype(target))
-        for first, count, at in [(0, 64, 0), (3, 29, 1), (1, 17, 3)]:
+        assert name is not None
+        cases = [(0, 64, 0), (3, 29, 1), (1, 17, 3), (2, 61, 5)]
+        mine = [v for v in versions if v.startswith(f"{name}:")]
+        for version, (first, count, at) in [(v, case) for v in mine for case in cases]:
             dest = np.zeros(70, dtype=target)
             local.copy_pieces(
                 tokens.view(np.uint8),
@@ -350,7 +356,7 @@ def test_c_helper_converts_while_it_copies() -> None:
                 np.array([2 * count], dtype=np.int64),
                 dest.view(np.uint8),
                 np.array([at * dest.itemsize], dtype=np.int64),
-                name,
+                version,
             )
             expected = np.zeros(70, dtype=target)
             expected[at : at + count] = tokens[first : first + count]
