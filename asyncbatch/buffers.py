@@ -6,17 +6,26 @@ zeroed page: for ``dtype=torch.int64`` batches that is as much time again as the
 fills them. A :class:`BufferPool` keeps the memory of buffers whose batches are gone and
 fills later groups into it.
 
-A buffer is handed out as a numpy array over a slab the pool owns. Every view of it (numpy
-views, ``torch.from_numpy`` tensors and their views, memoryviews, ``tensor.numpy()``) refers
-to that array, never to the slab behind it, so the slab returns to the pool only when the
-last of them is gone, in whichever thread drops it: a batch the user keeps is never written
-over.
+A buffer is handed out as a numpy array over a slab the pool owns (private anonymous memory,
+copied on write in a forked child like any other). Every view of it (numpy views,
+``torch.from_numpy`` tensors and their views, memoryviews, ``tensor.numpy()``, DLPack)
+refers to that array, never to the slab behind it, so the slab returns to the pool only when
+the last of them is gone, in whichever thread drops it: a batch the user keeps is never
+written over. (A pointer that outlives what it points into, such as ``tensor.numpy()`` kept
+after ``tensor.share_memory_()`` moved the tensor, reads whatever the memory holds next, as
+with any allocator.)
+
+A returned slab is only queued (an atomic append, no lock), since the last reference can go
+anywhere, even inside a garbage collection that runs while the pool's lock is held; the pool
+takes the queue in when it next hands out a buffer.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
+import os
 import threading
 import weakref
 
@@ -28,87 +37,101 @@ POOLED_FROM = 2**20
 #: Slabs are whole multiples of this many bytes.
 GRAIN = 2**16
 
+Slab = mmap.mmap
+
 
 class BufferPool:
     """Uninitialised byte buffers, from slabs reused once their buffer is gone.
 
-    A slab serves a request of at least half its size. Free slabs are kept up to the most
-    bytes the pool has had handed out at once (the most its loader held), the smallest
-    dropped first; :meth:`clear` drops them all.
+    A slab serves a request of at least half its size. Free slabs are kept up to
+    ``keep_bytes`` together (the loader's prefetch bound), the smallest dropped first;
+    :meth:`close` drops them, and every slab returned after it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_bytes: int = 0) -> None:
+        #: The most bytes of free slabs kept for later buffers.
+        self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
-        #: Free slabs, by size, and what they hold together.
-        self._free: list[tuple[int, int, mmap.mmap]] = []
+        #: Slabs whose buffer is gone, in the order they came back (appended by callbacks).
+        self._returned: collections.deque[Slab] = collections.deque()
+        #: Free slabs by size (with a serial, so that slabs are never compared).
+        self._free: list[tuple[int, int, Slab]] = []
         self._free_bytes = 0
-        #: Bytes of the slabs handed out now, and the most at once.
-        self._out_bytes = 0
-        self._peak_out = 0
-        self._leases: dict[
-            int, weakref.ref[npt.NDArray[np.uint8]]
-        ] = {}  # by id (arrays do not hash)
-        self._serial = 0  # orders slabs of one size in the free list
+        self._serial = 0
+        self._closed = False
+        #: The callbacks of the buffers handed out, by id (arrays do not hash).
+        self._leases: dict[int, weakref.ref[npt.NDArray[np.uint8]]] = {}
         #: Slabs created and buffers served from a free slab (for tests and benchmarks).
         self.created = 0
         self.reused = 0
+        _POOLS.add(self)
 
     def empty(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """A writable uint8 array of ``nbytes``, its contents undefined (as ``np.empty``)."""
         if nbytes < POOLED_FROM:
             return np.empty(nbytes, dtype=np.uint8)
-        slab = self._take(nbytes)
+        with self._lock:
+            self._take_returned()
+            slab = self._take(nbytes)
+            if slab is None:
+                self.created += 1
         if slab is None:
-            slab = mmap.mmap(-1, -(-nbytes // GRAIN) * GRAIN)
+            slab = mmap.mmap(
+                -1, -(-nbytes // GRAIN) * GRAIN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 slab.madvise(mmap.MADV_HUGEPAGE)
-            with self._lock:
-                self.created += 1
         buffer = np.frombuffer(slab, dtype=np.uint8, count=nbytes)
         # Views of ``buffer`` refer to it (its base is no array), so its death is theirs.
         lease = weakref.ref(buffer, _Returned(self, slab))
-        with self._lock:
-            self._leases[id(lease)] = lease
-            self._out_bytes += len(slab)
-            self._peak_out = max(self._peak_out, self._out_bytes)
+        self._leases[id(lease)] = lease
         return buffer
 
-    def _take(self, nbytes: int) -> mmap.mmap | None:
-        """The smallest free slab of ``nbytes`` to twice that, taken from the free list."""
+    def close(self) -> None:
+        """Drop the free slabs, and from now on every slab that comes back."""
         with self._lock:
-            at = bisect.bisect_left(self._free, (nbytes,))
-            if at == len(self._free) or self._free[at][0] > 2 * nbytes:
-                return None
-            size, _, slab = self._free.pop(at)
-            self._free_bytes -= size
-            self.reused += 1
-            return slab
-
-    def _give_back(self, lease: weakref.ref[npt.NDArray[np.uint8]], slab: mmap.mmap) -> None:
-        size = len(slab)
-        with self._lock:
-            self._leases.pop(id(lease), None)
-            self._out_bytes -= size
-            while self._free and self._free_bytes + size > self._peak_out:
-                if self._free[0][0] > size:  # keep the larger slabs
-                    return
-                dropped, *_ = self._free.pop(0)
-                self._free_bytes -= dropped
-            if self._free_bytes + size > self._peak_out:
-                return
-            self._serial += 1
-            bisect.insort(self._free, (size, self._serial, slab))
-            self._free_bytes += size
-
-    def clear(self) -> None:
-        """Drop the free slabs (those handed out are freed with their last view)."""
-        with self._lock:
-            self._free, self._free_bytes, self._peak_out = [], 0, self._out_bytes
+            self._closed = True
+            self._take_returned()
 
     @property
     def free_bytes(self) -> int:
-        """Bytes of the free slabs."""
-        return self._free_bytes
+        """Bytes of the free slabs (those returned since the last buffer handed out count)."""
+        with self._lock:
+            self._take_returned()
+            return self._free_bytes
+
+    def _take_returned(self) -> None:
+        """Move the returned slabs to the free list, as far as ``keep_bytes`` allows."""
+        while self._returned:
+            slab = self._returned.popleft()
+            size = len(slab)
+            if self._closed:
+                continue
+            while self._free and self._free_bytes + size > self.keep_bytes:
+                if self._free[0][0] > size:  # keep the larger slabs
+                    break
+                dropped, *_ = self._free.pop(0)
+                self._free_bytes -= dropped
+            if self._free_bytes + size <= self.keep_bytes:
+                self._serial += 1
+                bisect.insort(self._free, (size, self._serial, slab))
+                self._free_bytes += size
+        if self._closed:
+            self._free, self._free_bytes = [], 0
+
+    def _take(self, nbytes: int) -> Slab | None:
+        """The smallest free slab of ``nbytes`` to twice that, taken from the free list."""
+        at = bisect.bisect_left(self._free, (nbytes,))
+        if at == len(self._free) or self._free[at][0] > 2 * nbytes:
+            return None
+        size, _, slab = self._free.pop(at)
+        self._free_bytes -= size
+        self.reused += 1
+        return slab
+
+    def _after_fork(self) -> None:
+        # The parent's threads may have held the lock when it forked: the child's is new.
+        self._lock = threading.Lock()
 
 
 class _Returned:
@@ -116,11 +139,24 @@ class _Returned:
 
     __slots__ = ("_pool", "_slab")
 
-    def __init__(self, pool: BufferPool, slab: mmap.mmap) -> None:
+    def __init__(self, pool: BufferPool, slab: Slab) -> None:
         self._pool = weakref.ref(pool)
         self._slab = slab
 
     def __call__(self, lease: weakref.ref[npt.NDArray[np.uint8]]) -> None:
         pool = self._pool()
         if pool is not None:
-            pool._give_back(lease, self._slab)
+            pool._leases.pop(id(lease), None)
+            pool._returned.append(self._slab)
+
+
+_POOLS: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for pool in list(_POOLS):
+        pool._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

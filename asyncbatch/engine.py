@@ -109,6 +109,7 @@ class Engine:
         counts: ReadCounts | None = None,
         cache: DiskCache | None = None,
         transform: Transform | None = None,
+        keep_bytes: int = 0,
     ) -> None:
         self.source = source
         #: Applied to every batch before it is queued (None: delivered as decoded).
@@ -144,8 +145,8 @@ class Engine:
         self._files: dict[tuple[str, str], KeptFiles] = {}
         self._files_pid = os.getpid()
         #: Memory of the batches the consumer is done with, filled again by later groups
-        #: and runs (see :mod:`asyncbatch.buffers`).
-        self.buffers = BufferPool()
+        #: and runs (see :mod:`asyncbatch.buffers`): at most ``keep_bytes`` of it kept free.
+        self.buffers = BufferPool(keep_bytes)
         self._buffers_pid = os.getpid()
 
     async def run(
@@ -200,8 +201,9 @@ class Engine:
                     self._keep_files(stores[-1], key)
                 of_dataset.append(index[key])
             shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
-            if self._buffers_pid != os.getpid():  # a forked child: the parent's lock may be held
-                self.buffers, self._buffers_pid = BufferPool(), os.getpid()
+            if self._buffers_pid != os.getpid():  # a forked child: slabs of its own
+                keep = self.buffers.keep_bytes
+                self.buffers, self._buffers_pid = BufferPool(keep), os.getpid()
             reader = Reader(stores, self.source.shard_urls, shard_store, self.checks, self.buffers)
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
@@ -287,8 +289,8 @@ class Engine:
 
     def close(self) -> None:
         """Close the local files kept across runs (those a run still reads, as it ends),
-        and drop the free batch memory."""
-        self.buffers.clear()
+        and drop the free batch memory (and the memory of batches as they are dropped)."""
+        self.buffers.close()
         files, self._files = self._files, {}
         for table in files.values():
             table.close()

@@ -382,6 +382,8 @@ class _LoaderBase:
             transform=(
                 self.transform if self.device is None else ToDevice(self.device, self.transform)
             ),
+            # The memory of batches gone is kept for later groups up to the prefetch bound.
+            keep_bytes=self.prefetch * batch_bytes,
         )
         return self._engine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from pathlib import Path
 
@@ -18,7 +19,7 @@ MiB = 2**20
 
 
 def test_a_buffer_returns_only_when_its_last_view_is_gone() -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     buffer = pool.empty(4 * MiB)
     assert buffer.nbytes == 4 * MiB and buffer.flags.writeable and buffer.dtype == np.uint8
     buffer[:] = 7
@@ -46,7 +47,7 @@ def test_a_buffer_returns_only_when_its_last_view_is_gone() -> None:
 
 
 def test_small_buffers_are_not_pooled() -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     small = pool.empty(POOLED_FROM - 1)
     assert small.nbytes == POOLED_FROM - 1 and small.flags.owndata
     del small
@@ -54,7 +55,7 @@ def test_small_buffers_are_not_pooled() -> None:
 
 
 def test_a_slab_serves_requests_from_half_its_size_to_its_size() -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     first = pool.empty(8 * MiB)
     del first
     assert pool.free_bytes == 8 * MiB
@@ -66,26 +67,82 @@ def test_a_slab_serves_requests_from_half_its_size_to_its_size() -> None:
     del small, larger
 
 
-def test_free_memory_is_kept_up_to_the_most_handed_out_at_once() -> None:
-    pool = BufferPool()
+def test_free_memory_is_kept_up_to_keep_bytes_and_dropped_by_close() -> None:
+    pool = BufferPool(5 * MiB)
     held = [pool.empty(2 * MiB) for _ in range(3)]
     del held
-    assert pool.free_bytes == 6 * MiB
-    # One at a time from here on: the free slabs stay (up to the peak), and serve.
+    assert pool.free_bytes == 4 * MiB  # the third would pass keep_bytes: dropped
+    # One at a time from here on: the free slabs serve, none is created.
     for _ in range(10):
         buffer = pool.empty(2 * MiB)
         del buffer
-    assert (pool.created, pool.free_bytes) == (3, 6 * MiB)
-    pool.clear()
+    assert (pool.created, pool.free_bytes) == (3, 4 * MiB)
+    # A larger slab coming back pushes out smaller free ones.
+    large = pool.empty(4 * MiB)
+    del large
+    assert pool.free_bytes == 4 * MiB and pool.empty(4 * MiB) is not None
+    kept = pool.empty(2 * MiB)
+    pool.close()
     assert pool.free_bytes == 0
-    # After clear() the peak counts anew, from what is out then.
-    held = [pool.empty(2 * MiB) for _ in range(2)]
-    del held
-    assert (pool.created, pool.free_bytes) == (5, 4 * MiB)
+    del kept  # comes back after close(): dropped, not kept
+    assert pool.free_bytes == 0
+
+
+def test_a_batch_is_not_shared_with_a_forked_child() -> None:
+    """Slabs are private memory: a child's writes stay its own, and a slab the parent fills
+    again after handing the child a batch leaves the child's copy as it was."""
+    pool = BufferPool(64 * MiB)
+    batch = torch.from_numpy(pool.empty(4 * MiB)).view(torch.int64)
+    batch.fill_(1)
+    to_child, to_parent = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: writes its copy, waits for the parent, reports its copy
+        try:  # numpy only: torch's thread pool does not survive a fork
+            values = batch.numpy()
+            values += 41
+            os.read(to_child[0], 1)
+            os.write(to_parent[1], str(int(values.min())).encode())
+        finally:
+            os._exit(0)
+    try:
+        del batch
+        again = pool.empty(4 * MiB)
+        again[:] = 99
+        assert pool.reused == 1
+        os.write(to_child[1], b"x")
+        answer = os.read(to_parent[0], 64)
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (*to_child, *to_parent):
+            os.close(fd)
+    assert answer == b"42"
+
+
+def test_a_slab_dropped_during_a_collection_under_the_pool_lock_returns() -> None:
+    """The last reference may go inside a garbage collection that runs while the pool holds
+    its lock (in any thread): the slab is queued, and taken in by the next call."""
+    pool = BufferPool(64 * MiB)
+    cycle: list[object] = [pool.empty(2 * MiB)]
+    cycle.append(cycle)
+    del cycle
+    dropped: list[bool] = []
+
+    def collect(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and pool._lock.locked() and not dropped:
+            dropped.append(True)
+
+    gc.callbacks.append(collect)
+    try:
+        with pool._lock:  # a collection here frees the cycle and runs the callback
+            gc.collect()
+    finally:
+        gc.callbacks.remove(collect)
+    assert dropped
+    assert pool.free_bytes == 2 * MiB
 
 
 def test_a_buffer_dropped_in_another_thread_returns() -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     box = [torch.from_numpy(pool.empty(2 * MiB))]
     thread = threading.Thread(target=box.clear)
     thread.start()
@@ -94,7 +151,7 @@ def test_a_buffer_dropped_in_another_thread_returns() -> None:
 
 
 def test_a_buffer_in_a_reference_cycle_returns_when_collected() -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     cycle: list[object] = [pool.empty(2 * MiB)]
     cycle.append(cycle)
     del cycle
@@ -128,7 +185,7 @@ def test_kept_batches_stay_intact_while_later_epochs_reuse_memory(
 
 @pytest.mark.parametrize("size", [POOLED_FROM, 3 * MiB + 5])
 def test_buffers_of_any_size_are_whole_and_writable(size: int) -> None:
-    pool = BufferPool()
+    pool = BufferPool(64 * MiB)
     buffer = pool.empty(size)
     buffer[:] = 1
     buffer[-1] = 2
