@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +118,29 @@ def test_a_batch_is_not_shared_with_a_forked_child() -> None:
         for fd in (*to_child, *to_parent):
             os.close(fd)
     assert answer == b"42"
+
+
+def test_a_forked_child_uses_the_pool_its_parent_held_locked() -> None:
+    """A fork while another thread holds the pool's lock: the child's pool still works."""
+    pool = BufferPool(64 * MiB)
+    kept = pool.empty(2 * MiB)
+    with pool._lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                del kept
+                assert pool.empty(2 * MiB).nbytes == 2 * MiB and pool.reused == 1
+                pool.close()
+            finally:
+                os._exit(0 if pool.free_bytes == 0 else 1)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung on the lock it inherited")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_a_slab_dropped_during_a_collection_under_the_pool_lock_returns() -> None:
