@@ -15,7 +15,9 @@ has the full table, which tests/test_layers.py checks)::
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
     loader      Loader (sync iterator on a background loop thread) and AsyncLoader
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
-    cli         ``asyncbatch demo | inspect | write | verify | bench``
+    _prepare/   a raw corpus (JSONL, Parquet, text) tokenized into a documents dataset, in
+                units run in a process pool or as Ray tasks
+    cli         ``asyncbatch demo | inspect | verify | cache | prepare``
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .errors import ManifestError as ManifestError
 from .errors import NotFoundError as NotFoundError
 from .errors import PermissionDeniedError as PermissionDeniedError
 from .errors import RangeNotSupportedError as RangeNotSupportedError
+from .errors import RecordError as RecordError
 from .errors import ResumeStateError as ResumeStateError
 from .errors import RetriesExhaustedError as RetriesExhaustedError
 from .errors import ShardChangedError as ShardChangedError
@@ -47,6 +50,8 @@ from .errors import TransformError as TransformError
 from .errors import UnknownSchemeError as UnknownSchemeError
 
 if _typing.TYPE_CHECKING:
+    from ._prepare.driver import PrepareReport as PrepareReport
+    from ._prepare.driver import prepare as prepare
     from .batch import Batch as Batch
     from .batch import FieldSchema as FieldSchema
     from .batch import Jagged as Jagged
@@ -97,6 +102,8 @@ _LAZY: dict[str, str] = {
     "mix": "mixture",
     "open_dataset": "open",
     "open_dataset_async": "open",
+    "PrepareReport": "_prepare.driver",
+    "prepare": "_prepare.driver",
     "register_store": "stores",
     "DiskCache": "stores.disk_cache",
     "RetryPolicy": "stores.retry",
@@ -142,7 +149,9 @@ __all__ = [
     "Mixture",
     "NotFoundError",
     "PermissionDeniedError",
+    "PrepareReport",
     "RangeNotSupportedError",
+    "RecordError",
     "ResumeStateError",
     "RetriesExhaustedError",
     "RetryPolicy",
@@ -157,6 +166,7 @@ __all__ = [
     "mix",
     "open_dataset",
     "open_dataset_async",
+    "prepare",
     "register_codec",
     "register_format",
     "register_store",

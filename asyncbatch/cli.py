@@ -1,6 +1,7 @@
 """The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one,
 ``verify`` checks one against its manifest's sizes and checksums, ``cache info`` and
-``cache clear`` show and empty a node-local cache."""
+``cache clear`` show and empty a node-local cache, ``prepare`` tokenizes a raw corpus into a
+documents dataset."""
 
 from __future__ import annotations
 
@@ -228,6 +229,48 @@ def cache_clear_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_command(args: argparse.Namespace) -> int:
+    from ._prepare.driver import prepare
+
+    eos = _token(args.eos)
+    bos = _token(args.bos)
+    try:
+        report = prepare(
+            args.inputs,
+            args.output,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            token_field=args.token_field,
+            eos=eos,
+            bos=bos,
+            shard_size=args.shard_size,
+            unit_size=args.unit_size,
+            workers=args.workers,
+            engine=args.engine,
+            ray_address=args.ray_address,
+            storage_options=_options(args.option),
+            on_error=args.on_error,
+            vocab_size=args.vocab_size,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        print(
+            "asyncbatch: prepare interrupted; finished units are kept: run the same command"
+            " again to resume",
+            file=sys.stderr,
+        )
+        return 130
+    print(report.summary())
+    return 0
+
+
+def _token(value: str | None) -> int | str | None:
+    """``--eos 0`` is id 0, ``--eos '<|endoftext|>'`` a token string."""
+    if value is None:
+        return None
+    return int(value) if value.isdigit() else value
+
+
 #: Every option's help says its default (``%(default)s``, or in words where it is computed).
 _OPTION_HELP = "storage option (JSON values allowed), repeatable (default: none)"
 
@@ -330,6 +373,70 @@ def parser() -> argparse.ArgumentParser:
     )
     empty.add_argument("path", metavar="PATH", help="the cache's directory")
     empty.set_defaults(func=cache_clear_command)
+
+    make = commands.add_parser(
+        "prepare",
+        help="tokenize JSONL, Parquet or text files into a documents dataset",
+        description="Tokenize a raw corpus (JSONL plain, .gz or .zst; Parquet; text files, one"
+        " document per file; on any store) into a documents dataset at --output. The work is"
+        " cut into units from the inputs alone; the output is byte-identical for any worker"
+        " count and engine, and the same command run again after a crash or Ctrl-C redoes"
+        " only the unfinished units. See docs/prepare.md.",
+        formatter_class=defaults,
+    )
+    make.add_argument("inputs", nargs="+", metavar="INPUT", help="URLs, globs, folders, prefixes")
+    make.add_argument("--output", required=True, metavar="URL", help="the dataset to write")
+    make.add_argument(
+        "--tokenizer",
+        metavar="PATH_OR_URL",
+        help="a Hugging Face tokenizer.json (leave out with --token-field)",
+    )
+    make.add_argument("--text-field", default="text", help="the field or column of the text")
+    make.add_argument(
+        "--token-field",
+        default=None,
+        help="take token ids as they are from this list-of-integers field, with no tokenizer",
+    )
+    make.add_argument("--eos", help="token id or string added after every document")
+    make.add_argument("--bos", help="token id or string added before every document")
+    make.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="ids are below this (default: the tokenizer's; with --token-field: uint32 output)",
+    )
+    make.add_argument(
+        "--shard-size", type=int, default=256 * 2**20, help="bytes of tokens per shard"
+    )
+    make.add_argument(
+        "--unit-size",
+        type=int,
+        default=256 * 2**20,
+        help="input bytes per unit of work for large JSONL and Parquet files",
+    )
+    make.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes or Ray tasks at once (default: the CPUs this process may use)",
+    )
+    make.add_argument("--engine", choices=("local", "ray"), default="local", help="where units run")
+    make.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster ('auto', ray://host:10001; default: start a local one)",
+    )
+    make.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a bad record stops the run naming it, or is skipped and counted",
+    )
+    make.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    make.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
+    )
+    make.set_defaults(func=prepare_command)
     return root
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,6 +16,18 @@ from .checksums import digest, format_digest
 from .layout import ShardMap
 from .manifest import Manifest
 from .stores.base import Store
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[list[str | int], str]:
+    """Sort key of natural order, the order of the files of a folder read in place: runs of
+    digits compare as numbers, so ``p-2`` comes before ``p-10`` (ties: plain order)."""
+    # re.split with a group alternates text and digits, so equal positions hold equal types.
+    parts: list[str | int] = [
+        int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))
+    ]
+    return parts, name
 
 
 def join_url(root: str, path: str) -> str:

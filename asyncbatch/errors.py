@@ -22,7 +22,8 @@ whole (torch alone would rebuild it from its type and message)::
     │   ├── ChecksumError                  bytes that do not match their recorded checksum
     │   └── UnknownSchemeError             no store registered for a URL scheme
     ├── FormatError(ValueError)            bytes that do not decode as the format says
-    │   └── ManifestError                  a manifest missing, malformed or disagreeing with data
+    │   ├── ManifestError                  a manifest missing, malformed or disagreeing with data
+    │   └── RecordError                    prepare: an input record that cannot be used
     ├── LoaderClosedError(RuntimeError)    the loader was used after close()
     └── TransformError                     the loader's transform= raised; chains it
 
@@ -129,6 +130,26 @@ class FormatError(AsyncBatchError, ValueError):
 
 class ManifestError(FormatError):
     """A manifest is missing, malformed, or disagrees with the data it describes."""
+
+
+class RecordError(FormatError):
+    """``prepare`` met an input record it cannot use (malformed JSON, a missing or non-string
+    text field, invalid UTF-8, a file without the column, an unreadable file). ``url`` is the
+    input file, ``location`` the line, row or byte offset, ``unit`` the unit of work."""
+
+    def __init__(self, message: str, url: str = "", location: str = "", unit: int | None = None):
+        super().__init__(message)
+        self.url = url
+        self.location = location
+        self.unit = unit
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Raised in worker processes and Ray tasks: every attribute must survive pickling.
+        return (
+            type(self),
+            (self.args[0] if self.args else "", self.url, self.location, self.unit),
+            self.__dict__,
+        )
 
 
 class LoaderClosedError(AsyncBatchError, RuntimeError):

@@ -35,6 +35,7 @@ class Progress:
         self.interval = interval
         self._start = self._written = time.perf_counter()
         self._bar: tqdm[NoReturn] | None = None
+        self._note = ""
         if _is_terminal(self.stream):
             from tqdm import tqdm  # imported only when drawn: `asyncbatch --help` stays fast
 
@@ -57,6 +58,12 @@ class Progress:
             self._written = now
             self._line(now)
 
+    def note(self, text: str) -> None:
+        """A few words shown after the count (tqdm's postfix; the plain lines end with it)."""
+        self._note = text
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+
     def close(self) -> None:
         """The final state: the bar closed, or one last line."""
         if self._bar is not None:
@@ -73,7 +80,8 @@ class Progress:
         if self.total:
             fraction = min(1.0, self.done / self.total)
             done = f"{fraction:.1%} ({_human(self.done)} of {_human(self.total)}{unit})"
-        self.stream.write(f"{self.label}: {done}, {_human(rate)}{unit}/s, {elapsed:.1f} s\n")
+        note = f", {self._note}" if self._note else ""
+        self.stream.write(f"{self.label}: {done}, {_human(rate)}{unit}/s, {elapsed:.1f} s{note}\n")
         self.stream.flush()
 
 

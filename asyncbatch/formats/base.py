@@ -12,7 +12,6 @@ opened by the registered :class:`Opener` of their layout.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -21,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..batch import FieldSchema
+from ..dataset import natural_key as natural_key
 from ..layout import ReadPlan, WindowPlan
 
 if TYPE_CHECKING:
@@ -169,16 +169,3 @@ class Opener:
         Callable[[Sequence[str], Store, Mapping[str, Any], Mapping[str, Any]], Awaitable[Dataset]]
         | None
     ) = None
-
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(name: str) -> tuple[list[str | int], str]:
-    """Sort key of natural order, the order of the files of a folder read in place: runs of
-    digits compare as numbers, so ``p-2`` comes before ``p-10`` (ties: plain order)."""
-    # re.split with a group alternates text and digits, so equal positions hold equal types.
-    parts: list[str | int] = [
-        int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))
-    ]
-    return parts, name

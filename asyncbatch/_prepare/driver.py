@@ -1,0 +1,342 @@
+"""``prepare()``: check the settings and the output, plan the units, skip those already done,
+run the rest on an engine, and write the manifest from the units' done records, last."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ..checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK
+from ..dataset import join_url, read_object
+from ..errors import ConfigError, NotFoundError, StoreError
+from ..manifest import MANIFEST_NAME, Manifest, _shard
+from ..progress import Progress
+from ..stores import open_store
+from . import engines
+from .inputs import Unit, expand_inputs, plan_units
+from .tokenizer import TokenizerSpec, make_spec, output_dtype, special_ids
+from .unit import Settings, done_url, record_checksum, unit_fingerprint
+
+DEFAULT_SHARD_SIZE = 256 * 2**20
+#: Input bytes per unit: large uncompressed JSONL files and Parquet files are cut to about this.
+DEFAULT_UNIT_SIZE = 256 * 2**20
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareReport:
+    """What a :func:`prepare` run did. ``units_already_done`` were recognised from an earlier
+    run and not redone; ``seconds`` is the whole call; ``peak_rss`` the largest peak resident
+    memory of a process that ran units (bytes)."""
+
+    output: str
+    documents: int
+    tokens: int
+    skipped_records: int
+    skipped_files: int
+    units: int
+    units_already_done: int
+    shards: int
+    dtype: str
+    seconds: float
+    peak_rss: int
+
+    def summary(self) -> str:
+        """The one line the command ends with."""
+        skipped = ""
+        if self.skipped_records or self.skipped_files:
+            skipped = f", {self.skipped_records:,} records and {self.skipped_files:,} files skipped"
+        return (
+            f"prepared {self.documents:,} documents, {self.tokens:,} tokens ({self.dtype})"
+            f" in {self.shards:,} shards{skipped}: {self.units:,} units,"
+            f" {self.units_already_done:,} already done, {self.units - self.units_already_done:,}"
+            f" run, in {self.seconds:.1f} s -> {self.output}"
+        )
+
+
+def prepare(
+    inputs: str | Sequence[str],
+    output: str,
+    *,
+    tokenizer: Any = None,
+    text_field: str = "text",
+    token_field: str | None = None,
+    eos: int | str | Sequence[int | str] | None = None,
+    bos: int | str | Sequence[int | str] | None = None,
+    metadata_fields: Sequence[str] = (),
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    unit_size: int = DEFAULT_UNIT_SIZE,
+    workers: int | None = None,
+    engine: Literal["local", "ray"] = "local",
+    ray_address: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    on_error: Literal["raise", "skip"] = "raise",
+    vocab_size: int | None = None,
+    checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
+    progress: bool = True,
+) -> PrepareReport:
+    """Tokenize a raw corpus into a documents dataset at ``output`` (see docs/prepare.md).
+
+    ``inputs``: URLs, globs, folders or prefixes of JSONL (plain, ``.gz``, ``.zst``), Parquet
+    or text files (one document per file), on any store; files in the order given, each
+    argument's by name. ``tokenizer``: a ``tokenizer.json`` path or URL, a
+    ``tokenizers.Tokenizer``, a ``tiktoken.Encoding`` or a callable ``list[str] ->
+    list[list[int]]``; or ``token_field=`` names a column of ids taken as they are. ``bos`` /
+    ``eos``: ids or token strings added to every document (nothing by default). The output
+    is byte-identical for any ``workers`` and ``engine``; a run started again with the same
+    arguments redoes only the units not finished. Bad records raise
+    :class:`~asyncbatch.RecordError` (``on_error="skip"``: skipped and counted).
+    """
+    started = time.perf_counter()
+    _check_args(shard_size, unit_size, workers, engine, on_error, vocab_size, metadata_fields)
+    if (tokenizer is None) == (token_field is None):
+        raise ConfigError(
+            "give exactly one of tokenizer= (texts from text_field) and token_field= (ids"
+            " taken as they are)"
+        )
+    options = dict(storage_options or {})
+    root = output.rstrip("/")
+    asyncio.run(_check_writable(root, options))
+    spec = make_spec(tokenizer, vocab_size, options)
+    dtype = output_dtype(spec)
+    eos_ids, bos_ids = special_ids(spec, eos, "eos"), special_ids(spec, bos, "bos")
+    files = expand_inputs(inputs, options)
+    units = plan_units(files, unit_size, options)
+    shaping = {
+        "format": FORMAT_VERSION,
+        "tokenizer": spec.fingerprint,
+        "text_field": text_field,
+        "token_field": token_field,
+        "bos": list(bos_ids),
+        "eos": list(eos_ids),
+        "dtype": dtype.str,
+        "shard_size": shard_size,
+        "checksum_block": checksum_block,
+        "on_error": on_error,
+    }
+    settings = Settings(
+        root,
+        options,
+        text_field,
+        token_field,
+        bos_ids,
+        eos_ids,
+        dtype.str,
+        shard_size,
+        checksum_block,
+        on_error,
+        json.dumps(shaping, sort_keys=True),
+    )
+    records = asyncio.run(_done_records(units, settings))
+    already = sum(record is not None for record in records)
+    todo = [unit for unit, record in zip(units, records, strict=True) if record is None]
+    if todo:
+        asyncio.run(_withdraw_manifest(root, options))
+    count = workers or engines.default_workers()
+    peak = 0
+    bar = Progress(len(todo), "prepare", "units") if progress and todo else None
+    documents = tokens = 0
+    try:
+        for result in _run(todo, settings, spec, engine, count, workers, ray_address):
+            records[result.record["unit"]] = result.record
+            peak = max(peak, result.peak_rss)
+            if bar is not None:
+                documents += result.record["documents"]
+                tokens += result.record["tokens"]
+                elapsed = time.perf_counter() - started
+                bar.note(f"{documents:,} docs, {tokens / max(elapsed, 1e-9) / 1e6:.2f} M tok/s")
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    done = [record for record in records if record is not None]
+    assert len(done) == len(units)
+    manifest = _manifest(done, dtype, checksum_block, shaping, len(files))
+    asyncio.run(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
+    return PrepareReport(
+        output=root,
+        documents=sum(r["documents"] for r in done),
+        tokens=sum(r["tokens"] for r in done),
+        skipped_records=sum(r["skipped_records"] for r in done),
+        skipped_files=sum(r["skipped_files"] for r in done),
+        units=len(units),
+        units_already_done=already,
+        shards=len(manifest.shards),
+        dtype=dtype.name,
+        seconds=time.perf_counter() - started,
+        peak_rss=peak,
+    )
+
+
+def _check_args(
+    shard_size: Any,
+    unit_size: Any,
+    workers: Any,
+    engine: Any,
+    on_error: Any,
+    vocab_size: Any,
+    metadata_fields: Any,
+) -> None:
+    for name, value in (("shard_size", shard_size), ("unit_size", unit_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive number of bytes, got {value!r}")
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+    ):
+        raise ConfigError(f"workers must be a positive integer or None, got {workers!r}")
+    if engine not in engines.ENGINES:
+        raise ConfigError(f"engine must be one of {engines.ENGINES}, got {engine!r}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+    ):
+        raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if metadata_fields:
+        raise ConfigError(
+            "metadata_fields is not supported yet: the documents format has no per-document"
+            " metadata stream (see docs/prepare.md)"
+        )
+
+
+def _run(
+    todo: Sequence[Unit],
+    settings: Settings,
+    spec: TokenizerSpec,
+    engine: str,
+    count: int,
+    workers: int | None,
+    address: str | None,
+) -> Any:
+    if not todo:
+        return iter(())
+    if engine == "ray":
+        return engines.run_ray(todo, settings, spec, workers, address)
+    if count == 1:
+        return engines.run_inline(todo, settings, spec)
+    return engines.run_pool(todo, settings, spec, min(count, len(todo)))
+
+
+async def _check_writable(root: str, options: dict[str, Any]) -> None:
+    """Fail at once, before any tokenization, when ``root`` cannot be written."""
+    probe = join_url(root, "done/.write-check")
+    try:
+        await asyncio.wait_for(_write(root, "done/.write-check", b"", options), 10)
+    except TimeoutError as exc:
+        raise StoreError(f"cannot write the output {root}: no answer in 10 s", probe) from exc
+    except StoreError as exc:
+        raise type(exc)(f"cannot write the output {root}: {exc}", probe) from exc
+    except OSError as exc:
+        raise StoreError(f"cannot write the output {root}: {exc}", probe) from exc
+
+
+async def _write(root: str, name: str, data: bytes, options: dict[str, Any]) -> None:
+    store = open_store(root, options)
+    try:
+        await store.write(join_url(root, name), data)
+    finally:
+        await store.close()
+
+
+async def _done_records(units: Sequence[Unit], settings: Settings) -> list[dict[str, Any] | None]:
+    """Each unit's done record if it checks out (its checksum and fingerprint, and every file
+    it names at its recorded size), else None."""
+    store = open_store(settings.output, dict(settings.storage_options))
+    slots = asyncio.Semaphore(32)
+
+    async def one(unit: Unit) -> dict[str, Any] | None:
+        async with slots:
+            url = done_url(settings.output, unit.index)
+            try:
+                raw = await read_object(store, url)
+            except NotFoundError:
+                return None
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                return None
+            if not isinstance(record, dict) or record.get("record_checksum") != record_checksum(
+                record
+            ):
+                return None
+            if record.get("fingerprint") != unit_fingerprint(unit, settings):
+                return None
+            for shard in record["shards"]:
+                for path, nbytes in (
+                    (shard["path"], shard["bytes"]),
+                    (shard["index"]["path"], shard["index"]["bytes"]),
+                ):
+                    try:
+                        if await store.size(join_url(settings.output, path)) != nbytes:
+                            return None
+                    except NotFoundError:
+                        return None
+            return record
+
+    try:
+        return list(await asyncio.gather(*(one(unit) for unit in units)))
+    finally:
+        await store.close()
+
+
+async def _withdraw_manifest(root: str, options: dict[str, Any]) -> None:
+    """Remove a manifest of an earlier run before any unit is redone, so that no reader opens
+    shards being rewritten."""
+    from .inputs import filesystem
+
+    fs, path = filesystem(join_url(root, MANIFEST_NAME), options)
+    try:
+        if await asyncio.to_thread(fs.exists, path):
+            await asyncio.to_thread(fs.rm, path)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot remove the earlier manifest {root}/{MANIFEST_NAME}: {exc}"
+        ) from exc
+
+
+def _manifest(
+    records: Sequence[dict[str, Any]],
+    dtype: np.dtype[Any],
+    checksum_block: int | None,
+    shaping: dict[str, Any],
+    files: int,
+) -> Manifest:
+    """The manifest of the units' shards in unit order (metadata only: no data is read)."""
+    shards = []
+    counts: list[int] = []
+    indexes: list[dict[str, Any]] = []
+    for record in records:
+        for shard in record["shards"]:
+            entry = {k: shard[k] for k in ("path", "bytes", "elements", "checksum")}
+            if "block_checksums" in shard:
+                entry["block_checksums"] = shard["block_checksums"]
+            shards.append(_shard(entry, MANIFEST_NAME, ALGORITHM, checksum_block))
+            counts.append(shard["documents"])
+            indexes.append(shard["index"])
+    metadata = {
+        "documents": sum(counts),
+        "document_index": "per_shard",
+        "shard_documents": counts,
+        "shard_indexes": indexes,
+        "prepare": {
+            **shaping,
+            "input_files": files,
+            "units": len(records),
+            "skipped_records": sum(r["skipped_records"] for r in records),
+            "skipped_files": sum(r["skipped_files"] for r in records),
+        },
+    }
+    return Manifest(
+        "documents",
+        dtype,
+        tuple(shards),
+        metadata,
+        checksum=ALGORITHM,
+        checksum_block=checksum_block,
+    )

@@ -1,0 +1,170 @@
+"""Where units run: this process (one worker), a local process pool, or Ray tasks.
+
+Each engine takes the units still to do and yields each one's :class:`UnitResult` as it
+finishes, in any order; the driver orders them. Every worker process loads the tokenizer once
+and runs its units on one core (the tokenizer's own threads off). On the first failure an
+engine stops handing out units, lets those running finish (their outputs count for a resume)
+and raises the failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import AsyncBatchError, ConfigError
+from .inputs import Unit
+from .tokenizer import TokenizerSpec, load
+from .unit import Settings, UnitResult, run_unit
+
+ENGINES = ("local", "ray")
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (its affinity, which a job scheduler sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_inline(
+    units: Sequence[Unit], settings: Settings, spec: TokenizerSpec
+) -> Iterator[UnitResult]:
+    """One worker: this process, one unit after another."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        for unit in units:
+            yield run_unit(unit, settings, spec)
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+# -- a local process pool -------------------------------------------------------------------------
+
+_SPEC: TokenizerSpec | None = None
+
+
+def _start_worker(spec: TokenizerSpec) -> None:
+    global _SPEC
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    _SPEC = spec
+    if spec.kind != "none":
+        load(spec)
+
+
+def _pool_unit(unit: Unit, settings: Settings) -> UnitResult:
+    assert _SPEC is not None
+    return run_unit(unit, settings, _SPEC)
+
+
+def run_pool(
+    units: Sequence[Unit], settings: Settings, spec: TokenizerSpec, workers: int
+) -> Iterator[UnitResult]:
+    """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock)."""
+    context = multiprocessing.get_context("spawn")
+    pool = futures.ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(spec,)
+    )
+    todo = iter(units)
+    running: set[futures.Future[UnitResult]] = set()
+    try:
+        while True:
+            while len(running) < 2 * workers:
+                unit = next(todo, None)
+                if unit is None:
+                    break
+                running.add(pool.submit(_pool_unit, unit, settings))
+            if not running:
+                return
+            done, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for future in done:
+                error = future.exception()
+                if isinstance(error, futures.process.BrokenProcessPool):
+                    raise AsyncBatchError(
+                        "a prepare worker process died (killed, or out of memory) while running"
+                        " units; the units it finished are kept: run again to resume"
+                    ) from error
+                if error is not None:
+                    for other in running:
+                        other.cancel()
+                    futures.wait(running)  # those already running finish
+                    raise error
+                yield future.result()
+    except BaseException:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()  # Ctrl-C, or a generator closed early: stop at once
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- Ray ---------------------------------------------------------------------------------------
+
+
+def _ray_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
+    # A Ray worker process runs many tasks: load() keeps the tokenizer for the next ones.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return run_unit(unit, settings, spec)
+
+
+def run_ray(
+    units: Sequence[Unit],
+    settings: Settings,
+    spec: TokenizerSpec,
+    workers: int | None,
+    address: str | None,
+) -> Iterator[UnitResult]:
+    """Each unit a Ray task of one CPU; ``ray.init()`` (a local cluster, or ``address``)
+    unless Ray is already initialised in this process, and shut down again if it started
+    here."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("engine='ray' needs Ray: pip install 'asyncbatch[ray]'") from exc
+    started = False
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"address": address, "log_to_driver": False}
+        if address is None and workers is not None:
+            kwargs["num_cpus"] = workers
+        ray.init(**kwargs)
+        started = True
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=0)(_ray_unit)
+        spec_ref = ray.put(spec)  # sent to the object store once, not once per task
+        cpus = ray.cluster_resources().get("CPU", 1)  # type: ignore[no-untyped-call]
+        limit = 2 * (workers or max(1, int(cpus)))
+        todo = iter(units)
+        running: list[Any] = []
+        try:
+            while True:
+                while len(running) < limit:
+                    unit = next(todo, None)
+                    if unit is None:
+                        break
+                    running.append(remote.remote(unit, settings, spec_ref))
+                if not running:
+                    return
+                ready, running = ray.wait(running, num_returns=1)
+                try:
+                    result: UnitResult = ray.get(ready[0])
+                except ray.exceptions.RayTaskError as exc:
+                    if running:
+                        ray.wait(running, num_returns=len(running))
+                    cause = getattr(exc, "cause", None)
+                    raise (cause if isinstance(cause, BaseException) else exc) from None
+                yield result
+        except BaseException:
+            for ref in running:
+                ray.cancel(ref, force=True)
+            raise
+    finally:
+        if started:
+            ray.shutdown()

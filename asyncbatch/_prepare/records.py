@@ -1,0 +1,275 @@
+"""Reading the records of one unit: texts (or token ids) in input order, in batches.
+
+Each record comes with where it is (``line 12``, ``line at byte 4096``, ``row 7``), so a bad
+one is a :class:`~asyncbatch.errors.RecordError` naming the file, the place and the unit. With
+``on_error="skip"`` bad records are counted instead, and a file that cannot be read further
+ends its unit where it broke (counted as a skipped file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import RecordError
+from .inputs import Unit, filesystem
+
+#: Bytes read from an input at a time, and records per batch handed to the tokenizer.
+CHUNK_BYTES = 8 * 2**20
+BATCH_RECORDS = 1024
+#: Characters per batch: long documents make smaller batches, bounding memory.
+BATCH_CHARS = 4 * 2**20
+
+
+@dataclasses.dataclass(slots=True)
+class Batch:
+    """Texts (``token_field`` unset) or token id arrays, with where each came from."""
+
+    values: list[Any] = dataclasses.field(default_factory=list)
+    where: list[str] = dataclasses.field(default_factory=list)
+    chars: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class Skipped:
+    records: int = 0
+    files: int = 0
+    #: The first few reasons, for the report.
+    examples: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, error: RecordError, records: int = 1) -> None:
+        self.records += records
+        if len(self.examples) < 5:
+            self.examples.append(str(error))
+
+
+class RecordReader:
+    """The records of one unit, in batches (:meth:`batches`)."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        *,
+        text_field: str,
+        token_field: str | None,
+        on_error: str,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.unit = unit
+        self.field = token_field or text_field
+        self.tokens = token_field is not None
+        self.skip = on_error == "skip"
+        self.options = options
+        self.skipped = Skipped()
+
+    def error(self, message: str, where: str) -> RecordError:
+        unit = self.unit
+        return RecordError(
+            f"{unit.url}, {where} (unit {unit.index}): {message}", unit.url, where, unit.index
+        )
+
+    def unreadable(self, message: str, where: str) -> RecordError:
+        """A file that cannot be read from ``where`` on: skipped whole with ``on_error="skip"``."""
+        error = self.error(message, where)
+        error.unreadable = True  # type: ignore[attr-defined]
+        return error
+
+    def batches(self) -> Iterator[Batch]:
+        unit = self.unit
+        read = {"jsonl": self._jsonl, "parquet": self._parquet, "text": self._text}[unit.kind]
+        batch = Batch()
+        try:
+            for value, where, size in read():
+                batch.values.append(value)
+                batch.where.append(where)
+                batch.chars += size
+                if len(batch.values) >= BATCH_RECORDS or batch.chars >= BATCH_CHARS:
+                    yield batch
+                    batch = Batch()
+        except RecordError as exc:
+            if not self.skip or not getattr(exc, "unreadable", False):
+                raise
+            self.skipped.files += 1
+            self.skipped.add(exc, records=0)
+        if batch.values:
+            yield batch
+
+    # -- one reader per kind: (value, where, size) per record -----------------------------------
+
+    def _open(self) -> Any:
+        fs, path = filesystem(self.unit.url, self.options)
+        try:
+            return fs.open(path, "rb", compression=self.unit.compression)
+        except Exception as exc:  # noqa: BLE001 - any failure to open is an unreadable file
+            raise self.unreadable(f"cannot open the file: {exc!r}", "file") from exc
+
+    def _text(self) -> Iterator[tuple[Any, str, int]]:
+        with self._open() as handle:
+            raw = self._read(handle, "file")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            error = self.error(f"invalid UTF-8 at byte {exc.start}", "file")
+            if not self.skip:
+                raise error from exc
+            self.skipped.add(error)
+            return
+        yield text, "file", len(raw)
+
+    def _read(self, handle: Any, where: str, size: int = -1) -> bytes:
+        try:
+            data: bytes = handle.read(size)
+        except Exception as exc:  # noqa: BLE001 - corrupt gzip/zstd, a broken connection
+            raise self.unreadable(f"cannot read the file: {exc!r}", where) from exc
+        return data
+
+    def _lines(self) -> Iterator[tuple[bytes, int, int]]:
+        """``(line, byte offset, line number or 0)`` of each line starting in the unit."""
+        unit = self.unit
+        whole = unit.end == 0  # compressed or small: the whole file
+        end = unit.end if not whole else 2**63
+        with self._open() as handle:
+            at = 0
+            skip_first = False
+            if unit.start > 0:
+                handle.seek(unit.start - 1)
+                at, skip_first = unit.start - 1, True
+            number = 0 if unit.start else 1
+            pending = b""
+            while True:
+                chunk = self._read(handle, f"byte {at + len(pending)}", CHUNK_BYTES)
+                if not chunk:
+                    break
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    start, at = at, at + len(line) + 1
+                    if skip_first:
+                        skip_first = False
+                        continue
+                    if start >= end:
+                        return
+                    yield line, start, number
+                    if number:
+                        number += 1
+                if at >= end:
+                    return
+            if pending and not skip_first and at < end:
+                yield pending, at, number
+
+    def _jsonl(self) -> Iterator[tuple[Any, str, int]]:
+        field, tokens = self.field, self.tokens
+        for line, offset, number in self._lines():
+            where = f"line {number}" if number else f"line at byte {offset}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                self._bad(f"invalid UTF-8 at byte {offset + exc.start}", where, exc)
+                continue
+            if not text.strip():
+                continue  # blank lines are no records
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                self._bad(f"malformed JSON: {exc.msg} at column {exc.colno}", where, exc)
+                continue
+            if not isinstance(record, dict):
+                self._bad(f"a JSON {type(record).__name__}, not an object", where)
+                continue
+            if field not in record:
+                self._bad(f"no field {field!r} (fields: {', '.join(record)[:200]})", where)
+                continue
+            value = record[field]
+            if tokens:
+                ids = self._ids(value, where)
+                if ids is not None:
+                    yield ids, where, ids.size
+            elif isinstance(value, str):
+                yield value, where, len(line)
+            else:
+                self._bad(f"field {field!r} is a {type(value).__name__}, not a string", where)
+
+    def _ids(self, value: Any, where: str) -> npt.NDArray[np.int64] | None:
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            self._bad(f"field {self.field!r} is not a list of integers", where)
+            return None
+        return np.array(value, dtype=np.int64) if value else np.zeros(0, np.int64)
+
+    def _bad(self, message: str, where: str, cause: BaseException | None = None) -> None:
+        error = self.error(message, where)
+        if not self.skip:
+            raise error from cause
+        self.skipped.add(error)
+
+    def _parquet(self) -> Iterator[tuple[Any, str, int]]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        unit, field = self.unit, self.field
+        with self._open() as handle:
+            try:
+                parquet = pq.ParquetFile(handle)
+                schema = parquet.schema_arrow
+            except Exception as exc:  # noqa: BLE001
+                raise self.unreadable(f"cannot read the Parquet footer: {exc!r}", "footer") from exc
+            problem = self._column_problem(schema, pa)
+            if problem:
+                error = self.error(problem, "file")
+                if not self.skip:
+                    raise error
+                rows = sum(parquet.metadata.row_group(g).num_rows for g in unit.row_groups)
+                self.skipped.add(error, records=rows)  # every row of the unit lacks the text
+                return
+            row = unit.first_row
+            batches = parquet.iter_batches(
+                batch_size=BATCH_RECORDS, row_groups=list(unit.row_groups), columns=[field]
+            )
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001
+                    raise self.unreadable(f"cannot read the file: {exc!r}", f"row {row}") from exc
+                column = batch.column(0)
+                if self.tokens:
+                    yield from self._parquet_ids(column, row)
+                else:
+                    for i, text in enumerate(column.to_pylist()):
+                        if text is None:
+                            self._bad(f"column {field!r} is null", f"row {row + i}")
+                        else:
+                            yield text, f"row {row + i}", len(text)
+                row += len(column)
+
+    def _column_problem(self, schema: Any, pa: Any) -> str | None:
+        field = self.field
+        if schema.get_field_index(field) < 0:
+            return f"no column {field!r} (columns: {', '.join(schema.names)[:200]})"
+        kind = schema.field(field).type
+        if self.tokens:
+            ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+            ok = ok and pa.types.is_integer(kind.value_type)
+        else:
+            ok = kind in (pa.string(), pa.large_string())
+        wanted = "a list of integers" if self.tokens else "a string"
+        return None if ok else f"column {field!r} is {kind}, not {wanted}"
+
+    def _parquet_ids(self, column: Any, row: int) -> Iterator[tuple[Any, str, int]]:
+        offsets = column.offsets.to_numpy()
+        values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        nulls = column.is_null().to_numpy(zero_copy_only=False)
+        for i in range(len(column)):
+            where = f"row {row + i}"
+            if nulls[i]:
+                self._bad(f"column {self.field!r} is null", where)
+                continue
+            ids = values[offsets[i] : offsets[i + 1]]
+            yield ids, where, ids.size

@@ -1,0 +1,229 @@
+"""One unit of work: its records tokenized and written as shards of whole documents, each
+with its index, then the unit's done record, last.
+
+A unit's files are named from the unit (``data/u000012-0000.bin``, ``.idx``;
+``done/u000012.json``) and depend on nothing but its input and the settings, so a unit redone
+after a crash overwrites its partial files with the same bytes, on any engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..checksums import block_digests, digest, encode_blocks, format_digest
+from ..dataset import join_url
+from ..errors import ConfigError
+from ..stores import open_store
+from .inputs import Unit
+from .records import Batch, RecordReader
+from .tokenizer import TokenizerSpec, encoder
+
+DONE_FOLDER = "done"
+DATA_FOLDER = "data"
+INDEX_DTYPE = np.dtype("<i8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every unit of one run shares (picklable; the tokenizer travels apart)."""
+
+    output: str
+    storage_options: Mapping[str, Any]
+    text_field: str
+    token_field: str | None
+    bos: tuple[int, ...]
+    eos: tuple[int, ...]
+    dtype: str
+    shard_size: int
+    checksum_block: int | None
+    on_error: str
+    fingerprint: str  # of everything above that shapes the output, and the tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitResult:
+    """A finished unit: its done record (as written) and what running it cost."""
+
+    record: dict[str, Any]
+    seconds: float
+    peak_rss: int  # bytes, of the process that ran it, over its life so far
+
+
+def unit_fingerprint(unit: Unit, settings: Settings) -> str:
+    text = json.dumps([unit.describe(), settings.fingerprint], sort_keys=True)
+    return format_digest(digest(text.encode()))
+
+
+def done_url(output: str, index: int) -> str:
+    return join_url(output, f"{DONE_FOLDER}/u{index:06d}.json")
+
+
+def record_checksum(record: Mapping[str, Any]) -> str:
+    """The checksum a done record carries of all its other fields."""
+    body = {k: v for k, v in record.items() if k != "record_checksum"}
+    return format_digest(digest(json.dumps(body, sort_keys=True).encode()))
+
+
+def run_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
+    """Run ``unit`` in this process (its own event loop for the writes)."""
+    started = time.perf_counter()
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a worker is one core
+    with asyncio.Runner() as runner:
+        record = runner.run(_run(unit, settings, spec))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024
+    return UnitResult(record, time.perf_counter() - started, peak)
+
+
+async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str, Any]:
+    reader = RecordReader(
+        unit,
+        text_field=settings.text_field,
+        token_field=settings.token_field,
+        on_error=settings.on_error,
+        options=settings.storage_options,
+    )
+    encode = encoder(spec) if settings.token_field is None else None
+    store = open_store(settings.output, dict(settings.storage_options))
+    try:
+        shards = _Shards(store, settings, unit.index)
+        documents = tokens = 0
+        for batch in reader.batches():
+            flat, lengths = _tokens(batch, encode, settings, reader)
+            documents += lengths.size
+            tokens += flat.size
+            await shards.add(flat, lengths)
+        written = await shards.finish()
+        record: dict[str, Any] = {
+            "unit": unit.index,
+            "input": unit.describe(),
+            "fingerprint": unit_fingerprint(unit, settings),
+            "documents": documents,
+            "tokens": tokens,
+            "skipped_records": reader.skipped.records,
+            "skipped_files": reader.skipped.files,
+            "skipped_examples": reader.skipped.examples,
+            "shards": written,
+        }
+        record["record_checksum"] = record_checksum(record)
+        await store.write(done_url(settings.output, unit.index), json.dumps(record).encode())
+    finally:
+        await store.close()
+    return record
+
+
+def _tokens(
+    batch: Batch, encode: Any, settings: Settings, reader: RecordReader
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
+    """The documents of ``batch`` as one flat array of the output dtype and their lengths,
+    ``bos`` and ``eos`` added; an id the dtype cannot hold is a ConfigError."""
+    if encode is not None:
+        ids: Sequence[Any] = encode(batch.values)
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        body = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum()))
+    else:
+        ids = batch.values
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        body = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    dtype = np.dtype(settings.dtype)
+    if body.size:
+        high, low = int(body.max()), int(body.min())
+        if high > np.iinfo(dtype).max or low < 0:
+            bad = np.flatnonzero((body > np.iinfo(dtype).max) | (body < 0))[0]
+            document = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
+            raise ConfigError(
+                f"{reader.unit.url}, {batch.where[document]} (unit {reader.unit.index}): token id"
+                f" {int(body[bad])} does not fit the output dtype {dtype.name}"
+                f" (vocabulary size {'unknown' if dtype.itemsize == 4 else 2**16}); pass"
+                " vocab_size= or a tokenizer with the right vocabulary"
+            )
+    bos, eos = settings.bos, settings.eos
+    if not bos and not eos:
+        return body.astype(dtype), lengths
+    full = lengths + len(bos) + len(eos)
+    starts = np.cumsum(full) - full
+    out = np.empty(int(full.sum()), dtype)
+    body_starts = np.cumsum(lengths) - lengths
+    out[np.repeat(starts + len(bos) - body_starts, lengths) + np.arange(body.size)] = body
+    for j, token in enumerate(bos):
+        out[starts + j] = token
+    for j, token in enumerate(eos):
+        out[starts + len(bos) + lengths + j] = token
+    return out, full
+
+
+class _Shards:
+    """Documents cut into shards of about ``shard_size`` bytes at document ends; each shard
+    written with its index of local offsets."""
+
+    def __init__(self, store: Any, settings: Settings, unit: int) -> None:
+        self.store, self.settings, self.unit = store, settings, unit
+        self.itemsize = np.dtype(settings.dtype).itemsize
+        self.per_shard = max(1, settings.shard_size // self.itemsize)
+        self.parts: list[npt.NDArray[Any]] = []
+        self.lengths: list[npt.NDArray[np.int64]] = []
+        self.fill = 0
+        self.written: list[dict[str, Any]] = []
+
+    async def add(self, flat: npt.NDArray[Any], lengths: npt.NDArray[np.int64]) -> None:
+        while lengths.size:
+            ends = np.cumsum(lengths)
+            # The first document that fills the shard closes it; all of them otherwise.
+            full = int(np.searchsorted(ends, self.per_shard - self.fill, side="left"))
+            take = min(full + 1, lengths.size)
+            count = int(ends[take - 1])
+            self.parts.append(flat[:count])
+            self.lengths.append(lengths[:take])
+            self.fill += count
+            flat, lengths = flat[count:], lengths[take:]
+            if self.fill >= self.per_shard:
+                await self._flush()
+
+    async def finish(self) -> list[dict[str, Any]]:
+        if self.lengths:
+            await self._flush()
+        return self.written
+
+    async def _flush(self) -> None:
+        data = np.concatenate(self.parts) if self.parts else np.zeros(0, self.settings.dtype)
+        lengths = np.concatenate(self.lengths)
+        self.parts, self.lengths, self.fill = [], [], 0
+        offsets = np.zeros(lengths.size + 1, INDEX_DTYPE)
+        np.cumsum(lengths, out=offsets[1:])
+        name = f"{DATA_FOLDER}/u{self.unit:06d}-{len(self.written):04d}"
+        raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
+        index = offsets.tobytes()
+        block = self.settings.checksum_block
+        whole, blocks, index_sum = await asyncio.to_thread(_digests, raw, index, block)
+        output = self.settings.output
+        await self.store.write(join_url(output, f"{name}.bin"), raw)
+        await self.store.write(join_url(output, f"{name}.idx"), index)
+        shard: dict[str, Any] = {
+            "path": f"{name}.bin",
+            "bytes": len(raw),
+            "elements": int(data.size),
+            "documents": int(lengths.size),
+            "checksum": whole,
+            "index": {"path": f"{name}.idx", "bytes": len(index), "checksum": index_sum},
+        }
+        if blocks is not None:
+            shard["block_checksums"] = blocks
+        self.written.append(shard)
+
+
+def _digests(raw: memoryview, index: bytes, block: int | None) -> tuple[str, str | None, str]:
+    whole = format_digest(digest(raw))
+    blocks = encode_blocks(block_digests(raw, block)) if block else None
+    return whole, blocks, format_digest(digest(index))
