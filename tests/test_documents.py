@@ -29,6 +29,8 @@ from asyncbatch.manifest import Manifest, ShardInfo
 
 _names = itertools.count()
 Documents = list[npt.NDArray[np.uint16]]
+#: The writers' index layouts: one index per shard (the default), one for the whole dataset.
+LAYOUTS = ["per_shard", "single"]
 
 
 def make_documents(seed: int, count: int) -> Documents:
@@ -52,11 +54,20 @@ def documents() -> Documents:
     return make_documents(0, 400)
 
 
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest) -> str:
+    """Each index layout in turn."""
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def write_docs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    """``write_docs(documents, **kwargs)`` writes to the current store; ``(url, options)``."""
+def write_docs(store: str, layout: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """``write_docs(documents, **kwargs)`` writes to the current store in the current index
+    layout; ``(url, options)``."""
 
     def write(docs: Any, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+        kwargs.setdefault("index", layout)
         name = f"docs-{next(_names)}"
         if store == "local":
             url = str(tmp_path / name)
@@ -74,10 +85,12 @@ def write_docs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> An
     return write
 
 
-@pytest.fixture(scope="module")
-def local_docs(tmp_path_factory: pytest.TempPathFactory, documents: Documents) -> ab.Dataset:
+@pytest.fixture(scope="module", params=LAYOUTS)
+def local_docs(
+    tmp_path_factory: pytest.TempPathFactory, documents: Documents, request: pytest.FixtureRequest
+) -> ab.Dataset:
     return ab.write_documents(
-        str(tmp_path_factory.mktemp("docs") / "ds"), documents, shard_size=999
+        str(tmp_path_factory.mktemp("docs") / "ds"), documents, shard_size=999, index=request.param
     )
 
 
@@ -178,13 +191,20 @@ def test_open_reads_the_manifest_and_the_index_only(
     documents: Documents, request: pytest.FixtureRequest
 ) -> None:
     root, server = request.getfixturevalue("http_root")
-    ab.write_documents(str(root / "open-count"), documents, shard_size=1000)
+    ab.write_documents(str(root / "open-count"), documents, shard_size=1000, index="single")
     before = server.requests
     dataset = ab.open_dataset(f"{server.url}/open-count")
     assert server.requests - before == 2  # one GET each: manifest.json, documents.idx
     offsets = dataset.arrays["document_offsets"]
     assert offsets.dtype == np.int64 and offsets.size == len(documents) + 1
     assert offsets[-1] == dataset.manifest.total_elements == sum(d.size for d in documents)
+    # Per-shard indexes: the manifest alone.
+    ab.write_documents(str(root / "open-count-2"), documents, shard_size=1000)
+    before = server.requests
+    dataset = ab.open_dataset(f"{server.url}/open-count-2")
+    assert server.requests - before == 1
+    counts = dataset.arrays["shard_documents"]
+    assert counts.sum() == len(documents) and counts.size == len(dataset.manifest.shards)
 
 
 def test_block_shuffle_reads_blocks_of_documents_in_few_requests(
@@ -192,7 +212,7 @@ def test_block_shuffle_reads_blocks_of_documents_in_few_requests(
 ) -> None:
     """Counted at the HTTP server: neighbouring documents merge into one read."""
     root, server = request.getfixturevalue("http_root")
-    ab.write_documents(str(root / "blocks"), documents, shard_size=2**20)
+    ab.write_documents(str(root / "blocks"), documents, shard_size=2**20, index="single")
     counts = {}
     for name, args in {
         "global": {"shuffle": True, "prefetch": 2},
@@ -300,9 +320,10 @@ def test_packing_without_token_ids_keeps_cu_seqlens(
     seq_len=st.integers(1, 20),
     next_token=st.booleans(),
     shard_tokens=st.integers(1, 50),
+    index=st.sampled_from(LAYOUTS),
 )
 def test_packing_never_crosses_a_document_without_a_boundary(
-    lengths: list[int], seq_len: int, next_token: bool, shard_tokens: int
+    lengths: list[int], seq_len: int, next_token: bool, shard_tokens: int, index: str
 ) -> None:
     documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
     tokens, owner = stream_of(documents)
@@ -310,7 +331,7 @@ def test_packing_never_crosses_a_document_without_a_boundary(
         return  # no window at all
     with tempfile.TemporaryDirectory() as root:
         dataset = ab.write_documents(
-            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens, index=index
         )
         args = dict(seq_len=seq_len, next_token=next_token, shuffle=False, drop_last=False)
         with ab.Loader(dataset, batch_size=3, **args) as loader:
@@ -328,16 +349,22 @@ def test_packing_never_crosses_a_document_without_a_boundary(
     batch_size=st.integers(1, 7),
     shuffle=st.sampled_from([False, True, "block"]),
     max_len=st.none() | st.integers(1, 30),
+    index=st.sampled_from(LAYOUTS),
 )
 def test_document_samples_are_the_documents(
-    lengths: list[int], shard_tokens: int, batch_size: int, shuffle: Any, max_len: int | None
+    lengths: list[int],
+    shard_tokens: int,
+    batch_size: int,
+    shuffle: Any,
+    max_len: int | None,
+    index: str,
 ) -> None:
     documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
     extra = {"block_size": 3, "window": 2} if shuffle == "block" else {}
     options = {} if max_len is None else {"max_len": max_len}
     with tempfile.TemporaryDirectory() as root:
         dataset = ab.write_documents(
-            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens, index=index
         )
         seen = []
         with ab.Loader(
@@ -446,14 +473,17 @@ def test_dataloader_workers_deliver_the_loaders_batches(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    "layouts", [("per_shard", "per_shard"), ("single", "per_shard"), ("per_shard", "single")]
+)
 def test_mixture_of_document_datasets_local_and_s3(
-    tmp_path: Path, s3_endpoint: str, documents: Documents
+    tmp_path: Path, s3_endpoint: str, documents: Documents, layouts: tuple[str, str]
 ) -> None:
     small = make_documents(9, 60)
     options = s3_options(s3_endpoint)
-    local = ab.write_documents(str(tmp_path / "big"), documents, shard_size=999)
-    remote = f"s3://{BUCKET}/mixture-docs"
-    ab.write_documents(remote, small, shard_size=2000, storage_options=options)
+    local = ab.write_documents(str(tmp_path / "big"), documents, shard_size=999, index=layouts[0])
+    remote = f"s3://{BUCKET}/mixture-docs-{next(_names)}"
+    ab.write_documents(remote, small, shard_size=2000, storage_options=options, index=layouts[1])
     mixture = ab.mix([local, remote], weights=[1, 1], seed=2, storage_options=options)
     parts = [documents, small]
     sizes = np.array([len(documents), len(small)])
@@ -527,7 +557,9 @@ def test_in_memory_dataset_with_headers_reads_by_the_contract(
 
 
 def test_index_that_disagrees_with_the_shards_is_refused(tmp_path: Path) -> None:
-    dataset = ab.write_documents(str(tmp_path / "ds"), [[1, 2, 3], [4, 5], [6]], dtype=np.uint16)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), [[1, 2, 3], [4, 5], [6]], dtype=np.uint16, index="single"
+    )
     index = tmp_path / "ds" / "documents.idx"
     url = str(index)
     cases = {
@@ -579,8 +611,13 @@ def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
         ab.write_documents(str(tmp_path / "c"), np.arange(10))
     with pytest.raises(ConfigError, match="dtype="):
         ab.write_documents(str(tmp_path / "d"), [])
-    empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16)
+    empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16, index="single")
     assert ab.open_dataset(empty.url).arrays["document_offsets"].tolist() == [0]
+    empty = ab.write_documents(str(tmp_path / "e2"), [], dtype=np.uint16)
+    opened = ab.open_dataset(empty.url)
+    assert opened.arrays["shard_documents"].tolist() == [] and not opened.manifest.shards
+    with pytest.raises(ConfigError, match="index='both'"):
+        ab.write_documents(str(tmp_path / "e3"), [[1]], index="both")
 
     def failing() -> Any:
         yield from ([7] * 50 for _ in range(10))
@@ -593,21 +630,25 @@ def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
     assert not written & {"manifest.json", "documents.idx"}
 
 
-def test_empty_documents_anywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("index", LAYOUTS)
+def test_empty_documents_anywhere(tmp_path: Path, index: str) -> None:
     """Empty documents, also after the last token (past the last shard) or only empty ones."""
     for name, docs in {"trailing": [[], [1, 2], [3], [], []], "only": [[], []]}.items():
-        dataset = ab.write_documents(str(tmp_path / name), docs, dtype=np.uint16, shard_size=2)
+        dataset = ab.write_documents(
+            str(tmp_path / name), docs, dtype=np.uint16, shard_size=2, index=index
+        )
         with ab.Loader(dataset, batch_size=len(docs), shuffle=False) as loader:
             column = next(iter(loader))["tokens"]
         assert column.lengths.tolist() == [len(d) for d in docs]
         assert column.values.tolist() == [t for d in docs for t in d]
 
 
+@pytest.mark.parametrize("index", LAYOUTS)
 @pytest.mark.parametrize("verify", ["block", "full"])
-def test_checksums_cover_document_shards(tmp_path: Path, verify: str) -> None:
+def test_checksums_cover_document_shards(tmp_path: Path, verify: str, index: str) -> None:
     documents = make_documents(4, 80)
     dataset = ab.write_documents(
-        str(tmp_path / "ds"), documents, shard_size=1000, checksum_block=256
+        str(tmp_path / "ds"), documents, shard_size=1000, checksum_block=256, index=index
     )
     assert all(s.checksum is not None and s.block_checksums for s in dataset.manifest.shards)
     opened = ab.open_dataset(dataset.url)
