@@ -15,7 +15,7 @@ one ``size()`` call per shard and ``full`` one extra read of each shard.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
@@ -57,7 +57,9 @@ class ShardChecks:
     engine numbers them: dataset after dataset), and which shards passed already.
 
     ``urls``: every file the source's plans name, if more than the manifests' shards (a
-    format's index or metadata files follow the shards); those extra files are not checked.
+    format's index or metadata files follow the shards); those extra files are checked only
+    where ``files`` gives their size and checksum (``{url: (bytes, checksum or None)}``),
+    and never by blocks.
     Refuses (ConfigError) a level that needs checksums a dataset does not record. Block
     digests are gathered only for ``block`` and ``full`` (or ``blocks=True``): a big
     manifest holds millions of them.
@@ -70,6 +72,7 @@ class ShardChecks:
         *,
         blocks: bool | None = None,
         urls: Sequence[str] | None = None,
+        files: Mapping[str, tuple[int, int | None]] | None = None,
     ) -> None:
         self.level = check_level(level)
         for dataset in datasets:
@@ -107,14 +110,17 @@ class ShardChecks:
         self.first_block = np.cumsum(counts) - counts
         self.passed = np.zeros(len(shards), dtype=bool)
         extra = 0 if urls is None else len(urls) - len(shards)
-        if extra > 0:  # files no manifest describes: nothing to check them against
+        if extra > 0:  # files no manifest describes (not in ``files``): nothing to check
             assert urls is not None
             self.urls = list(urls)
-            self.sizes = np.append(self.sizes, np.full(extra, -1, dtype=np.int64))
-            self.checksums += [None] * extra
+            described = [(files or {}).get(url) for url in self.urls[len(shards) :]]
+            self.sizes = np.append(
+                self.sizes, np.array([-1 if d is None else d[0] for d in described], np.int64)
+            )
+            self.checksums += [None if d is None else d[1] for d in described]
             self.block_size = np.append(self.block_size, np.zeros(extra, dtype=np.int64))
             self.first_block = np.append(self.first_block, np.zeros(extra, dtype=np.int64))
-            self.passed = np.append(self.passed, np.ones(extra, dtype=bool))
+            self.passed = np.append(self.passed, np.array([d is None for d in described]))
 
 
 def fill_check(checks: ShardChecks) -> Callable[[str, int, Any], str | None] | None:

@@ -39,7 +39,7 @@ from .checks import (
     size_error,
 )
 from .errors import ChecksumError
-from .formats.base import Converts, Source
+from .formats.base import Converts, DescribesFiles, Source
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan, WindowPlan
 from .sampling.batches import BatchOrder
@@ -122,7 +122,8 @@ class Engine:
         self.cache = cache
         self.seen: dict[str, ObjectInfo] = {}
         #: What to check of each shard, and which shards passed (kept across runs).
-        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls)
+        files = source.described_files if isinstance(source, DescribesFiles) else None
+        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls, files=files)
         #: What the cache checks before it keeps fetched bytes: the manifests' block
         #: checksums, whatever the verify level but "off".
         self.fill_check = None

@@ -11,6 +11,7 @@ from typing import Any
 from .checks import ShardChecks, ShardReport, scan_shard, size_error
 from .dataset import Dataset
 from .errors import ConfigError, StoreError
+from .formats.documents_index import index_files
 from .open import open_dataset_async
 from .portal import run_sync
 from .stores import open_store
@@ -42,6 +43,7 @@ async def verify_dataset_async(
 ) -> VerifyReport:
     """Check every shard of ``dataset`` (or of the one at that URL) against its manifest,
     ``concurrency`` shards at once; reports every problem (it does not stop at the first).
+    The per-shard index files of a documents dataset count as shards (checked whole).
 
     ``level``: ``"block"`` (every block's checksum and the whole shard's; the default when
     blocks are recorded) or ``"full"`` (whole shards only). Sizes are always checked; a
@@ -65,7 +67,12 @@ async def verify_dataset_async(
             notes.append("the manifest records no block checksums: whole shards only")
     else:
         used = "block"
-    checks = ShardChecks([dataset], "size", blocks=True)
+    # A documents dataset's per-shard index files are checked as shards are (size and whole
+    # checksum, no blocks) and counted with them.
+    files = {url: (size, checksum) for url, size, checksum in index_files(dataset)}
+    checks = ShardChecks(
+        [dataset], "size", blocks=True, urls=[*dataset.shard_urls, *files], files=files
+    )
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
     slots = asyncio.Semaphore(concurrency)
 
@@ -93,7 +100,8 @@ async def verify_dataset_async(
     finally:
         await store.close()
     bad = [report for report in reports if report.problems]
-    return VerifyReport(dataset.url, used, len(reports), manifest.total_bytes, bad, notes)
+    nbytes = manifest.total_bytes + sum(size for size, _ in files.values())
+    return VerifyReport(dataset.url, used, len(reports), nbytes, bad, notes)
 
 
 def verify_dataset(

@@ -111,6 +111,24 @@ class ShardWriter:
             if self._fill == per_shard:
                 await self._flush(self._buffer)
                 self._buffer = None
+        self._reap()
+
+    async def add_shard(self, array: npt.NDArray[Any]) -> ShardInfo:
+        """Write ``array`` (cast and checked as :meth:`add` does) as one shard of its own,
+        whatever its size, after the elements added before it (written as a shard first);
+        the new shard's entry (its checksums are filled in once it is written)."""
+        if self.dtype is None:
+            self.dtype = array.dtype
+        array = checked_cast(array.reshape(-1), self.dtype)
+        if self._buffer is not None and self._fill:
+            await self._flush(self._buffer[: self._fill])
+        self._buffer = None
+        await self._flush(np.ascontiguousarray(array))
+        self._reap()
+        return self.shards[-1]
+
+    def _reap(self) -> None:
+        """Raise the error of a finished shard write, if one failed."""
         for done in [t for t in self._writes if t.done()]:
             self._writes.discard(done)
             done.result()

@@ -3,9 +3,9 @@
 Two modes: in front of a directory of files (serving HEAD, GET, single byte ranges, ETags and
 ``If-Match`` itself), or as a proxy in front of another server (moto's S3). Each test
 schedules faults with :meth:`FaultServer.inject`: the next matching requests get the given
-faults in order (``None``: behave), later ones ``default``. The server counts requests per
-method and path, in total, and the peak of requests in flight at once, so tests assert exact
-attempt numbers.
+faults in order (``None``: behave), later ones ``default``. The server counts requests and
+the body bytes it answers per method and path, in total, and the peak of requests in flight
+at once, so tests assert exact attempt numbers.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class FaultServer:
         self.upstream = upstream
         self.url = ""
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, path) -> count
+        self.body_bytes: Counter[tuple[str, str]] = Counter()  # (method, path) -> bytes sent
         self.total = 0
         #: (method, path, Range header) of every request, in order.
         self.log: list[tuple[str, str, str]] = []
@@ -116,6 +117,7 @@ class FaultServer:
         self.inject()
         with self._lock:
             self.requests.clear()
+            self.body_bytes.clear()
             self.log.clear()
             self.headers.clear()
             self.total = self.peak = 0
@@ -131,6 +133,15 @@ class FaultServer:
             return sum(
                 n
                 for (m, p), n in self.requests.items()
+                if m == method and (path is None or path in p)
+            )
+
+    def sent(self, method: str = "GET", path: str | None = None) -> int:
+        """Body bytes answered to ``method`` so far (to paths containing ``path``)."""
+        with self._lock:
+            return sum(
+                n
+                for (m, p), n in self.body_bytes.items()
                 if m == method and (path is None or path in p)
             )
 
@@ -171,6 +182,8 @@ class FaultServer:
             if fault.etag is not None:
                 for key in [k for k in headers if k.lower() == "etag"]:
                     headers[key] = fault.etag
+            with self._lock:
+                self.body_bytes[(request.method, request.path)] += len(body)
             return await _send(request, status, headers, body, fault)
         finally:
             with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,28 @@ import numpy.typing as npt
 import pytest
 import torch
 from conftest import BUCKET, s3_options
+from faults import fault_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loader import run_resume_case
 from test_ranks import run_elastic_case
 
 import asyncbatch as ab
+from asyncbatch.checksums import DEFAULT_CHECKSUM_BLOCK, block_digests, digest, format_digest
 from asyncbatch.errors import ConfigError, ManifestError
+from asyncbatch.formats.documents_index import (
+    index_path,
+    per_shard_metadata,
+    shard_index_bytes,
+    shard_index_info,
+)
 from asyncbatch.manifest import Manifest, ShardInfo
+from asyncbatch.verify import verify_dataset
 
 _names = itertools.count()
 Documents = list[npt.NDArray[np.uint16]]
+#: The writers' index layouts: one index per shard (the default), one for the whole dataset.
+LAYOUTS = ["per_shard", "single"]
 
 
 def make_documents(seed: int, count: int) -> Documents:
@@ -52,11 +64,20 @@ def documents() -> Documents:
     return make_documents(0, 400)
 
 
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest) -> str:
+    """Each index layout in turn."""
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def write_docs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    """``write_docs(documents, **kwargs)`` writes to the current store; ``(url, options)``."""
+def write_docs(store: str, layout: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """``write_docs(documents, **kwargs)`` writes to the current store in the current index
+    layout; ``(url, options)``."""
 
     def write(docs: Any, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+        kwargs.setdefault("index", layout)
         name = f"docs-{next(_names)}"
         if store == "local":
             url = str(tmp_path / name)
@@ -74,10 +95,12 @@ def write_docs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> An
     return write
 
 
-@pytest.fixture(scope="module")
-def local_docs(tmp_path_factory: pytest.TempPathFactory, documents: Documents) -> ab.Dataset:
+@pytest.fixture(scope="module", params=LAYOUTS)
+def local_docs(
+    tmp_path_factory: pytest.TempPathFactory, documents: Documents, request: pytest.FixtureRequest
+) -> ab.Dataset:
     return ab.write_documents(
-        str(tmp_path_factory.mktemp("docs") / "ds"), documents, shard_size=999
+        str(tmp_path_factory.mktemp("docs") / "ds"), documents, shard_size=999, index=request.param
     )
 
 
@@ -178,13 +201,20 @@ def test_open_reads_the_manifest_and_the_index_only(
     documents: Documents, request: pytest.FixtureRequest
 ) -> None:
     root, server = request.getfixturevalue("http_root")
-    ab.write_documents(str(root / "open-count"), documents, shard_size=1000)
+    ab.write_documents(str(root / "open-count"), documents, shard_size=1000, index="single")
     before = server.requests
     dataset = ab.open_dataset(f"{server.url}/open-count")
     assert server.requests - before == 2  # one GET each: manifest.json, documents.idx
     offsets = dataset.arrays["document_offsets"]
     assert offsets.dtype == np.int64 and offsets.size == len(documents) + 1
     assert offsets[-1] == dataset.manifest.total_elements == sum(d.size for d in documents)
+    # Per-shard indexes: the manifest alone.
+    ab.write_documents(str(root / "open-count-2"), documents, shard_size=1000)
+    before = server.requests
+    dataset = ab.open_dataset(f"{server.url}/open-count-2")
+    assert server.requests - before == 1
+    counts = dataset.arrays["shard_documents"]
+    assert counts.sum() == len(documents) and counts.size == len(dataset.manifest.shards)
 
 
 def test_block_shuffle_reads_blocks_of_documents_in_few_requests(
@@ -192,7 +222,7 @@ def test_block_shuffle_reads_blocks_of_documents_in_few_requests(
 ) -> None:
     """Counted at the HTTP server: neighbouring documents merge into one read."""
     root, server = request.getfixturevalue("http_root")
-    ab.write_documents(str(root / "blocks"), documents, shard_size=2**20)
+    ab.write_documents(str(root / "blocks"), documents, shard_size=2**20, index="single")
     counts = {}
     for name, args in {
         "global": {"shuffle": True, "prefetch": 2},
@@ -300,9 +330,10 @@ def test_packing_without_token_ids_keeps_cu_seqlens(
     seq_len=st.integers(1, 20),
     next_token=st.booleans(),
     shard_tokens=st.integers(1, 50),
+    index=st.sampled_from(LAYOUTS),
 )
 def test_packing_never_crosses_a_document_without_a_boundary(
-    lengths: list[int], seq_len: int, next_token: bool, shard_tokens: int
+    lengths: list[int], seq_len: int, next_token: bool, shard_tokens: int, index: str
 ) -> None:
     documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
     tokens, owner = stream_of(documents)
@@ -310,7 +341,7 @@ def test_packing_never_crosses_a_document_without_a_boundary(
         return  # no window at all
     with tempfile.TemporaryDirectory() as root:
         dataset = ab.write_documents(
-            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens, index=index
         )
         args = dict(seq_len=seq_len, next_token=next_token, shuffle=False, drop_last=False)
         with ab.Loader(dataset, batch_size=3, **args) as loader:
@@ -328,16 +359,22 @@ def test_packing_never_crosses_a_document_without_a_boundary(
     batch_size=st.integers(1, 7),
     shuffle=st.sampled_from([False, True, "block"]),
     max_len=st.none() | st.integers(1, 30),
+    index=st.sampled_from(LAYOUTS),
 )
 def test_document_samples_are_the_documents(
-    lengths: list[int], shard_tokens: int, batch_size: int, shuffle: Any, max_len: int | None
+    lengths: list[int],
+    shard_tokens: int,
+    batch_size: int,
+    shuffle: Any,
+    max_len: int | None,
+    index: str,
 ) -> None:
     documents = [np.arange(n, dtype=np.uint16) + 100 * d for d, n in enumerate(lengths)]
     extra = {"block_size": 3, "window": 2} if shuffle == "block" else {}
     options = {} if max_len is None else {"max_len": max_len}
     with tempfile.TemporaryDirectory() as root:
         dataset = ab.write_documents(
-            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens
+            f"{root}/ds", documents, dtype=np.uint16, shard_size=2 * shard_tokens, index=index
         )
         seen = []
         with ab.Loader(
@@ -446,14 +483,17 @@ def test_dataloader_workers_deliver_the_loaders_batches(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    "layouts", [("per_shard", "per_shard"), ("single", "per_shard"), ("per_shard", "single")]
+)
 def test_mixture_of_document_datasets_local_and_s3(
-    tmp_path: Path, s3_endpoint: str, documents: Documents
+    tmp_path: Path, s3_endpoint: str, documents: Documents, layouts: tuple[str, str]
 ) -> None:
     small = make_documents(9, 60)
     options = s3_options(s3_endpoint)
-    local = ab.write_documents(str(tmp_path / "big"), documents, shard_size=999)
-    remote = f"s3://{BUCKET}/mixture-docs"
-    ab.write_documents(remote, small, shard_size=2000, storage_options=options)
+    local = ab.write_documents(str(tmp_path / "big"), documents, shard_size=999, index=layouts[0])
+    remote = f"s3://{BUCKET}/mixture-docs-{next(_names)}"
+    ab.write_documents(remote, small, shard_size=2000, storage_options=options, index=layouts[1])
     mixture = ab.mix([local, remote], weights=[1, 1], seed=2, storage_options=options)
     parts = [documents, small]
     sizes = np.array([len(documents), len(small)])
@@ -527,7 +567,9 @@ def test_in_memory_dataset_with_headers_reads_by_the_contract(
 
 
 def test_index_that_disagrees_with_the_shards_is_refused(tmp_path: Path) -> None:
-    dataset = ab.write_documents(str(tmp_path / "ds"), [[1, 2, 3], [4, 5], [6]], dtype=np.uint16)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), [[1, 2, 3], [4, 5], [6]], dtype=np.uint16, index="single"
+    )
     index = tmp_path / "ds" / "documents.idx"
     url = str(index)
     cases = {
@@ -579,8 +621,13 @@ def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
         ab.write_documents(str(tmp_path / "c"), np.arange(10))
     with pytest.raises(ConfigError, match="dtype="):
         ab.write_documents(str(tmp_path / "d"), [])
-    empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16)
+    empty = ab.write_documents(str(tmp_path / "e"), [], dtype=np.uint16, index="single")
     assert ab.open_dataset(empty.url).arrays["document_offsets"].tolist() == [0]
+    empty = ab.write_documents(str(tmp_path / "e2"), [], dtype=np.uint16)
+    opened = ab.open_dataset(empty.url)
+    assert opened.arrays["shard_documents"].tolist() == [] and not opened.manifest.shards
+    with pytest.raises(ConfigError, match="index='both'"):
+        ab.write_documents(str(tmp_path / "e3"), [[1]], index="both")
 
     def failing() -> Any:
         yield from ([7] * 50 for _ in range(10))
@@ -593,21 +640,25 @@ def test_writer_refuses_bad_documents(tmp_path: Path) -> None:
     assert not written & {"manifest.json", "documents.idx"}
 
 
-def test_empty_documents_anywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("index", LAYOUTS)
+def test_empty_documents_anywhere(tmp_path: Path, index: str) -> None:
     """Empty documents, also after the last token (past the last shard) or only empty ones."""
     for name, docs in {"trailing": [[], [1, 2], [3], [], []], "only": [[], []]}.items():
-        dataset = ab.write_documents(str(tmp_path / name), docs, dtype=np.uint16, shard_size=2)
+        dataset = ab.write_documents(
+            str(tmp_path / name), docs, dtype=np.uint16, shard_size=2, index=index
+        )
         with ab.Loader(dataset, batch_size=len(docs), shuffle=False) as loader:
             column = next(iter(loader))["tokens"]
         assert column.lengths.tolist() == [len(d) for d in docs]
         assert column.values.tolist() == [t for d in docs for t in d]
 
 
+@pytest.mark.parametrize("index", LAYOUTS)
 @pytest.mark.parametrize("verify", ["block", "full"])
-def test_checksums_cover_document_shards(tmp_path: Path, verify: str) -> None:
+def test_checksums_cover_document_shards(tmp_path: Path, verify: str, index: str) -> None:
     documents = make_documents(4, 80)
     dataset = ab.write_documents(
-        str(tmp_path / "ds"), documents, shard_size=1000, checksum_block=256
+        str(tmp_path / "ds"), documents, shard_size=1000, checksum_block=256, index=index
     )
     assert all(s.checksum is not None and s.block_checksums for s in dataset.manifest.shards)
     opened = ab.open_dataset(dataset.url)
@@ -625,3 +676,252 @@ def test_checksums_cover_document_shards(tmp_path: Path, verify: str) -> None:
     ):
         for _ in loader:
             pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-shard layout: what the writer writes, what a reader fetches, and when it refuses
+
+
+def test_per_shard_writer_cuts_shards_at_document_ends(tmp_path: Path) -> None:
+    docs = [[1, 2], [3], [], [4, 5, 6, 7, 8, 9, 10, 11], [], [12], [13, 14]]
+    dataset = ab.write_documents(str(tmp_path / "ds"), docs, dtype=np.uint16, shard_size=6)
+    root = tmp_path / "ds"
+    # Shards close after the document reaching 6 bytes (3 tokens); the empty document after
+    # one joins it; the document of 8 tokens makes one larger shard.
+    metadata = dataset.manifest.metadata
+    assert metadata["document_index"] == "per_shard" and metadata["documents"] == len(docs)
+    assert metadata["shard_documents"] == [3, 2, 2]
+    assert [s.elements for s in dataset.manifest.shards] == [3, 8, 3]
+    paths = [e["path"] for e in metadata["shard_indexes"]]
+    assert paths == ["shard-00000.idx", "shard-00001.idx", "shard-00002.idx"]
+    wanted = [[0, 2, 3, 3], [0, 8, 8], [0, 1, 3]]
+    for path, entry, local in zip(paths, metadata["shard_indexes"], wanted, strict=True):
+        raw = (root / path).read_bytes()
+        assert np.frombuffer(raw, "<i8").tolist() == local
+        assert entry["bytes"] == len(raw) and entry["checksum"] == format_digest(digest(raw))
+    # The helpers a writer of its own (prepare) uses give the same entries.
+    infos = [shard_index_info(p, shard_index_bytes(o)) for p, o in zip(paths, wanted, strict=True)]
+    assert per_shard_metadata([3, 2, 2], infos) == metadata
+    with ab.Loader(dataset, batch_size=len(docs), shuffle=False) as loader:
+        column = next(iter(loader))["tokens"]
+    assert column.lengths.tolist() == [len(d) for d in docs]
+    assert column.values.tolist() == [t for d in docs for t in d]
+
+
+def test_a_rank_fetches_only_the_indexes_of_its_shards_once(
+    tmp_path: Path, documents: Documents
+) -> None:
+    """Counted at the server: opening reads the manifest alone; each index file is fetched
+    once at most, and only when a batch touches its shard."""
+    dataset = ab.write_documents(str(tmp_path / "ds"), documents, shard_size=2000)
+    shards = len(dataset.manifest.shards)
+    counts = np.array(dataset.manifest.metadata["shard_documents"])
+    assert shards > 8
+    with fault_server(tmp_path) as server:
+        url = f"{server.url}/ds"
+        opened = ab.open_dataset(url)
+        # manifest.json: its size, then its bytes
+        assert (server.count("GET"), server.count("HEAD")) == (1, 1)
+        assert server.sent("GET") == server.sent("GET", "manifest.json") < 2**16
+        for args in (
+            {"shuffle": False},
+            {"shuffle": True},
+            {"shuffle": "block", "block_size": 16, "window": 2},
+            {"seq_len": 64, "shuffle": True},
+            {"seq_len": 64, "shuffle": False, "rank": 1, "world_size": 3},
+        ):
+            server.reset()
+            with ab.Loader(opened, batch_size=8, seed=3, **args) as loader:
+                for batch in loader:
+                    if "seq_len" not in args:
+                        check_jagged(batch, documents)
+            fetched = {
+                path.rsplit("/", 1)[1]: n
+                for (method, path), n in server.requests.items()
+                if method == "GET" and path.endswith(".idx")
+            }
+            assert set(fetched.values()) <= {1}, (args, fetched)
+            assert len(fetched) <= shards
+        # The first batch of documents 0..7 fetches the index of their shards only.
+        server.reset()
+        with ab.Loader(opened, batch_size=8, shuffle=False, prefetch=1) as loader:
+            next(iter(loader))
+            first = int(np.searchsorted(np.cumsum(counts), 7, side="right"))
+            index_gets = [
+                p for (m, p), _ in server.requests.items() if m == "GET" and p.endswith(".idx")
+            ]
+        assert 1 <= len(index_gets) <= first + 3  # prefetch reads a little ahead
+        assert "shard-00000.idx" in index_gets[0]
+
+
+@pytest.mark.parametrize("kind", ["samples", "packed"])
+def test_a_small_index_cache_still_reads_exactly(
+    tmp_path: Path, documents: Documents, kind: str
+) -> None:
+    dataset = ab.write_documents(str(tmp_path / "ds"), documents, shard_size=1500)
+    tokens, owner = stream_of(documents)
+    args: dict[str, Any] = {"batch_size": 8, "shuffle": True, "seed": 2}
+    args["format_options"] = {"index_cache_bytes": 0}  # every index fetched again when needed
+    if kind == "packed":
+        args["seq_len"] = 40
+    with ab.Loader(dataset, **args) as loader:
+        for batch in loader:
+            if kind == "packed":
+                check_packed(batch, tokens, owner, 40)
+            else:
+                check_jagged(batch, documents)
+    with pytest.raises(ConfigError, match="index_cache_bytes"):
+        ab.Loader(dataset, batch_size=2, format_options={"index_cache_bytes": -1})
+
+
+def _rewrite_manifest(root: Path, change: Any) -> None:
+    path = root / "manifest.json"
+    raw = json.loads(path.read_text())
+    change(raw["metadata"])
+    path.write_text(json.dumps(raw))
+
+
+def test_per_shard_index_that_disagrees_is_refused(tmp_path: Path) -> None:
+    docs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    root = tmp_path / "ds"
+    ab.write_documents(str(root), docs, dtype=np.uint16, shard_size=6)
+    saved = (root / "manifest.json").read_text()
+    index = root / "shard-00001.idx"  # documents [4, 5] and [6]
+    url = str(index)
+
+    def first_batch(**kwargs: Any) -> None:
+        with ab.Loader(str(root), batch_size=4, shuffle=False, **kwargs) as loader:
+            next(iter(loader))
+
+    # In the manifest: counts, sizes (at open, naming the index and its bytes).
+    for change, message in [
+        (lambda m: m.update(documents=5), "do not add up to the 5 documents"),
+        (lambda m: m["shard_indexes"][1].update(bytes=16), rf"{url} \(bytes \[0, 16\)\)"),
+        (lambda m: m.update(shard_documents=[2]), "1 shard_documents"),
+        (lambda m: m.pop("shard_indexes"), "no valid per-shard document index"),
+    ]:
+        (root / "manifest.json").write_text(saved)
+        _rewrite_manifest(root, change)
+        with pytest.raises(ManifestError, match=message):
+            ab.open_dataset(str(root))
+    (root / "manifest.json").write_text(saved)
+    good = index.read_bytes()
+    # In the file, as the first batch fetches it: its checksum, then (none recorded) its
+    # offsets, each error naming the file and the bytes at fault.
+    index.write_bytes(np.array([0, 3, 2], "<i8").tobytes())
+    with pytest.raises(ab.FormatError, match=f"{url}: bytes \\[0, 24\\): checksum"):
+        first_batch()
+    _rewrite_manifest(root, lambda m: [e.pop("checksum") for e in m["shard_indexes"]])
+    for offsets, message in [
+        ([0, 3, 2], r"bytes \[8, 24\): document offsets decrease"),
+        ([0, 2, 2], r"bytes \[16, 24\): the last document offset is 2, but the shard holds 3"),
+        ([1, 2, 3], r"bytes \[0, 8\): the first document offset is 1"),
+    ]:
+        index.write_bytes(np.array(offsets, "<i8").tobytes())
+        with pytest.raises(ab.FormatError, match=f"{url}: {message}"):
+            first_batch()
+    index.write_bytes(good + b"\0" * 8)  # longer than its entry: the size check names it
+    with pytest.raises(ManifestError, match=f"size mismatch: {url} has 32 bytes"):
+        first_batch()
+    index.unlink()
+    with pytest.raises(ab.FormatError, match=f"{url}: a document index the manifest names"):
+        first_batch()
+    with pytest.raises(ab.FormatError, match="missing"):
+        first_batch(verify="off")
+
+
+def test_verify_checks_the_index_files(tmp_path: Path) -> None:
+    documents = make_documents(5, 60)
+    root = tmp_path / "ds"
+    dataset = ab.write_documents(str(root), documents, shard_size=1000)
+    report = verify_dataset(dataset.url)
+    shards = len(dataset.manifest.shards)
+    assert report.clean and report.shards == 2 * shards
+    index = root / "shard-00001.idx"
+    data = bytearray(index.read_bytes())
+    data[9] ^= 0xFF
+    index.write_bytes(bytes(data))
+    report = verify_dataset(dataset.url)
+    assert [bad.url for bad in report.bad] == [str(index)]
+    # A loader with verify="full" reads each index whole before its first use, too.
+    with (
+        ab.Loader(dataset.url, batch_size=8, shuffle=False, verify="full") as loader,
+        pytest.raises(ab.ChecksumError, match="shard-00001.idx"),
+    ):
+        for _ in loader:
+            pass
+
+
+def write_many_documents(root: Path, count: int, per_shard: int) -> npt.NDArray[np.int64]:
+    """A per-shard documents dataset of ``count`` short documents (0 to 5 tokens, each token
+    its document's number modulo 60,000), written with numpy and the writers' helpers as
+    ``prepare`` writes one: fast for millions of documents. The documents' lengths."""
+    lengths = np.random.default_rng(1).integers(0, 6, count)
+    tokens = np.repeat(np.arange(count) % 60_000, lengths).astype(np.uint16)
+    ends = np.cumsum(lengths)
+    root.mkdir(parents=True)
+    shards, infos, counts = [], [], []
+    for k, first in enumerate(range(0, count, per_shard)):
+        last = min(count, first + per_shard)
+        start = int(ends[first - 1]) if first else 0
+        data = tokens[start : int(ends[last - 1])].tobytes()
+        name = f"shard-{k:05d}.bin"
+        (root / name).write_bytes(data)
+        blocks = block_digests(data, DEFAULT_CHECKSUM_BLOCK)
+        shards.append(ShardInfo(name, len(data), len(data) // 2, 0, digest(data), blocks))
+        local = np.concatenate([[0], ends[first:last] - start])
+        raw = shard_index_bytes(local)
+        (root / index_path(name)).write_bytes(raw)
+        infos.append(shard_index_info(index_path(name), raw))
+        counts.append(last - first)
+    manifest = Manifest(
+        "documents",
+        np.dtype(np.uint16),
+        tuple(shards),
+        per_shard_metadata(counts, infos),
+        checksum="xxh3_64",
+        checksum_block=DEFAULT_CHECKSUM_BLOCK,
+    )
+    (root / "manifest.json").write_text(manifest.to_json())
+    return lengths
+
+
+def test_millions_of_documents_open_from_the_manifest_over_s3(
+    tmp_path: Path, s3_endpoint: str
+) -> None:
+    """5×10^6 documents in 50 shards over moto's S3: counted at the server (a proxy in front
+    of it), opening reads the manifest alone; the first batch adds the index of one shard
+    and its documents' bytes."""
+    import s3fs
+
+    count, per_shard = 5_000_000, 100_000
+    lengths = write_many_documents(tmp_path / "many", count, per_shard)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing")
+    fs.put(str(tmp_path / "many"), f"{BUCKET}/many", recursive=True)
+    index_bytes = 8 * (per_shard + 1)
+    with fault_server(upstream=s3_endpoint) as proxy:
+        options = s3_options(proxy.url)
+        dataset = ab.open_dataset(f"s3://{BUCKET}/many", options)
+        assert dataset.manifest.metadata["documents"] == count
+        assert (proxy.count("GET"), proxy.count("HEAD")) == (1, 1)  # manifest.json
+        assert proxy.sent("GET") == proxy.sent("GET", "manifest.json") <= 2**20
+        proxy.reset()
+        with ab.Loader(dataset, batch_size=64, shuffle=False, prefetch=1) as loader:
+            batch = next(iter(loader))
+            index_gets = proxy.count("GET", ".idx")
+            index_sent = proxy.sent("GET", ".idx")
+            shard_sent = proxy.sent("GET", ".bin")
+        column = batch["tokens"]
+        assert column.lengths.tolist() == lengths[:64].tolist()
+        assert column.values.tolist() == np.repeat(np.arange(64), lengths[:64]).tolist()
+        # Shard 0's index (the others are never touched), and a few KiB of tokens.
+        assert (index_gets, index_sent) == (1, index_bytes)
+        assert shard_sent < 2**16
+        # A rank of a block shuffle touches a few shards, each index fetched once.
+        proxy.reset()
+        args: dict[str, Any] = dict(shuffle="block", rank=3, world_size=8, seed=1)
+        with ab.Loader(dataset, batch_size=64, **args) as loader:
+            for _ in itertools.islice(loader, 20):
+                pass
+        gets = [n for (m, p), n in proxy.requests.items() if m == "GET" and p.endswith(".idx")]
+        assert gets and set(gets) == {1} and len(gets) < 50

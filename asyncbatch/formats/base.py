@@ -108,6 +108,15 @@ class ReadsScattered(Protocol):
     scattered: bool
 
 
+@runtime_checkable
+class DescribesFiles(Protocol):
+    """Optional: what the manifests record of files the plans name beyond the shards (a
+    documents dataset's per-shard indexes): ``{url: (bytes, checksum or None)}``. The engine
+    checks them as it checks shards (their size, their checksum with ``verify="full"``)."""
+
+    described_files: Mapping[str, tuple[int, int | None]]
+
+
 class PlannedSource:
     """A source whose samples come from one read plan and one decode."""
 

@@ -6,9 +6,11 @@ entries, document ``d`` being elements ``[offsets[d], offsets[d + 1])`` of the c
 stream. ``offsets[0] == 0``, offsets never decrease (empty documents are allowed) and the last
 equals the stream's length; documents cross shard ends freely. The sources below need nothing
 else, so an opener of another layout (Megatron ``.bin``/``.idx``) builds such a dataset in
-memory. asyncbatch's own layout keeps the offsets in an index file beside the shards (raw
-little-endian int64, named by the manifest's ``metadata["document_index"]``), read whole at
-open by :func:`load_document_index`.
+memory. asyncbatch's single-index layout keeps the offsets in one index file beside the
+shards (raw little-endian int64, named by the manifest's ``metadata["document_index"]``), read
+whole at open by :func:`load_document_index`. The per-shard layout
+(:mod:`asyncbatch.formats.documents_index`) keeps one index per shard instead, fetched by the
+source as batches touch its shard: opening reads the manifest alone.
 
 Two ways to read one:
 
@@ -25,8 +27,9 @@ numbers their samples.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +41,15 @@ from ..dataset import Dataset, join_url, read_object
 from ..errors import ConfigError, ManifestError, NotFoundError
 from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME
-from .base import PlannedSource, Source
+from ..stores.ranged import run_all
+from .base import Offload, PlannedSource, ReadFn, Source
+from .documents_index import (
+    DEFAULT_INDEX_CACHE_BYTES,
+    SHARD_DOCUMENTS,
+    DocumentIndex,
+    ShardIndexes,
+    is_per_shard,
+)
 from .tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
 if TYPE_CHECKING:
@@ -53,9 +64,10 @@ OFFSETS = "document_offsets"
 INDEX_NAME = "documents.idx"
 INDEX_DTYPE = np.dtype("<i8")
 OUTPUTS = ("jagged", "nested", "padded")
-#: format_options of documents as samples, and of packing.
+#: format_options of documents as samples, of packing, and of both.
 OPTIONS = ("output", "pad_id", "max_len")
 PACKING_OPTIONS = ("token_ids",)
+INDEX_OPTIONS = ("index_cache_bytes",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +110,21 @@ def document_offsets(dataset: Dataset) -> Int64Array:
     return check_offsets(np.asarray(offsets), dataset.shard_map.total, dataset.url)
 
 
+def document_count(dataset: Dataset) -> int:
+    """Documents in ``dataset``, of either layout."""
+    if is_per_shard(dataset):
+        return int(dataset.manifest.metadata["documents"])
+    return int(document_offsets(dataset).size - 1)
+
+
 async def load_document_index(dataset: Dataset, store: Store) -> Dataset:
     """``INDEX_LOADERS["documents"]``: read the index file named by the manifest (one whole
-    object, never the data) into ``dataset.arrays["document_offsets"]``."""
+    object, never the data) into ``dataset.arrays["document_offsets"]``; of the per-shard
+    layout, read nothing (the manifest's per-shard counts go to
+    ``dataset.arrays["shard_documents"]``)."""
+    if is_per_shard(dataset):
+        counts = ShardIndexes.of(dataset).counts
+        return dataclasses.replace(dataset, arrays={**dataset.arrays, SHARD_DOCUMENTS: counts})
     manifest_url = join_url(dataset.url, MANIFEST_NAME)
     name = dataset.manifest.metadata.get("document_index")
     if not isinstance(name, str) or not name:
@@ -127,30 +151,61 @@ async def load_document_index(dataset: Dataset, store: Store) -> Dataset:
 
 def _joined(
     datasets: Sequence[Dataset],
-) -> tuple[ShardMap, list[str], Int64Array, Int64Array, np.dtype[Any]]:
-    """Shards of several datasets numbered one after another, and their documents likewise:
-    ``(shard_map, shard_urls, shard_dataset, offsets, stored dtype)``."""
+) -> tuple[ShardMap, list[str], Int64Array, np.dtype[Any]]:
+    """Shards of several datasets numbered one after another:
+    ``(shard_map, shard_urls, shard_dataset, stored dtype)``."""
     stored = datasets[0].manifest.dtype
     for one in datasets[1:]:
         if one.manifest.dtype != stored:
             raise ConfigError(f"{one.url} holds {one.manifest.dtype}, not {stored} as the rest")
-    parts = [document_offsets(d) for d in datasets]
     if len(datasets) == 1:
         shard_map = datasets[0].shard_map
-        offsets = parts[0]
     else:
         counts = np.concatenate([d.shard_map.counts for d in datasets])
         headers = np.concatenate([d.shard_map.offsets for d in datasets])
         shard_map = ShardMap(counts, stored.itemsize, headers)
-        totals = np.array([d.shard_map.total for d in datasets], dtype=np.int64)
-        bases = np.cumsum(totals) - totals
-        offsets = np.concatenate(
-            [p[:-1] + b for p, b in zip(parts, bases.tolist(), strict=True)]
-            + [np.array([shard_map.total], dtype=np.int64)]
-        )
     urls = [url for d in datasets for url in d.shard_urls]
     shard_dataset = np.repeat(np.arange(len(datasets)), [len(d.manifest.shards) for d in datasets])
-    return shard_map, urls, shard_dataset, offsets, stored
+    return shard_map, urls, shard_dataset, stored
+
+
+class _Offsets:
+    """The documents of joined datasets: all offsets in memory (``offsets``, numbered through
+    the datasets), or, when a dataset has per-shard indexes, an ``index`` that fetches them.
+    The index files join the source's files after the shards."""
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        shard_urls: list[str],
+        shard_dataset: Int64Array,
+        budget: int,
+    ) -> None:
+        parts = [None if is_per_shard(d) else document_offsets(d) for d in datasets]
+        self.index: DocumentIndex | None = None
+        self.offsets = np.zeros(1, dtype=np.int64)
+        self.shard_urls, self.shard_dataset = shard_urls, shard_dataset
+        self.described_files: Mapping[str, tuple[int, int | None]] = {}
+        if all(p is not None for p in parts):
+            present = [p for p in parts if p is not None]
+            totals = [int(p[-1]) for p in present]
+            bases = np.cumsum(totals) - totals
+            self.offsets = (
+                present[0]
+                if len(present) == 1
+                else np.concatenate(
+                    [p[:-1] + b for p, b in zip(present, bases.tolist(), strict=True)]
+                    + [np.array([sum(totals)], dtype=np.int64)]
+                )
+            )
+            return
+        index = DocumentIndex(datasets, parts, len(shard_urls), budget)
+        self.index = index
+        self.shard_urls = [*shard_urls, *index.index_urls]
+        self.shard_dataset = np.concatenate(
+            [shard_dataset, np.array(index.index_dataset, dtype=np.int64)]
+        )
+        self.described_files = index.described_files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +260,7 @@ class DocumentSamples(PlannedSource):
         output: str = "jagged",
         pad_id: int = 0,
         max_len: int | None = None,
+        index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES,
     ) -> None:
         self.datasets: Sequence[Dataset] = list(datasets)
         if output not in OUTPUTS:
@@ -214,10 +270,15 @@ class DocumentSamples(PlannedSource):
         ):
             raise ConfigError(f"format_options max_len must be a positive integer, got {max_len!r}")
         self.output, self.max_len = output, max_len
-        self.shard_map, urls, self.shard_dataset, self.offsets, stored = _joined(self.datasets)
-        self.shard_urls: Sequence[str] = urls
+        self.shard_map, urls, shard_dataset, stored = _joined(self.datasets)
+        joined = _Offsets(self.datasets, urls, shard_dataset, index_cache_bytes)
+        self.offsets, self.index = joined.offsets, joined.index
+        self.shard_urls: Sequence[str] = joined.shard_urls
+        self.shard_dataset = joined.shard_dataset
+        #: Index files the engine checks as it checks shards (per-shard indexes).
+        self.described_files = joined.described_files
         self.stored_dtype = stored
-        self.sizes = np.array([d.arrays[OFFSETS].size - 1 for d in self.datasets], dtype=np.int64)
+        self.sizes = np.array([document_count(d) for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
         self.out_dtype = output_dtype(dtype, stored, self.datasets[0].url)
         if self.out_dtype is not None and stored.names:
@@ -252,22 +313,47 @@ class DocumentSamples(PlannedSource):
             self.schema["attention_mask"] = FieldSchema(dtype="bool", shape=(width,))
 
     def _spans(self, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
+        """Element start and length of documents ``ids``, all offsets being in memory."""
         starts = self.offsets[ids]
-        lengths = self.offsets[ids + 1] - starts
+        return self._cut(starts, self.offsets[ids + 1] - starts)
+
+    def _cut(self, starts: Int64Array, lengths: Int64Array) -> tuple[Int64Array, Int64Array]:
         if self.max_len is not None:
             np.minimum(lengths, self.max_len, out=lengths)
         return starts, lengths
 
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        """The documents ``ids``; with per-shard indexes, after fetching those of the shards
+        they lie in that are not cached yet."""
+        if self.index is None:
+            return await super().fetch(ids, read, gap, offload)
+        table = await self.index.load(np.unique(self.index.segments_of_documents(ids)), read)
+        starts, ends = self.index.spans(ids, table)
+        starts, lengths = self._cut(starts, ends - starts)
+        buffer = await read(self._plan(starts, lengths, gap))
+        if self.converts:
+            fields: dict[str, Any] = await offload(lambda: self._decode(buffer, ids.size, lengths))
+            return fields
+        return self._decode(buffer, ids.size, lengths)
+
     def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
-        starts, lengths = self._spans(ids)
+        return self._plan(*self._spans(ids), gap)
+
+    def _plan(self, starts: Int64Array, lengths: Int64Array, gap: int) -> ReadPlan:
         if not lengths.all():  # empty documents read nothing (one may sit past the last shard)
             keep = lengths > 0
             starts, lengths = starts[keep], lengths[keep]
         return self.shard_map.plan(starts, lengths, gap)
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
-        _, lengths = self._spans(ids)
-        offsets = np.zeros(ids.size + 1, dtype=np.int64)
+        return self._decode(buffer, ids.size, self._spans(ids)[1])
+
+    def _decode(
+        self, buffer: npt.NDArray[np.uint8], count: int, lengths: Int64Array
+    ) -> dict[str, Any]:
+        offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         values = buffer.view(self.stored_dtype)
         if self.converts and self.out_dtype is not None:
@@ -326,11 +412,17 @@ class PackedDocuments(TokenWindows):
         next_token: bool = False,
         dtype: npt.DTypeLike | torch.dtype | None = None,
         token_ids: bool = True,
+        index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES,
     ) -> None:
         super().__init__(datasets, seq_len, next_token=next_token, dtype=dtype)
         if not isinstance(token_ids, bool):
             raise ConfigError(f"format_options token_ids must be True or False, got {token_ids!r}")
-        *_, self.offsets, _ = _joined(self.datasets)
+        urls = list(self.shard_urls)
+        joined = _Offsets(self.datasets, urls, self.shard_dataset, index_cache_bytes)
+        self.offsets, self.index = joined.offsets, joined.index
+        self.shard_urls, self.shard_dataset = joined.shard_urls, joined.shard_dataset
+        #: Index files the engine checks as it checks shards (per-shard indexes).
+        self.described_files = joined.described_files
         self.token_ids = token_ids
         self.sample_bytes += 8 + (self.window * 16 if token_ids else 0)
         self.schema["cu_seqlens"] = FieldSchema(dtype="int32", shape=(-1,), nested=True)
@@ -347,6 +439,34 @@ class PackedDocuments(TokenWindows):
         starts: Int64Array = self._element_base[which] + local * self.seq_len
         return starts
 
+    async def fetch(
+        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
+    ) -> dict[str, Any]:
+        """The windows ``ids``; with per-shard indexes, the indexes of the shards they touch
+        that are not cached yet are fetched while the tokens are read."""
+        if self.index is None:
+            return await super().fetch(ids, read, gap, offload)
+        index = self.index
+        starts = self.window_starts(ids)
+        segments = index.segments_of_windows(starts, self.window)
+        loading = asyncio.ensure_future(index.load(segments, read))
+        reading = asyncio.ensure_future(read(self.windows(ids, gap)))
+        await run_all((loading, reading))
+        offsets, numbers = index.window_offsets(segments, loading.result())
+        buffer = reading.result()
+
+        def decode() -> dict[str, Any]:
+            fields = TokenWindows.decode(self, buffer, ids)
+            fields.update(
+                boundaries(offsets, starts, self.seq_len, self.window, self.token_ids, numbers)
+            )
+            return fields
+
+        if self.converts:
+            fields: dict[str, Any] = await offload(decode)
+            return fields
+        return decode()
+
     def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
         fields = super().decode(buffer, ids)
         starts = self.window_starts(ids)
@@ -355,11 +475,17 @@ class PackedDocuments(TokenWindows):
 
 
 def boundaries(
-    offsets: Int64Array, starts: Int64Array, seq_len: int, window: int, token_ids: bool = True
+    offsets: Int64Array,
+    starts: Int64Array,
+    seq_len: int,
+    window: int,
+    token_ids: bool = True,
+    numbers: Int64Array | None = None,
 ) -> dict[str, Any]:
     """``cu_seqlens``, and with ``token_ids`` ``document_ids`` and ``position_ids``, of the
     windows of ``window`` elements at ``starts`` (see :class:`PackedDocuments`), vectorised
-    over the windows."""
+    over the windows. ``numbers``: the document number of each offset (default: its
+    index), when ``offsets`` are a part of the offsets around the windows."""
     n = starts.size
     first_doc = np.searchsorted(offsets, starts, side="right") - 1
     # Offsets strictly inside each window: indexes lo[b] .. hi[b] - 1 of ``offsets``.
@@ -385,6 +511,8 @@ def boundaries(
     segment[inner_at] = which * window + at
     segment_doc[heads] = first_doc
     segment_doc[inner_at] = index
+    if numbers is not None:
+        segment_doc = numbers[segment_doc]
     length = np.diff(segment, append=n * window)
     document_ids = np.repeat(segment_doc, length).reshape(n, window)
     positions = np.repeat(segment, length)
@@ -437,14 +565,14 @@ def documents(
     """Source factory of the ``documents`` format: documents as samples without ``seq_len``
     (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
     (``token_ids``)."""
-    known = OPTIONS + PACKING_OPTIONS
+    known = OPTIONS + PACKING_OPTIONS + INDEX_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigError(
             f"unknown format_options {unknown} for documents (known: {', '.join(known)})"
         )
     if seq_len is not None:
-        wrong = sorted(set(options) - set(PACKING_OPTIONS))
+        wrong = sorted(set(options) - set(PACKING_OPTIONS + INDEX_OPTIONS))
         if wrong:
             raise ConfigError(
                 f"format_options {wrong} apply to documents as samples (seq_len=None);"

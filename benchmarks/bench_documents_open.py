@@ -1,0 +1,231 @@
+"""Opening a documents dataset of millions of documents over S3: per-shard indexes beside the
+single ``documents.idx``.
+
+The same ``--documents`` short documents (0 to 5 uint16 tokens each: the index, not the
+tokens, is what grows with the document count) in shards of ``--per-shard`` documents, written
+once to a cache folder in both layouts (documents never cross shard ends in either):
+
+* ``per_shard``: ``shard-K.idx`` beside each shard (``ab.write_documents``' default layout);
+* ``single``: one ``documents.idx`` of 8 bytes per document (``index="single"``), the
+  baseline.
+
+Both are uploaded to moto's S3 server (started here, ``python -m moto.server``), read through
+``delayproxy.py`` (``--delay-ms``, default 0), which counts the requests and the bytes it
+passes back (headers included). Each round, for each layout in rotating order and each
+shuffle (``False``, ``"block"``, ``True``): ``ab.open_dataset(url)`` (timed, counted), then
+``ab.Loader(ds, batch_size=64, shuffle=S, seed=0)`` up to its first batch (timed from the
+start of the open, counted between the open's end and the first batch: reads under way for
+the next batches are included). Prints medians, and the paired ratio per layout of the time
+to the first batch.
+
+Usage: ``.venv/bin/python benchmarks/bench_documents_open.py [--documents 5000000]
+[--per-shard 100000] [--rounds 5] [--delay-ms 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import s3fs
+from common import git_revision, paired_ratio, positive, stop_process
+from delayproxy import Counts, running_proxy
+
+import asyncbatch as ab
+from asyncbatch.checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
+from asyncbatch.formats.documents_index import (
+    index_path,
+    per_shard_metadata,
+    shard_index_bytes,
+    shard_index_info,
+)
+from asyncbatch.manifest import Manifest, ShardInfo
+
+BUCKET = "bench-documents"
+LAYOUTS = ("per_shard", "single")
+SHUFFLES: tuple[Any, ...] = (False, "block", True)
+BATCH_SIZE = 64
+
+
+def write_layouts(root: Path, count: int, per_shard: int) -> None:
+    """Both layouts of the same documents under ``root/per_shard`` and ``root/single``,
+    written with numpy and the writers' helpers (fast for millions of documents)."""
+    lengths = np.random.default_rng(0).integers(0, 6, count)
+    tokens = np.repeat(np.arange(count) % 60_000, lengths).astype(np.uint16)
+    ends = np.cumsum(lengths)
+    for layout in LAYOUTS:
+        (root / layout).mkdir(parents=True, exist_ok=True)
+    shards, infos, counts = [], [], []
+    for k, first in enumerate(range(0, count, per_shard)):
+        last = min(count, first + per_shard)
+        start = int(ends[first - 1]) if first else 0
+        data = tokens[start : int(ends[last - 1])].tobytes()
+        name = f"shard-{k:05d}.bin"
+        for layout in LAYOUTS:
+            (root / layout / name).write_bytes(data)
+        blocks = block_digests(data, DEFAULT_CHECKSUM_BLOCK)
+        shards.append(ShardInfo(name, len(data), len(data) // 2, 0, digest(data), blocks))
+        raw = shard_index_bytes(np.concatenate([[0], ends[first:last] - start]))
+        (root / "per_shard" / index_path(name)).write_bytes(raw)
+        infos.append(shard_index_info(index_path(name), raw))
+        counts.append(last - first)
+    offsets = np.concatenate([[0], ends]).astype("<i8")
+    (root / "single" / "documents.idx").write_bytes(offsets.tobytes())
+    metadata = {
+        "per_shard": per_shard_metadata(counts, infos),
+        "single": {"document_index": "documents.idx", "documents": count},
+    }
+    for layout in LAYOUTS:
+        manifest = Manifest(
+            "documents",
+            np.dtype(np.uint16),
+            tuple(shards),
+            metadata[layout],
+            checksum=ALGORITHM,
+            checksum_block=DEFAULT_CHECKSUM_BLOCK,
+        )
+        (root / layout / "manifest.json").write_text(manifest.to_json())
+
+
+def ensure_layouts(count: int, per_shard: int) -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    root = Path(cache) / "asyncbatch" / f"bench-documents-open-{count}x{per_shard}"
+    if not (root / "single" / "manifest.json").exists():
+        print(f"writing {count} documents in both layouts to {root}", file=sys.stderr)
+        write_layouts(root, count, per_shard)
+    return root
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's S3 server in its own process; its URL."""
+    with contextlib.closing(__import__("socket").socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        stop_process(process)
+
+
+def settle(proxy: Any) -> None:
+    """Wait until the proxy has passed on the last bytes of earlier reads (a closed loader's
+    cancelled ones), so that they count for none of the next steps."""
+    last = proxy.counts()
+    while True:
+        time.sleep(0.1)
+        now = proxy.counts()
+        if now == last:
+            return
+        last = now
+
+
+def measure(url: str, options: dict[str, Any], shuffle: Any, proxy: Any) -> dict[str, float]:
+    """Open ``url`` and read the first batch: seconds, requests and bytes of each step."""
+    settle(proxy)
+    before = proxy.counts()
+    start = time.perf_counter()
+    dataset = ab.open_dataset(url, options)
+    opened = time.perf_counter()
+    after_open: Counts = proxy.counts()
+    with ab.Loader(dataset, batch_size=BATCH_SIZE, shuffle=shuffle, seed=0) as loader:
+        batch = next(iter(loader))
+        first = time.perf_counter()
+        after_first: Counts = proxy.counts()
+    assert batch["tokens"].lengths.numel() == BATCH_SIZE
+    open_counts, first_counts = after_open - before, after_first - after_open
+    return {
+        "open_s": opened - start,
+        "open_requests": open_counts.requests,
+        "open_bytes": open_counts.down_bytes,
+        "first_s": first - start,
+        "first_requests": first_counts.requests,
+        "first_bytes": first_counts.down_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--documents", type=positive, default=5_000_000)
+    parser.add_argument("--per-shard", type=positive, default=100_000)
+    parser.add_argument("--rounds", type=positive, default=5)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    args = parser.parse_args()
+    root = ensure_layouts(args.documents, args.per_shard)
+    with moto_server() as endpoint, running_proxy(endpoint, args.delay_ms / 1e3) as proxy:
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
+        fs.mkdir(BUCKET)
+        for layout in LAYOUTS:
+            fs.put(str(root / layout), f"{BUCKET}/{layout}", recursive=True)
+        options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+        urls = {layout: f"s3://{BUCKET}/{layout}" for layout in LAYOUTS}
+        measure(urls["per_shard"], options, False, proxy)  # imports and clients warm, untimed
+        results: dict[tuple[str, Any], list[dict[str, float]]] = {
+            (layout, shuffle): [] for layout in LAYOUTS for shuffle in SHUFFLES
+        }
+        for round_ in range(args.rounds):
+            order = LAYOUTS[round_ % 2 :] + LAYOUTS[: round_ % 2]
+            for shuffle in SHUFFLES:
+                for layout in order:
+                    results[layout, shuffle].append(measure(urls[layout], options, shuffle, proxy))
+    shards = -(-args.documents // args.per_shard)
+    print(f"# bench_documents_open {datetime.date.today()} commit {git_revision()}")
+    print(f"# {platform.machine()} Python {platform.python_version()}, {os.cpu_count()} cpus")
+    print(
+        f"# {args.documents} documents in {shards} shards, moto S3 through a counting proxy"
+        f" (+{args.delay_ms:g} ms), batch {BATCH_SIZE}, {args.rounds} rounds, medians"
+    )
+    print(
+        f"{'layout':<10}{'shuffle':<8}{'open req':>9}{'open KiB':>11}{'open ms':>9}"
+        f"{'1st req':>9}{'1st KiB':>11}{'to 1st batch ms':>17}"
+    )
+    for (layout, shuffle), runs in results.items():
+
+        def median(key: str, runs: list[dict[str, float]] = runs) -> float:
+            return statistics.median(run[key] for run in runs)
+
+        print(
+            f"{layout:<10}{shuffle!s:<8}{median('open_requests'):>9.0f}"
+            f"{median('open_bytes') / 1024:>11.1f}{median('open_s') * 1e3:>9.1f}"
+            f"{median('first_requests'):>9.0f}{median('first_bytes') / 1024:>11.1f}"
+            f"{median('first_s') * 1e3:>17.1f}"
+        )
+    for shuffle in SHUFFLES:
+        ratio = paired_ratio(
+            [run["first_s"] for run in results["per_shard", shuffle]],
+            [run["first_s"] for run in results["single", shuffle]],
+        )
+        print(f"shuffle={shuffle!s}: time to first batch, per_shard / single: {ratio:.2f} (paired)")
+
+
+if __name__ == "__main__":
+    main()
