@@ -106,15 +106,6 @@ def mixed_inputs(folder: Path, texts: list[str]) -> tuple[Path, list[str]]:
 def read_back(url: str, options: dict[str, Any] | None = None) -> list[list[int]]:
     """Every document of the dataset at ``url``, in order, through the Loader."""
     documents: list[list[int]] = []
-    if os.environ.get("PREPARE_DIRECT") and "://" not in url:  # TEMP until the reader lands
-        import numpy as np
-
-        m = json.loads(Path(url, "manifest.json").read_text())
-        for shard, idx in zip(m["shards"], m["metadata"]["shard_indexes"], strict=True):
-            data = np.fromfile(Path(url, shard["path"]), dtype=m["dtype"])
-            offs = np.fromfile(Path(url, idx["path"]), dtype="<i8")
-            documents += [data[a:b].tolist() for a, b in zip(offs[:-1], offs[1:], strict=True)]
-        return documents
     with ab.Loader(
         url, batch_size=7, shuffle=False, drop_last=False, storage_options=options or {}
     ) as loader:

@@ -4,6 +4,7 @@ run the rest on an engine, and write the manifest from the units' done records, 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import time
@@ -12,10 +13,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK
+from ..checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, parse_digest
 from ..dataset import join_url, read_object
 from ..errors import ConfigError, NotFoundError, StoreError
-from ..manifest import MANIFEST_NAME, Manifest, _shard
+from ..formats.documents_index import per_shard_metadata
+from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
 from ..progress import Progress
 from ..stores import open_store
 from . import engines
@@ -313,17 +315,20 @@ def _manifest(
     indexes: list[dict[str, Any]] = []
     for record in records:
         for shard in record["shards"]:
-            entry = {k: shard[k] for k in ("path", "bytes", "elements", "checksum")}
-            if "block_checksums" in shard:
-                entry["block_checksums"] = shard["block_checksums"]
-            shards.append(_shard(entry, MANIFEST_NAME, ALGORITHM, checksum_block))
+            blocks = shard.get("block_checksums")
+            shards.append(
+                ShardInfo(
+                    shard["path"],
+                    shard["bytes"],
+                    shard["elements"],
+                    checksum=parse_digest(shard["checksum"]),
+                    block_checksums=base64.b64decode(blocks) if blocks else None,
+                )
+            )
             counts.append(shard["documents"])
             indexes.append(shard["index"])
     metadata = {
-        "documents": sum(counts),
-        "document_index": "per_shard",
-        "shard_documents": counts,
-        "shard_indexes": indexes,
+        **per_shard_metadata(counts, indexes),
         "prepare": {
             **shaping,
             "input_files": files,

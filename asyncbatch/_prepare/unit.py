@@ -25,6 +25,7 @@ import numpy.typing as npt
 from ..checksums import block_digests, digest, encode_blocks, format_digest
 from ..dataset import join_url
 from ..errors import ConfigError
+from ..formats.documents_index import index_path, shard_index_bytes, shard_index_info
 from ..stores import open_store
 from .inputs import Unit
 from .records import Batch, RecordReader
@@ -32,7 +33,6 @@ from .tokenizer import TokenizerSpec, encoder
 
 DONE_FOLDER = "done"
 DATA_FOLDER = "data"
-INDEX_DTYPE = np.dtype("<i8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,30 +200,30 @@ class _Shards:
         data = np.concatenate(self.parts) if self.parts else np.zeros(0, self.settings.dtype)
         lengths = np.concatenate(self.lengths)
         self.parts, self.lengths, self.fill = [], [], 0
-        offsets = np.zeros(lengths.size + 1, INDEX_DTYPE)
+        offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        name = f"{DATA_FOLDER}/u{self.unit:06d}-{len(self.written):04d}"
+        path = f"{DATA_FOLDER}/u{self.unit:06d}-{len(self.written):04d}.bin"
         raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
-        index = offsets.tobytes()
+        index = shard_index_bytes(offsets)
         block = self.settings.checksum_block
-        whole, blocks, index_sum = await asyncio.to_thread(_digests, raw, index, block)
+        whole, blocks = await asyncio.to_thread(_digests, raw, block)
         output = self.settings.output
-        await self.store.write(join_url(output, f"{name}.bin"), raw)
-        await self.store.write(join_url(output, f"{name}.idx"), index)
+        await self.store.write(join_url(output, path), raw)
+        await self.store.write(join_url(output, index_path(path)), index)
         shard: dict[str, Any] = {
-            "path": f"{name}.bin",
+            "path": path,
             "bytes": len(raw),
             "elements": int(data.size),
             "documents": int(lengths.size),
             "checksum": whole,
-            "index": {"path": f"{name}.idx", "bytes": len(index), "checksum": index_sum},
+            "index": shard_index_info(index_path(path), index),
         }
         if blocks is not None:
             shard["block_checksums"] = blocks
         self.written.append(shard)
 
 
-def _digests(raw: memoryview, index: bytes, block: int | None) -> tuple[str, str | None, str]:
+def _digests(raw: memoryview, block: int | None) -> tuple[str, str | None]:
     whole = format_digest(digest(raw))
     blocks = encode_blocks(block_digests(raw, block)) if block else None
-    return whole, blocks, format_digest(digest(index))
+    return whole, blocks
