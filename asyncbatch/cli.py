@@ -6,8 +6,10 @@ documents dataset."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -238,7 +240,7 @@ def prepare_command(args: argparse.Namespace) -> int:
         report = prepare(
             args.inputs,
             args.output,
-            tokenizer=args.tokenizer,
+            tokenizer=_tokenizer(args.tokenizer),
             text_field=args.text_field,
             token_field=args.token_field,
             eos=eos,
@@ -262,6 +264,17 @@ def prepare_command(args: argparse.Namespace) -> int:
         return 130
     print(report.summary())
     return 0
+
+
+def _tokenizer(value: str | None) -> Any:
+    """``module:function`` names a callable; anything else is a tokenizer.json path or URL."""
+    if value is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value) is None:
+        return value
+    module, _, name = value.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def _token(value: str | None) -> int | str | None:
@@ -382,37 +395,49 @@ def parser() -> argparse.ArgumentParser:
         " cut into units from the inputs alone; the output is byte-identical for any worker"
         " count and engine, and the same command run again after a crash or Ctrl-C redoes"
         " only the unfinished units. See docs/prepare.md.",
-        formatter_class=defaults,
     )
     make.add_argument("inputs", nargs="+", metavar="INPUT", help="URLs, globs, folders, prefixes")
-    make.add_argument("--output", required=True, metavar="URL", help="the dataset to write")
+    make.add_argument(
+        "--output", required=True, metavar="URL", help="the dataset to write (required: no default)"
+    )
     make.add_argument(
         "--tokenizer",
-        metavar="PATH_OR_URL",
-        help="a Hugging Face tokenizer.json (leave out with --token-field)",
+        metavar="PATH_URL_OR_CALLABLE",
+        help="a Hugging Face tokenizer.json path or URL, or module:function of a callable"
+        " list[str] -> list[list[int]] (default: none; give --token-field instead)",
     )
-    make.add_argument("--text-field", default="text", help="the field or column of the text")
+    make.add_argument(
+        "--text-field", default="text", help="the field or column of the text (default: text)"
+    )
     make.add_argument(
         "--token-field",
         default=None,
-        help="take token ids as they are from this list-of-integers field, with no tokenizer",
+        help="take token ids as they are from this list-of-integers field, with no tokenizer"
+        " (default: none)",
     )
-    make.add_argument("--eos", help="token id or string added after every document")
-    make.add_argument("--bos", help="token id or string added before every document")
+    make.add_argument("--eos", help="token id or string added after every document (default: none)")
+    make.add_argument(
+        "--bos", help="token id or string added before every document (default: none)"
+    )
     make.add_argument(
         "--vocab-size",
         type=int,
         default=None,
-        help="ids are below this (default: the tokenizer's; with --token-field: uint32 output)",
+        help="ids are below this (default: the tokenizer's; with --token-field: none, uint32"
+        " output)",
     )
     make.add_argument(
-        "--shard-size", type=int, default=256 * 2**20, help="bytes of tokens per shard"
+        "--shard-size",
+        type=int,
+        default=256 * 2**20,
+        help="bytes of tokens per shard (default: %(default)s)",
     )
     make.add_argument(
         "--unit-size",
         type=int,
         default=256 * 2**20,
-        help="input bytes per unit of work for large JSONL and Parquet files",
+        help="input bytes per unit of work for large JSONL and Parquet files (default:"
+        " %(default)s)",
     )
     make.add_argument(
         "--workers",
@@ -420,19 +445,29 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="worker processes or Ray tasks at once (default: the CPUs this process may use)",
     )
-    make.add_argument("--engine", choices=("local", "ray"), default="local", help="where units run")
+    make.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="a local process pool, or Ray tasks (default: %(default)s)",
+    )
     make.add_argument(
         "--ray-address",
         default=None,
-        help="a running Ray cluster ('auto', ray://host:10001; default: start a local one)",
+        help="a running Ray cluster: auto, ray://host:10001 (default: start a local one)",
     )
     make.add_argument(
         "--on-error",
         choices=("raise", "skip"),
         default="raise",
-        help="a bad record stops the run naming it, or is skipped and counted",
+        help="a bad record stops the run naming it, or is skipped and counted (default:"
+        " %(default)s)",
     )
-    make.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    make.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar or lines (default: shown on stderr)",
+    )
     make.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )

@@ -612,3 +612,58 @@ def test_cli_runs_resumes_and_documents_every_option(
 
 def test_default_workers_are_the_cpus_this_process_may_use() -> None:
     assert engines.default_workers() == len(os.sched_getaffinity(0))
+
+
+def test_ctrl_c_stops_the_command_and_the_same_command_resumes(
+    tmp_path: Path, texts: list[str]
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", texts * 2)
+
+    def command(out: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "asyncbatch.cli",
+            "prepare",
+            str(path),
+            "--output",
+            str(out),
+            "--tokenizer",
+            "prepare_child:slow_tokenizer",  # module:function, importable by the workers
+            "--eos",
+            "0",
+            "--vocab-size",
+            "1000",
+            "--unit-size",
+            str(path.stat().st_size // 24 + 1),
+            "--workers",
+            "2",
+        ]
+
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    clean = tmp_path / "clean"
+    subprocess.run(command(clean), check=True, capture_output=True, env=env, timeout=120)
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        command(out),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        _wait_for_done(out, 3, process)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 130, err
+    assert b"run the same command again to resume" in err
+    assert b"Traceback" not in err
+    resumed = subprocess.run(
+        command(out), check=True, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert " 0 already done" not in resumed.stdout
+    assert tree(out) == tree(clean)
