@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,24 @@ def test_megatron_in_place(tmp_path: Path) -> None:
     )
     assert "sequences as samples: 60 sequences read, equal to those written" in out
     assert "packed windows: tokens (8, 64)" in out
+
+
+@pytest.mark.timeout(180)
+def test_the_prepare_guides_example_runs_as_written(tmp_path: Path) -> None:
+    # The first Python block after "## Example" in docs/prepare.md, run in an empty folder.
+    guide = (EXAMPLES.parent / "docs" / "prepare.md").read_text()
+    code = guide.split("## Example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.py").write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^prepared \d+ documents", done.stdout, re.MULTILINE), done.stdout
+    assert "torch.Size([4, 128])" in done.stdout
+    assert (tmp_path / "prepared" / "manifest.json").is_file()

@@ -92,8 +92,8 @@ def prepare(
     list[list[int]]``; or ``token_field=`` names a column of ids taken as they are. ``bos`` /
     ``eos``: ids or token strings added to every document (nothing by default). The output
     is byte-identical for any ``workers`` and ``engine``; a run started again with the same
-    arguments redoes only the units not finished. Bad records raise
-    :class:`~asyncbatch.RecordError` (``on_error="skip"``: skipped and counted).
+    arguments redoes only the units not finished. Bad records raise ``RecordError``
+    (``on_error="skip"``: skipped and counted).
     """
     started = time.perf_counter()
     _check_args(shard_size, unit_size, workers, engine, on_error, vocab_size, metadata_fields)
