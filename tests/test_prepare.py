@@ -667,3 +667,17 @@ def test_ctrl_c_stops_the_command_and_the_same_command_resumes(
     )
     assert " 0 already done" not in resumed.stdout
     assert tree(out) == tree(clean)
+
+
+def test_http_url_lists_as_inputs(
+    tmp_path: Path, texts: list[str], http_root: tuple[Path, Any]
+) -> None:
+    root, server = http_root
+    write_jsonl(root / "prep-a.jsonl", texts[:30])  # cut into byte ranges: Range requests
+    write_jsonl(root / "prep-b.jsonl.gz", texts[30:40])
+    urls = [f"{server.url}/prep-a.jsonl", f"{server.url}/prep-b.jsonl.gz"]
+    report = ab.prepare(
+        urls, str(tmp_path / "out"), tokenizer=byte_tokenizer, unit_size=2000, progress=False
+    )
+    assert report.units > 2
+    assert read_back(str(tmp_path / "out")) == byte_tokenizer(texts[:40])

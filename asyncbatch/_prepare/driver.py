@@ -121,6 +121,7 @@ def prepare(
         "shard_size": shard_size,
         "checksum_block": checksum_block,
         "on_error": on_error,
+        "metadata_fields": list(metadata_fields),
     }
     settings = Settings(
         root,
@@ -134,6 +135,7 @@ def prepare(
         checksum_block,
         on_error,
         json.dumps(shaping, sort_keys=True),
+        tuple(metadata_fields),
     )
     records = asyncio.run(_done_records(units, settings))
     already = sum(record is not None for record in records)
@@ -200,10 +202,11 @@ def _check_args(
         isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
     ):
         raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    if metadata_fields:
+    if isinstance(metadata_fields, str) or not all(
+        isinstance(name, str) and name for name in metadata_fields
+    ):
         raise ConfigError(
-            "metadata_fields is not supported yet: the documents format has no per-document"
-            " metadata stream (see docs/prepare.md)"
+            f"metadata_fields must be a sequence of field names, got {metadata_fields!r}"
         )
 
 
@@ -270,10 +273,14 @@ async def _done_records(units: Sequence[Unit], settings: Settings) -> list[dict[
             if record.get("fingerprint") != unit_fingerprint(unit, settings):
                 return None
             for shard in record["shards"]:
-                for path, nbytes in (
+                files = [
                     (shard["path"], shard["bytes"]),
                     (shard["index"]["path"], shard["index"]["bytes"]),
-                ):
+                ]
+                meta = shard.get("metadata")
+                if meta is not None:
+                    files += [(meta["data"], meta["bytes"]), (meta["index"], 8 * meta["count"] + 8)]
+                for path, nbytes in files:
                     try:
                         if await store.size(join_url(settings.output, path)) != nbytes:
                             return None
@@ -327,8 +334,17 @@ def _manifest(
             )
             counts.append(shard["documents"])
             indexes.append(shard["index"])
+    metas = [s["metadata"] for r in records for s in r["shards"] if "metadata" in s]
+    extra: dict[str, Any] = {}
+    if shaping["metadata_fields"]:
+        extra["document_metadata"] = {
+            "fields": shaping["metadata_fields"],
+            "codec": {"name": "json", "options": {}},
+            "shards": metas,
+        }
     metadata = {
         **per_shard_metadata(counts, indexes),
+        **extra,
         "prepare": {
             **shaping,
             "input_files": files,

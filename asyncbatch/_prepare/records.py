@@ -32,6 +32,8 @@ class Batch:
 
     values: list[Any] = dataclasses.field(default_factory=list)
     where: list[str] = dataclasses.field(default_factory=list)
+    #: Each record's ``metadata_fields`` as one JSON object (empty without metadata fields).
+    meta: list[bytes] = dataclasses.field(default_factory=list)
     chars: int = 0
 
 
@@ -59,8 +61,10 @@ class RecordReader:
         token_field: str | None,
         on_error: str,
         options: Mapping[str, Any],
+        metadata_fields: tuple[str, ...] = (),
     ) -> None:
         self.unit = unit
+        self.meta_fields = metadata_fields
         self.field = token_field or text_field
         self.tokens = token_field is not None
         self.skip = on_error == "skip"
@@ -84,9 +88,11 @@ class RecordReader:
         read = {"jsonl": self._jsonl, "parquet": self._parquet, "text": self._text}[unit.kind]
         batch = Batch()
         try:
-            for value, where, size in read():
+            for value, where, size, meta in read():
                 batch.values.append(value)
                 batch.where.append(where)
+                if meta is not None:
+                    batch.meta.append(meta)
                 batch.chars += size
                 if len(batch.values) >= BATCH_RECORDS or batch.chars >= BATCH_CHARS:
                     yield batch
@@ -108,7 +114,14 @@ class RecordReader:
         except Exception as exc:  # noqa: BLE001 - any failure to open is an unreadable file
             raise self.unreadable(f"cannot open the file: {exc!r}", "file") from exc
 
-    def _text(self) -> Iterator[tuple[Any, str, int]]:
+    def _meta(self, values: Mapping[str, Any]) -> bytes | None:
+        """The record's metadata fields as compact JSON (a missing field is null)."""
+        if not self.meta_fields:
+            return None
+        picked = {name: values.get(name) for name in self.meta_fields}
+        return json.dumps(picked, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def _text(self) -> Iterator[tuple[Any, str, int, bytes | None]]:
         with self._open() as handle:
             raw = self._read(handle, "file")
         try:
@@ -119,7 +132,7 @@ class RecordReader:
                 raise error from exc
             self.skipped.add(error)
             return
-        yield text, "file", len(raw)
+        yield text, "file", len(raw), self._meta({})
 
     def _read(self, handle: Any, where: str, size: int = -1) -> bytes:
         try:
@@ -162,7 +175,7 @@ class RecordReader:
             if pending and not skip_first and at < end:
                 yield pending, at, number
 
-    def _jsonl(self) -> Iterator[tuple[Any, str, int]]:
+    def _jsonl(self) -> Iterator[tuple[Any, str, int, bytes | None]]:
         field, tokens = self.field, self.tokens
         for line, offset, number in self._lines():
             where = f"line {number}" if number else f"line at byte {offset}"
@@ -188,9 +201,9 @@ class RecordReader:
             if tokens:
                 ids = self._ids(value, where)
                 if ids is not None:
-                    yield ids, where, ids.size
+                    yield ids, where, ids.size, self._meta(record)
             elif isinstance(value, str):
-                yield value, where, len(line)
+                yield value, where, len(line), self._meta(record)
             else:
                 self._bad(f"field {field!r} is a {type(value).__name__}, not a string", where)
 
@@ -208,7 +221,7 @@ class RecordReader:
             raise error from cause
         self.skipped.add(error)
 
-    def _parquet(self) -> Iterator[tuple[Any, str, int]]:
+    def _parquet(self) -> Iterator[tuple[Any, str, int, bytes | None]]:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -228,8 +241,9 @@ class RecordReader:
                 self.skipped.add(error, records=rows)  # every row of the unit lacks the text
                 return
             row = unit.first_row
+            extra = [name for name in self.meta_fields if name != field]
             batches = parquet.iter_batches(
-                batch_size=BATCH_RECORDS, row_groups=list(unit.row_groups), columns=[field]
+                batch_size=BATCH_RECORDS, row_groups=list(unit.row_groups), columns=[field, *extra]
             )
             while True:
                 try:
@@ -239,20 +253,31 @@ class RecordReader:
                 except Exception as exc:  # noqa: BLE001
                     raise self.unreadable(f"cannot read the file: {exc!r}", f"row {row}") from exc
                 column = batch.column(0)
+                metas = self._parquet_meta(batch)
                 if self.tokens:
-                    yield from self._parquet_ids(column, row)
+                    yield from self._parquet_ids(column, row, metas)
                 else:
                     for i, text in enumerate(column.to_pylist()):
                         if text is None:
                             self._bad(f"column {field!r} is null", f"row {row + i}")
                         else:
-                            yield text, f"row {row + i}", len(text)
+                            yield text, f"row {row + i}", len(text), metas[i]
                 row += len(column)
+
+    def _parquet_meta(self, batch: Any) -> list[bytes | None]:
+        if not self.meta_fields:
+            return [None] * batch.num_rows
+        columns = {name: batch.column(name).to_pylist() for name in set(self.meta_fields)}
+        return [
+            self._meta({name: values[i] for name, values in columns.items()})
+            for i in range(batch.num_rows)
+        ]
 
     def _column_problem(self, schema: Any, pa: Any) -> str | None:
         field = self.field
-        if schema.get_field_index(field) < 0:
-            return f"no column {field!r} (columns: {', '.join(schema.names)[:200]})"
+        for name in (field, *self.meta_fields):
+            if schema.get_field_index(name) < 0:
+                return f"no column {name!r} (columns: {', '.join(schema.names)[:200]})"
         kind = schema.field(field).type
         if self.tokens:
             ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
@@ -262,7 +287,9 @@ class RecordReader:
         wanted = "a list of integers" if self.tokens else "a string"
         return None if ok else f"column {field!r} is {kind}, not {wanted}"
 
-    def _parquet_ids(self, column: Any, row: int) -> Iterator[tuple[Any, str, int]]:
+    def _parquet_ids(
+        self, column: Any, row: int, metas: list[bytes | None]
+    ) -> Iterator[tuple[Any, str, int, bytes | None]]:
         offsets = column.offsets.to_numpy()
         values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         nulls = column.is_null().to_numpy(zero_copy_only=False)
@@ -272,4 +299,4 @@ class RecordReader:
                 self._bad(f"column {self.field!r} is null", where)
                 continue
             ids = values[offsets[i] : offsets[i + 1]]
-            yield ids, where, ids.size
+            yield ids, where, ids.size, metas[i]

@@ -49,7 +49,8 @@ class Settings:
     shard_size: int
     checksum_block: int | None
     on_error: str
-    fingerprint: str  # of everything above that shapes the output, and the tokenizer
+    fingerprint: str  # of everything that shapes the output, and the tokenizer
+    metadata_fields: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
         token_field=settings.token_field,
         on_error=settings.on_error,
         options=settings.storage_options,
+        metadata_fields=settings.metadata_fields,
     )
     encode = encoder(spec) if settings.token_field is None else None
     store = open_store(settings.output, dict(settings.storage_options))
@@ -104,7 +106,7 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
             flat, lengths = _tokens(batch, encode, settings, reader)
             documents += lengths.size
             tokens += flat.size
-            await shards.add(flat, lengths)
+            await shards.add(flat, lengths, batch.meta)
         written = await shards.finish()
         record: dict[str, Any] = {
             "unit": unit.index,
@@ -174,10 +176,15 @@ class _Shards:
         self.per_shard = max(1, settings.shard_size // self.itemsize)
         self.parts: list[npt.NDArray[Any]] = []
         self.lengths: list[npt.NDArray[np.int64]] = []
+        self.meta: list[bytes] = []
         self.fill = 0
         self.written: list[dict[str, Any]] = []
 
-    async def add(self, flat: npt.NDArray[Any], lengths: npt.NDArray[np.int64]) -> None:
+    async def add(
+        self, flat: npt.NDArray[Any], lengths: npt.NDArray[np.int64], meta: list[bytes]
+    ) -> None:
+        """Append documents: their tokens back to back, their lengths, and their metadata
+        (one JSON object each, or none at all without metadata fields)."""
         while lengths.size:
             ends = np.cumsum(lengths)
             # The first document that fills the shard closes it; all of them otherwise.
@@ -186,8 +193,9 @@ class _Shards:
             count = int(ends[take - 1])
             self.parts.append(flat[:count])
             self.lengths.append(lengths[:take])
+            self.meta += meta[:take]
             self.fill += count
-            flat, lengths = flat[count:], lengths[take:]
+            flat, lengths, meta = flat[count:], lengths[take:], meta[take:]
             if self.fill >= self.per_shard:
                 await self._flush()
 
@@ -199,7 +207,8 @@ class _Shards:
     async def _flush(self) -> None:
         data = np.concatenate(self.parts) if self.parts else np.zeros(0, self.settings.dtype)
         lengths = np.concatenate(self.lengths)
-        self.parts, self.lengths, self.fill = [], [], 0
+        meta = self.meta
+        self.parts, self.lengths, self.meta, self.fill = [], [], [], 0
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         path = f"{DATA_FOLDER}/u{self.unit:06d}-{len(self.written):04d}.bin"
@@ -220,7 +229,30 @@ class _Shards:
         }
         if blocks is not None:
             shard["block_checksums"] = blocks
+        if self.settings.metadata_fields:
+            shard["metadata"] = await self._write_meta(path, meta)
         self.written.append(shard)
+
+    async def _write_meta(self, path: str, meta: list[bytes]) -> dict[str, Any]:
+        """The shard's document metadata as the metadata stream stores values: JSON Lines
+        (``.meta.bin``) and their byte offsets (``.meta.idx``, int64)."""
+        data = b"".join(value + b"\n" for value in meta)
+        sizes = np.fromiter((len(value) + 1 for value in meta), np.int64, len(meta))
+        offsets = np.zeros(len(meta) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        index = offsets.astype("<i8").tobytes()
+        stem = path.removesuffix(".bin")
+        output = self.settings.output
+        await self.store.write(join_url(output, f"{stem}.meta.bin"), data)
+        await self.store.write(join_url(output, f"{stem}.meta.idx"), index)
+        return {
+            "index": f"{stem}.meta.idx",
+            "data": f"{stem}.meta.bin",
+            "count": len(meta),
+            "bytes": len(data),
+            "index_checksum": format_digest(digest(index)),
+            "checksum": format_digest(digest(data)),
+        }
 
 
 def _digests(raw: memoryview, block: int | None) -> tuple[str, str | None]:
