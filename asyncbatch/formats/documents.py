@@ -326,11 +326,16 @@ class DocumentSamples(PlannedSource):
         self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
     ) -> dict[str, Any]:
         """The documents ``ids``; with per-shard indexes, after fetching those of the shards
-        they lie in that are not cached yet."""
+        they lie in that are not cached yet (or, when not all fit the cache, the documents'
+        own offsets, by range)."""
         if self.index is None:
             return await super().fetch(ids, read, gap, offload)
-        table = await self.index.load(np.unique(self.index.segments_of_documents(ids)), read)
-        starts, ends = self.index.spans(ids, table)
+        index = self.index
+        if index.ranged:
+            starts, ends = await index.read_spans(ids, read, gap)
+        else:
+            table = await index.load(np.unique(index.segments_of_documents(ids)), read)
+            starts, ends = index.spans(ids, table)
         starts, lengths = self._cut(starts, ends - starts)
         buffer = await read(self._plan(starts, lengths, gap))
         if self.converts:
