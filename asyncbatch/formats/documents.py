@@ -331,13 +331,19 @@ class DocumentSamples(PlannedSource):
         if self.index is None:
             return await super().fetch(ids, read, gap, offload)
         index = self.index
-        if index.ranged:
-            starts, ends = await index.read_spans(ids, read, gap)
-        else:
-            table = await index.load(np.unique(index.segments_of_documents(ids)), read)
-            starts, ends = index.spans(ids, table)
-        starts, lengths = self._cut(starts, ends - starts)
-        buffer = await read(self._plan(starts, lengths, gap))
+        turn = await index.turns.wait()
+        try:
+            if index.ranged:
+                starts, ends = await index.read_spans(ids, read, gap)
+            else:
+                table = await index.load(np.unique(index.segments_of_documents(ids)), read)
+                starts, ends = index.spans(ids, table)
+            starts, lengths = self._cut(starts, ends - starts)
+            reading = asyncio.ensure_future(read(self._plan(starts, lengths, gap)))
+        finally:
+            if not turn.done():
+                turn.set_result(None)
+        buffer = await reading
         if self.converts:
             fields: dict[str, Any] = await offload(lambda: self._decode(buffer, ids.size, lengths))
             return fields

@@ -294,11 +294,13 @@ class DocumentIndex:
         self._cached_bytes = 0
         self._loading: dict[int, asyncio.Future[Int64Array]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.turns = Turns()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into a worker process: the cache and fetches under way stay behind.
         state = dict(self.__dict__)
         state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={}, _loop=None)
+        state.update(turns=Turns())
         return state
 
     def segments_of_documents(self, ids: Int64Array) -> Int64Array:
@@ -494,3 +496,30 @@ class DocumentIndex:
         parts.append(np.array([max(end, 0)], dtype=np.int64))
         numbers.append(np.array([last], dtype=np.int64))
         return np.concatenate(parts), np.concatenate(numbers)
+
+
+class Turns:
+    """Batches take turns at their index reads, in the order they ask: each waits until the
+    batch before it has issued its token reads. A store serves requests in the order they
+    come, so a later batch's index reads never queue ahead of an earlier batch's tokens, and
+    the first batch waits for its own reads only, not for those of the batches read ahead."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def wait(self) -> asyncio.Future[None]:
+        """Wait for this batch's turn; set the result returned once its token reads are
+        issued (or it failed), which lets the next batch go."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._last, self._loop = None, loop
+        previous, mine = self._last, loop.create_future()
+        self._last = mine
+        if previous is not None and not previous.done():
+            try:
+                await asyncio.wait([previous])
+            except BaseException:
+                mine.set_result(None)
+                raise
+        return mine
