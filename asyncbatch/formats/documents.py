@@ -181,6 +181,10 @@ class _Offsets:
         shard_dataset: Int64Array,
         budget: int,
     ) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ConfigError(
+                f"format_options index_cache_bytes must be a number of bytes, got {budget!r}"
+            )
         parts = [None if is_per_shard(d) else document_offsets(d) for d in datasets]
         self.index: DocumentIndex | None = None
         self.offsets = np.zeros(1, dtype=np.int64)

@@ -280,10 +280,6 @@ class DocumentIndex:
             for url, n, c, f in zip(self.urls, nbytes, checksums, files, strict=True)
             if f >= 0
         }
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ConfigError(
-                f"format_options index_cache_bytes must be a number of bytes, got {budget!r}"
-            )
         self.budget = budget
         #: Whether documents as samples read their offsets by range instead of whole indexes:
         #: when the indexes of all shards do not fit the cache.
