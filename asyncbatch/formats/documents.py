@@ -579,7 +579,7 @@ def documents(
 ) -> Source:
     """Source factory of the ``documents`` format: documents as samples without ``seq_len``
     (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
-    (``token_ids``)."""
+    (``token_ids``); both take ``index_cache_bytes`` (per-shard indexes kept)."""
     known = OPTIONS + PACKING_OPTIONS + INDEX_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:

@@ -284,8 +284,6 @@ class DocumentIndex:
         #: Whether documents as samples read their offsets by range instead of whole indexes:
         #: when the indexes of all shards do not fit the cache.
         self.ranged = int(self.nbytes.sum()) > budget
-        #: How many times each segment's index was fetched (over this source's life).
-        self.fetches = np.zeros(len(documents), dtype=np.int64)
         self._cache: OrderedDict[int, Int64Array] = OrderedDict()
         self._cached_bytes = 0
         self._loading: dict[int, asyncio.Future[Int64Array]] = {}
@@ -394,7 +392,6 @@ class DocumentIndex:
                     future.set_exception(exc)
                     future.exception()  # retrieved: the waiters raise it
             raise
-        self.fetches[chosen] += 1
         for s, offsets in got.items():
             del self._loading[s]
             futures[s].set_result(offsets)
