@@ -75,13 +75,16 @@ async def verify_dataset_async(
     )
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
     slots = asyncio.Semaphore(concurrency)
+    data_shards = len(manifest.shards)
+    if files:
+        notes.append(f"{len(files)} per-shard document index files checked with the shards")
 
     async def check(shard: int) -> ShardReport:
+        # ``progress`` counts the shards' bytes (the index files' are not in its total).
+        told = progress if shard < data_shards else None
         async with slots:
             if used != "size":
-                return await scan_shard(
-                    store, checks, shard, blocks=used == "block", progress=progress
-                )
+                return await scan_shard(store, checks, shard, blocks=used == "block", progress=told)
             report = ShardReport(checks.urls[shard])
             expected = int(checks.sizes[shard])
             try:
@@ -91,8 +94,8 @@ async def verify_dataset_async(
                 return report
             if size != expected:
                 report.problems.append(size_error(report.url, expected, size))
-            if progress is not None:
-                progress(expected)
+            if told is not None:
+                told(expected)
             return report
 
     try:

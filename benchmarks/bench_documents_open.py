@@ -11,12 +11,16 @@ once to a cache folder in both layouts (documents never cross shard ends in eith
 
 Both are uploaded to moto's S3 server (started here, ``python -m moto.server``), read through
 ``delayproxy.py`` (``--delay-ms``, default 0), which counts the requests and the bytes it
-passes back (headers included). Each round, for each layout in rotating order and each
-shuffle (``False``, ``"block"``, ``True``): ``ab.open_dataset(url)`` (timed, counted), then
-``ab.Loader(ds, batch_size=64, shuffle=S, seed=0)`` up to its first batch (timed from the
-start of the open, counted between the open's end and the first batch: reads under way for
-the next batches are included). Prints medians, and the paired ratio per layout of the time
-to the first batch.
+passes back (headers included). Each round, for each line in rotating order:
+``ab.open_dataset(url)`` (timed, counted), then ``ab.Loader(ds, batch_size=64, shuffle=S,
+seed=0, ...)`` up to its first batch (timed from the start of the open, counted between the
+open's end and the first batch: reads under way for the next batches are included), for
+``S`` = ``False``, ``"block"`` (``block_size=512``: about 1 MiB of documents of 1,000 tokens,
+as the default block would be on a real corpus; these documents are 400 times shorter) and
+``True``; with ``True``, per-shard indexes once more with ``index_cache_bytes`` below their
+total, so that each document's two offsets are read by range instead of whole indexes.
+Prints medians, and per shuffle the paired ratio of the time to the first batch of per-shard
+indexes to the single index.
 
 Usage: ``.venv/bin/python benchmarks/bench_documents_open.py [--documents 5000000]
 [--per-shard 100000] [--rounds 5] [--delay-ms 0]``
@@ -57,6 +61,12 @@ BUCKET = "bench-documents"
 LAYOUTS = ("per_shard", "single")
 SHUFFLES: tuple[Any, ...] = (False, "block", True)
 BATCH_SIZE = 64
+BLOCK_SIZE = 512
+#: (name, layout, shuffle, format_options) of each line.
+LINES: tuple[tuple[str, str, Any, dict[str, Any]], ...] = (
+    *((layout, layout, shuffle, {}) for shuffle in SHUFFLES for layout in LAYOUTS),
+    ("by range", "per_shard", True, {"index_cache_bytes": 8 * 2**20}),
+)
 
 
 def write_layouts(root: Path, count: int, per_shard: int) -> None:
@@ -149,7 +159,9 @@ def settle(proxy: Any) -> None:
         last = now
 
 
-def measure(url: str, options: dict[str, Any], shuffle: Any, proxy: Any) -> dict[str, float]:
+def measure(
+    url: str, options: dict[str, Any], shuffle: Any, format_options: dict[str, Any], proxy: Any
+) -> dict[str, float]:
     """Open ``url`` and read the first batch: seconds, requests and bytes of each step."""
     settle(proxy)
     before = proxy.counts()
@@ -157,7 +169,15 @@ def measure(url: str, options: dict[str, Any], shuffle: Any, proxy: Any) -> dict
     dataset = ab.open_dataset(url, options)
     opened = time.perf_counter()
     after_open: Counts = proxy.counts()
-    with ab.Loader(dataset, batch_size=BATCH_SIZE, shuffle=shuffle, seed=0) as loader:
+    extra = {"block_size": BLOCK_SIZE} if shuffle == "block" else {}
+    with ab.Loader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        shuffle=shuffle,
+        seed=0,
+        format_options=format_options,
+        **extra,
+    ) as loader:
         batch = next(iter(loader))
         first = time.perf_counter()
         after_first: Counts = proxy.counts()
@@ -188,15 +208,14 @@ def main() -> None:
             fs.put(str(root / layout), f"{BUCKET}/{layout}", recursive=True)
         options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
         urls = {layout: f"s3://{BUCKET}/{layout}" for layout in LAYOUTS}
-        measure(urls["per_shard"], options, False, proxy)  # imports and clients warm, untimed
-        results: dict[tuple[str, Any], list[dict[str, float]]] = {
-            (layout, shuffle): [] for layout in LAYOUTS for shuffle in SHUFFLES
-        }
+        measure(urls["per_shard"], options, False, {}, proxy)  # imports, clients warm: untimed
+        results: list[list[dict[str, float]]] = [[] for _ in LINES]
         for round_ in range(args.rounds):
-            order = LAYOUTS[round_ % 2 :] + LAYOUTS[: round_ % 2]
-            for shuffle in SHUFFLES:
-                for layout in order:
-                    results[layout, shuffle].append(measure(urls[layout], options, shuffle, proxy))
+            turn = round_ % len(LINES)
+            for number in [*range(turn, len(LINES)), *range(turn)]:
+                _, layout, shuffle, format_options = LINES[number]
+                run = measure(urls[layout], options, shuffle, format_options, proxy)
+                results[number].append(run)
     shards = -(-args.documents // args.per_shard)
     print(f"# bench_documents_open {datetime.date.today()} commit {git_revision()}")
     print(f"# {platform.machine()} Python {platform.python_version()}, {os.cpu_count()} cpus")
@@ -205,26 +224,30 @@ def main() -> None:
         f" (+{args.delay_ms:g} ms), batch {BATCH_SIZE}, {args.rounds} rounds, medians"
     )
     print(
-        f"{'layout':<10}{'shuffle':<8}{'open req':>9}{'open KiB':>11}{'open ms':>9}"
+        f"{'index':<10}{'shuffle':<8}{'open req':>9}{'open KiB':>11}{'open ms':>9}"
         f"{'1st req':>9}{'1st KiB':>11}{'to 1st batch ms':>17}"
     )
-    for (layout, shuffle), runs in results.items():
+    for (name, _, shuffle, _), runs in zip(LINES, results, strict=True):
 
         def median(key: str, runs: list[dict[str, float]] = runs) -> float:
             return statistics.median(run[key] for run in runs)
 
         print(
-            f"{layout:<10}{shuffle!s:<8}{median('open_requests'):>9.0f}"
+            f"{name:<10}{shuffle!s:<8}{median('open_requests'):>9.0f}"
             f"{median('open_bytes') / 1024:>11.1f}{median('open_s') * 1e3:>9.1f}"
             f"{median('first_requests'):>9.0f}{median('first_bytes') / 1024:>11.1f}"
             f"{median('first_s') * 1e3:>17.1f}"
         )
-    for shuffle in SHUFFLES:
-        ratio = paired_ratio(
-            [run["first_s"] for run in results["per_shard", shuffle]],
-            [run["first_s"] for run in results["single", shuffle]],
-        )
-        print(f"shuffle={shuffle!s}: time to first batch, per_shard / single: {ratio:.2f} (paired)")
+    names = [(name, shuffle) for name, _, shuffle, _ in LINES]
+    for name in ("per_shard", "by range"):
+        for shuffle in SHUFFLES:
+            if (name, shuffle) not in names:
+                continue
+            ratio = paired_ratio(
+                [run["first_s"] for run in results[names.index((name, shuffle))]],
+                [run["first_s"] for run in results[names.index(("single", shuffle))]],
+            )
+            print(f"shuffle={shuffle!s}: to first batch, {name} / single: {ratio:.2f} (paired)")
 
 
 if __name__ == "__main__":

@@ -812,6 +812,10 @@ def test_per_shard_index_that_disagrees_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ab.FormatError, match=f"{url}: bytes \\[0, 24\\): checksum"):
         first_batch()
     _rewrite_manifest(root, lambda m: [e.pop("checksum") for e in m["shard_indexes"]])
+    # Read by range (the indexes do not fit the cache): each document's two offsets.
+    index.write_bytes(np.array([0, 3, 2], "<i8").tobytes())
+    with pytest.raises(ab.FormatError, match=rf"{url}: bytes \[8, 24\): document 1's offsets 3, 2"):
+        first_batch(format_options={"index_cache_bytes": 0})
     for offsets, message in [
         ([0, 3, 2], r"bytes \[8, 24\): document offsets decrease"),
         ([0, 2, 2], r"bytes \[16, 24\): the last document offset is 2, but the shard holds 3"),
@@ -917,6 +921,20 @@ def test_millions_of_documents_open_from_the_manifest_over_s3(
         # Shard 0's index (the others are never touched), and a few KiB of tokens.
         assert (index_gets, index_sent) == (1, index_bytes)
         assert shard_sent < 2**16
+        # Indexes that do not fit the cache: an exact shuffle reads each document's offsets.
+        proxy.reset()
+        options = {"index_cache_bytes": 2**20}
+        with ab.Loader(
+            dataset, batch_size=16, shuffle=True, prefetch=1, format_options=options
+        ) as loader:
+            batch = next(iter(loader))
+            index_gets = proxy.count("GET", ".idx")
+            index_sent = proxy.sent("GET", ".idx")
+        ids = np.asarray(batch.global_indexes)
+        assert batch["tokens"].lengths.tolist() == lengths[ids].tolist()
+        # A group or two of 16 documents: at most a request each, gaps bridged only where
+        # cheaper than a request (one S3 request's worth at most), far below whole indexes.
+        assert 0 < index_gets <= 16 * 2 and index_sent < index_bytes // 4
         # A rank of a block shuffle touches a few shards, each index fetched once.
         proxy.reset()
         args: dict[str, Any] = dict(shuffle="block", rank=3, world_size=8, seed=1)

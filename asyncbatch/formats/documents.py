@@ -181,6 +181,10 @@ class _Offsets:
         shard_dataset: Int64Array,
         budget: int,
     ) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ConfigError(
+                f"format_options index_cache_bytes must be a number of bytes, got {budget!r}"
+            )
         parts = [None if is_per_shard(d) else document_offsets(d) for d in datasets]
         self.index: DocumentIndex | None = None
         self.offsets = np.zeros(1, dtype=np.int64)
@@ -326,13 +330,24 @@ class DocumentSamples(PlannedSource):
         self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
     ) -> dict[str, Any]:
         """The documents ``ids``; with per-shard indexes, after fetching those of the shards
-        they lie in that are not cached yet."""
+        they lie in that are not cached yet (or, when not all fit the cache, the documents'
+        own offsets, by range)."""
         if self.index is None:
             return await super().fetch(ids, read, gap, offload)
-        table = await self.index.load(np.unique(self.index.segments_of_documents(ids)), read)
-        starts, ends = self.index.spans(ids, table)
-        starts, lengths = self._cut(starts, ends - starts)
-        buffer = await read(self._plan(starts, lengths, gap))
+        index = self.index
+        turn = await index.turns.wait()
+        try:
+            if index.ranged:
+                starts, ends = await index.read_spans(ids, read, gap)
+            else:
+                table = await index.load(np.unique(index.segments_of_documents(ids)), read)
+                starts, ends = index.spans(ids, table)
+            starts, lengths = self._cut(starts, ends - starts)
+            reading = asyncio.ensure_future(read(self._plan(starts, lengths, gap)))
+        finally:
+            if not turn.done():
+                turn.set_result(None)
+        buffer = await reading
         if self.converts:
             fields: dict[str, Any] = await offload(lambda: self._decode(buffer, ids.size, lengths))
             return fields
@@ -564,7 +579,7 @@ def documents(
 ) -> Source:
     """Source factory of the ``documents`` format: documents as samples without ``seq_len``
     (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
-    (``token_ids``)."""
+    (``token_ids``); both take ``index_cache_bytes`` (per-shard indexes kept)."""
     known = OPTIONS + PACKING_OPTIONS + INDEX_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:

@@ -12,7 +12,10 @@ Opening reads the manifest only: O(shards) bytes, whatever the number of documen
 source fetches the index of a shard whole (one range read through the engine) the first time
 a batch touches that shard, checks it, and keeps it in a cache of at most
 ``index_cache_bytes`` (least recently used indexes dropped first); concurrent batches that
-need one index share one fetch.
+need one index share one fetch. Documents as samples, when the indexes of all shards do not
+fit that cache, read instead just the two offsets of each document asked for, by range
+(neighbouring documents' merged as the token reads are): a shuffle over more shards than the
+cache holds then costs 16 bytes of index per document, not a whole index per shard touched.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +32,7 @@ import numpy.typing as npt
 from ..checksums import digest, format_digest, parse_digest
 from ..dataset import join_url
 from ..errors import ConfigError, FormatError, ManifestError, NotFoundError
-from ..layout import ReadPlan
+from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
@@ -264,6 +267,12 @@ class DocumentIndex:
         self.element_starts = self.element_ends - self.elements
         self.file = np.array(files, dtype=np.int64)
         self.nbytes = np.array(nbytes, dtype=np.int64)
+        lazy = self.file >= 0
+        #: The index files' entries as one stream (for reads of a few entries by range).
+        self.entries = ShardMap(self.nbytes[lazy] // INDEX_DTYPE.itemsize, INDEX_DTYPE.itemsize)
+        self.entry_base = np.zeros(len(documents), dtype=np.int64)
+        self.entry_base[lazy] = self.entries.starts
+        self.first_file = first_file
         self.checksums = checksums
         #: What the manifests record of each index file, for the engine's checks.
         self.described_files: dict[str, tuple[int, int | None]] = {
@@ -271,22 +280,21 @@ class DocumentIndex:
             for url, n, c, f in zip(self.urls, nbytes, checksums, files, strict=True)
             if f >= 0
         }
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ConfigError(
-                f"format_options index_cache_bytes must be a number of bytes, got {budget!r}"
-            )
         self.budget = budget
-        #: How many times each segment's index was fetched (over this source's life).
-        self.fetches = np.zeros(len(documents), dtype=np.int64)
+        #: Whether documents as samples read their offsets by range instead of whole indexes:
+        #: when the indexes of all shards do not fit the cache.
+        self.ranged = int(self.nbytes.sum()) > budget
         self._cache: OrderedDict[int, Int64Array] = OrderedDict()
         self._cached_bytes = 0
         self._loading: dict[int, asyncio.Future[Int64Array]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.turns = Turns()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into a worker process: the cache and fetches under way stay behind.
         state = dict(self.__dict__)
         state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={}, _loop=None)
+        state.update(turns=Turns())
         return state
 
     def segments_of_documents(self, ids: Int64Array) -> Int64Array:
@@ -384,7 +392,6 @@ class DocumentIndex:
                     future.set_exception(exc)
                     future.exception()  # retrieved: the waiters raise it
             raise
-        self.fetches[chosen] += 1
         for s, offsets in got.items():
             del self._loading[s]
             futures[s].set_result(offsets)
@@ -394,6 +401,52 @@ class DocumentIndex:
             _, dropped = self._cache.popitem(last=False)
             self._cached_bytes -= dropped.nbytes
         return got
+
+    async def read_spans(
+        self, ids: Int64Array, read: ReadFn, gap: int
+    ) -> tuple[Int64Array, Int64Array]:
+        """Global element start and end of documents ``ids``, their two offsets each read by
+        range (merged as ``gap`` says), none cached."""
+        segments = self.segments_of_documents(ids)
+        local = ids - self.document_starts[segments]
+        starts = np.empty(ids.size, dtype=np.int64)
+        ends = np.empty(ids.size, dtype=np.int64)
+        lazy = self.file[segments] >= 0
+        if not lazy.all():  # datasets whose offsets are in memory
+            fixed = np.flatnonzero(~lazy)
+            table = {s: self._fixed[s] for s in np.unique(segments[fixed]).tolist()}
+            starts[fixed], ends[fixed] = self.spans(ids[fixed], table)
+        picked = np.flatnonzero(lazy)
+        if not picked.size:
+            return starts, ends
+        seg, at = segments[picked], local[picked]
+        plan = self.entries.plan(self.entry_base[seg] + at, 2, gap, extra_waste_bytes=max(0, gap))
+        plan = replace(plan, read_shard=plan.read_shard + self.first_file)
+        try:
+            buffer = await read(plan)
+        except NotFoundError as exc:
+            raise FormatError(f"{exc.url}: a document index the manifest names is missing") from exc
+        pairs = buffer.view(INDEX_DTYPE).astype(np.int64).reshape(-1, 2)
+        first, last = pairs[:, 0], pairs[:, 1]
+        size = self.elements[seg]
+        bad = (
+            (first < 0)
+            | (last < first)
+            | (last > size)
+            | ((at == 0) & (first != 0))
+            | ((at == self.documents[seg] - 1) & (last != size))
+        )
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            s, entry = int(seg[i]), int(at[i])
+            raise FormatError(
+                f"{self.urls[s]}: bytes [{entry * 8}, {entry * 8 + 16}): document {entry}'s"
+                f" offsets {int(first[i])}, {int(last[i])} do not lie in order in the"
+                f" {int(size[i])} elements of its shard"
+            )
+        base = self.element_starts[seg]
+        starts[picked], ends[picked] = base + first, base + last
+        return starts, ends
 
     def spans(
         self, ids: Int64Array, table: Mapping[int, Int64Array]
@@ -436,3 +489,30 @@ class DocumentIndex:
         parts.append(np.array([max(end, 0)], dtype=np.int64))
         numbers.append(np.array([last], dtype=np.int64))
         return np.concatenate(parts), np.concatenate(numbers)
+
+
+class Turns:
+    """Batches take turns at their index reads, in the order they ask: each waits until the
+    batch before it has issued its token reads. A store serves requests in the order they
+    come, so a later batch's index reads never queue ahead of an earlier batch's tokens, and
+    the first batch waits for its own reads only, not for those of the batches read ahead."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def wait(self) -> asyncio.Future[None]:
+        """Wait for this batch's turn; set the result returned once its token reads are
+        issued (or it failed), which lets the next batch go."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._last, self._loop = None, loop
+        previous, mine = self._last, loop.create_future()
+        self._last = mine
+        if previous is not None and not previous.done():
+            try:
+                await asyncio.wait([previous])
+            except BaseException:
+                mine.set_result(None)
+                raise
+        return mine
