@@ -45,7 +45,7 @@ from .formats.base import (
     SuggestsBlocks,
 )
 from .formats.registry import make_source
-from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics
+from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics, QueueStatistics
 from .mixture import Mixture
 from .open import open_dataset, open_dataset_async
 from .sampling.batches import BatchOrder
@@ -297,7 +297,8 @@ class _LoaderBase:
         self._history: History = ()
         self._queue: BatchQueue | None = None
         #: The queue of the latest run, kept for statistics() after the run ended.
-        self._last_queue: BatchQueue | None = None
+        #: The last run's queue figures: a run's queue (and the batches it holds) goes with it.
+        self._last_statistics: QueueStatistics | None = None
         #: Counts over the loader's life, across runs and epochs.
         self._read_counts = ReadCounts()
         self._delivered = DeliveryCounts()
@@ -475,8 +476,7 @@ class _LoaderBase:
     def statistics(self) -> LoaderStatistics:
         """The prefetch queue of the current run (or of the last one, once it ended), and
         what the loader fetched and delivered over its whole life."""
-        queue = self._queue or self._last_queue
-        now = queue.statistics() if queue is not None else None
+        now = self._queue.statistics() if self._queue is not None else self._last_statistics
         counts, delivered = self._read_counts, self._delivered
         return LoaderStatistics(
             capacity=now.capacity if now else 0,
@@ -495,8 +495,14 @@ class _LoaderBase:
 
     def _new_queue(self, loop: asyncio.AbstractEventLoop) -> BatchQueue:
         """The prefetch queue of a new run."""
-        self._queue = self._last_queue = BatchQueue(self.prefetch, loop, self._delivered)
+        self._queue = BatchQueue(self.prefetch, loop, self._delivered)
         return self._queue
+
+    def _drop_queue(self) -> None:
+        """Keep the run's queue figures for statistics(), not its batches (GPU memory too)."""
+        if self._queue is not None:
+            self._last_statistics = self._queue.statistics()
+        self._queue = None
 
     def state_dict(self) -> dict[str, Any]:
         """A few plain values that let ``load_state_dict`` resume after the last batch taken."""
@@ -770,11 +776,13 @@ class Loader(_LoaderBase):
         self._discard_run()  # the run put its Final item; the thread is exiting
 
     def _forget_run(self) -> None:
-        self._loop = self._queue = self._task = self._thread = None
+        self._drop_queue()
+        self._loop = self._task = self._thread = None
         self._pid = os.getpid()
 
     def _forget_after_fork(self) -> list[object]:
         kept: list[object] = [self._loop, self._queue, self._task, self._thread]
+        self._queue = None  # no figures: its lock may have been held by a thread at the fork
         self._forget_run()
         return kept
 
@@ -914,7 +922,8 @@ class AsyncLoader(_LoaderBase):
 
     def _discard_run(self) -> None:
         # Cancelling is enough to stop reading; aclose() also waits for the task to finish.
-        task, self._task, self._queue = self._task, None, None
+        task, self._task = self._task, None
+        self._drop_queue()
         if task is not None and not task.done():
             task.cancel()
             self._stopping.add(task)

@@ -602,3 +602,20 @@ def test_closing_the_loader_while_its_run_ends_lets_the_stores_close(
     assert made[0].closing.wait(10)
     loader.close()
     assert made[0].closed
+
+
+def test_a_closed_loader_keeps_no_prefetched_batch(tmp_path: Path) -> None:
+    # On a GPU (device=) these would be GPU memory held for as long as the loader object.
+    url = str(tmp_path / "ds")
+    ab.write_tokens(url, np.arange(500_000, dtype=np.uint16))
+    loader = ab.Loader(url, batch_size=4, seq_len=64, prefetch=32)
+    kept = next(iter(loader))
+    deadline = time.monotonic() + 10
+    while loader.statistics().ready < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader.statistics().ready >= 8  # batches read ahead and waiting
+    loader.close()
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) is ab.Batch]
+    assert alive == [kept]
+    assert loader.statistics().peak_reserved > 1  # the run's figures outlive its batches
