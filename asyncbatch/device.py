@@ -1,16 +1,28 @@
-"""``device=``: batches pinned and copied to an accelerator ahead of the consumer.
+"""``device=``: batches copied to an accelerator ahead of the consumer.
 
 The stage runs on the engine's transform thread, after ``transform=``, in batch order and
-inside the prefetch bound: it pins the batch's tensors (page-locked memory, so the copy is
-asynchronous) and copies them to the device on a side CUDA stream of its own, then records
-an event. The consumer's thread makes its current stream wait for that event when it takes
-the batch (:func:`ready`), so the copy overlaps the previous step's compute and the batch is
-never read before it has arrived. A device other than CUDA (``"xpu"``, ``"mps"``, ``"meta"``)
-gets a plain ``batch.to(device)`` on the same thread; ``"cpu"`` is no stage at all.
+inside the prefetch bound. On CUDA it issues each tensor's copy with ``non_blocking=True`` on
+a side stream of its own and records an event; the consumer's thread makes its current
+stream wait for that event when it takes the batch (:func:`ready`), so the copy overlaps the
+consumer's work and the batch is never read before it has arrived.
+
+The copy reads the batch's own memory, which is pageable: CUDA stages it through a pinned
+buffer of the driver's and returns once the source has been read (the runtime's "API
+synchronization behavior": for pageable host to device memory, the call "will return once
+the pageable buffer has been copied to the staging memory"), so the engine may fill that
+memory with a later batch as soon as the call returns. Pinning the batch first is one more
+CPU copy on this thread, and costs more than the faster DMA saves at the sizes measured,
+64 KiB to 16 MiB a tensor (docs/benchmarks.md). A tensor the user's transform pinned is
+copied as it is: a plain DMA, its block kept by torch's caching host allocator until the
+copy is done.
+
+A device other than CUDA (``"xpu"``, ``"mps"``, ``"meta"``) gets a plain ``batch.to(device)``
+on the same thread; ``"cpu"`` is no stage at all.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +34,10 @@ from .transform import Transform, as_batch
 
 #: ``batch.extra`` key of (the CUDA event marking a batch's copy done, its device): ready().
 READY = "device_ready"
+
+#: The stream the current thread was last switched to by a :class:`ToDevice` (thread-local:
+#: each run's transform thread is new, and starts on its default stream).
+_switched = threading.local()
 
 
 def device_of(device: torch.device | str | None) -> torch.device | None:
@@ -60,10 +76,22 @@ class ToDevice:
             return batch.to(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(self._stream):
-            moved = batch.pin_memory().to(self.device, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._stream)
+        if self.transform is not None:
+            # The user's transform keeps the thread's own stream: switch around the copy only.
+            with torch.cuda.stream(self._stream):
+                return self._copy(batch)
+        # Nothing else runs on this thread: it stays on the side stream for the whole run
+        # (a switch per batch, about 10 µs, costs as much as copying 64 KiB).
+        if getattr(_switched, "stream", None) is not self._stream:
+            torch.cuda.set_stream(self._stream)
+            _switched.stream = self._stream
+        return self._copy(batch)
+
+    def _copy(self, batch: Batch) -> Batch:
+        """``batch`` copied on the side stream (current here), an event recorded after it."""
+        moved = batch.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
         moved.extra[READY] = (event, self.device)
         return moved
 

@@ -672,9 +672,9 @@ class Loader(_LoaderBase):
         transform: Called on each batch off the consumer's thread, in order, within the
             prefetch bound: takes the :class:`~asyncbatch.Batch`, returns a Batch or a dict
             of tensors; what it raises reaches ``next()`` as a TransformError.
-        device: ``"cuda"`` (or ``"cuda:1"``, ...): each batch pinned and copied to the device
-            on a side CUDA stream on the transform thread, ahead of the consumer, whose
-            stream waits for the copy when it takes the batch; ``None``: the CPU.
+        device: ``"cuda"`` (or ``"cuda:1"``, ...): each batch copied to the device from its
+            own memory on a side CUDA stream on the transform thread, ahead of the consumer,
+            whose stream waits for the copy when it takes the batch; ``None``: the CPU.
     """
 
     def __init__(
