@@ -108,61 +108,67 @@ def prepare(
     spec = make_spec(tokenizer, vocab_size, options)
     dtype = output_dtype(spec)
     eos_ids, bos_ids = special_ids(spec, eos, "eos"), special_ids(spec, bos, "bos")
-    files = expand_inputs(inputs, options)
-    units = plan_units(files, unit_size, options)
-    shaping = {
-        "format": FORMAT_VERSION,
-        "tokenizer": spec.fingerprint,
-        "text_field": text_field,
-        "token_field": token_field,
-        "bos": list(bos_ids),
-        "eos": list(eos_ids),
-        "dtype": dtype.str,
-        "shard_size": shard_size,
-        "checksum_block": checksum_block,
-        "on_error": on_error,
-        "metadata_fields": list(metadata_fields),
-    }
-    settings = Settings(
-        root,
-        options,
-        text_field,
-        token_field,
-        bos_ids,
-        eos_ids,
-        dtype.str,
-        shard_size,
-        checksum_block,
-        on_error,
-        json.dumps(shaping, sort_keys=True),
-        tuple(metadata_fields),
-    )
-    records = asyncio.run(_done_records(units, settings))
-    already = sum(record is not None for record in records)
-    todo = [unit for unit, record in zip(units, records, strict=True) if record is None]
-    if todo:
-        asyncio.run(_withdraw_manifest(root, options))
     count = workers or engines.default_workers()
-    peak = 0
-    bar = Progress(len(todo), "prepare", "units") if progress and todo else None
-    documents = tokens = 0
+    # Started now, the workers load while the units are planned and checked.
+    pool = engines.start_pool(spec, count) if engine == "local" and count > 1 else None
     try:
-        for result in _run(todo, settings, spec, engine, count, workers, ray_address):
-            records[result.record["unit"]] = result.record
-            peak = max(peak, result.peak_rss)
+        files = expand_inputs(inputs, options)
+        units = plan_units(files, unit_size, options)
+        shaping = {
+            "format": FORMAT_VERSION,
+            "tokenizer": spec.fingerprint,
+            "text_field": text_field,
+            "token_field": token_field,
+            "bos": list(bos_ids),
+            "eos": list(eos_ids),
+            "dtype": dtype.str,
+            "shard_size": shard_size,
+            "checksum_block": checksum_block,
+            "on_error": on_error,
+            "metadata_fields": list(metadata_fields),
+        }
+        settings = Settings(
+            root,
+            options,
+            text_field,
+            token_field,
+            bos_ids,
+            eos_ids,
+            dtype.str,
+            shard_size,
+            checksum_block,
+            on_error,
+            json.dumps(shaping, sort_keys=True),
+            tuple(metadata_fields),
+        )
+        records = asyncio.run(_done_records(units, settings))
+        already = sum(record is not None for record in records)
+        todo = [unit for unit, record in zip(units, records, strict=True) if record is None]
+        if todo:
+            asyncio.run(_withdraw_manifest(root, options))
+        peak = 0
+        bar = Progress(len(todo), "prepare", "units") if progress and todo else None
+        documents = tokens = 0
+        try:
+            for result in _run(todo, settings, spec, engine, workers, ray_address, pool, count):
+                records[result.record["unit"]] = result.record
+                peak = max(peak, result.peak_rss)
+                if bar is not None:
+                    documents += result.record["documents"]
+                    tokens += result.record["tokens"]
+                    elapsed = time.perf_counter() - started
+                    bar.note(f"{documents:,} docs, {tokens / max(elapsed, 1e-9) / 1e6:.2f} M tok/s")
+                    bar.update(1)
+        finally:
             if bar is not None:
-                documents += result.record["documents"]
-                tokens += result.record["tokens"]
-                elapsed = time.perf_counter() - started
-                bar.note(f"{documents:,} docs, {tokens / max(elapsed, 1e-9) / 1e6:.2f} M tok/s")
-                bar.update(1)
+                bar.close()
+        done = [record for record in records if record is not None]
+        assert len(done) == len(units)
+        manifest = _manifest(done, dtype, checksum_block, shaping, len(files))
+        asyncio.run(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
     finally:
-        if bar is not None:
-            bar.close()
-    done = [record for record in records if record is not None]
-    assert len(done) == len(units)
-    manifest = _manifest(done, dtype, checksum_block, shaping, len(files))
-    asyncio.run(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return PrepareReport(
         output=root,
         documents=sum(r["documents"] for r in done),
@@ -215,17 +221,18 @@ def _run(
     settings: Settings,
     spec: TokenizerSpec,
     engine: str,
-    count: int,
     workers: int | None,
     address: str | None,
+    pool: Any,
+    count: int,
 ) -> Any:
     if not todo:
         return iter(())
     if engine == "ray":
         return engines.run_ray(todo, settings, spec, workers, address)
-    if count == 1:
+    if pool is None:
         return engines.run_inline(todo, settings, spec)
-    return engines.run_pool(todo, settings, spec, min(count, len(todo)))
+    return engines.run_pool(todo, settings, pool, count)
 
 
 async def _check_writable(root: str, options: dict[str, Any]) -> None:

@@ -65,14 +65,27 @@ def _pool_unit(unit: Unit, settings: Settings) -> UnitResult:
     return run_unit(unit, settings, _SPEC)
 
 
-def run_pool(
-    units: Sequence[Unit], settings: Settings, spec: TokenizerSpec, workers: int
-) -> Iterator[UnitResult]:
-    """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock)."""
+def _ready() -> None:
+    """A task that only makes the pool start a worker (which loads the tokenizer)."""
+
+
+def start_pool(spec: TokenizerSpec, workers: int) -> futures.ProcessPoolExecutor:
+    """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock),
+    started now, so that they load while the driver plans the units."""
     context = multiprocessing.get_context("spawn")
     pool = futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(spec,)
     )
+    for _ in range(workers):
+        pool.submit(_ready)  # each submit with no idle worker starts one
+    return pool
+
+
+def run_pool(
+    units: Sequence[Unit], settings: Settings, pool: futures.ProcessPoolExecutor, workers: int
+) -> Iterator[UnitResult]:
+    """The units on ``pool`` (from :func:`start_pool`), 2 per worker queued at most; the pool
+    is shut down at the end."""
     todo = iter(units)
     running: set[futures.Future[UnitResult]] = set()
     try:

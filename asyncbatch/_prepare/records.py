@@ -22,8 +22,9 @@ from .inputs import Unit, filesystem
 #: Bytes read from an input at a time, and records per batch handed to the tokenizer.
 CHUNK_BYTES = 8 * 2**20
 BATCH_RECORDS = 1024
-#: Characters per batch: long documents make smaller batches, bounding memory.
-BATCH_CHARS = 4 * 2**20
+#: Characters per batch: long documents make smaller batches, bounding memory (the tokenizer's
+#: encodings of a batch take about 100 bytes per token).
+BATCH_CHARS = 2**20
 
 
 @dataclasses.dataclass(slots=True)
