@@ -53,11 +53,13 @@ class Groups:
 
 @dataclass(frozen=True)
 class Fetched:
-    """The bytes of the values of some groups, and each value's offsets in them."""
+    """The bytes of the values of some groups, each value's offsets in them, and where each
+    value starts in its data file (for errors)."""
 
     groups: Groups
     data: npt.NDArray[np.uint8]
     offsets: Int64Array
+    file_offsets: Int64Array
 
 
 class ValueFiles:
@@ -103,12 +105,14 @@ class ValueFiles:
         )
         return replace(plan, read_shard=plan.read_shard + self.first_index_file)
 
-    def data_plan(self, index: Int64Array, groups: Groups) -> tuple[ReadPlan, Int64Array]:
+    def data_plan(
+        self, index: Int64Array, groups: Groups
+    ) -> tuple[ReadPlan, Int64Array, Int64Array]:
         """Data reads of every group back to back, merged as the index reads; the offsets
         of all values read (``lo .. lo + count - 1`` of each group, in order) in the data
-        buffer. Entries that decrease, leave the data file, or do not start at 0 (end at the
-        file's size) where they are the first (last) of their file are a FormatError naming
-        the index file and its bytes."""
+        buffer, and in their data files. Entries that decrease, leave the data file, or do
+        not start at 0 (end at the file's size) where they are the first (last) of their file
+        are a FormatError naming the index file and its bytes."""
         file, lo, count, entry_at = groups.file, groups.lo, groups.count, groups.entry_at
         index = index.astype(np.int64)
         firsts = index[entry_at]
@@ -154,6 +158,7 @@ class ValueFiles:
         keep = np.ones(offsets.size, dtype=bool)
         keep[(entry_at + count)[:-1]] = False
         offsets = offsets[keep] if offsets.size else np.zeros(1, dtype=np.int64)
+        file_offsets = index[keep] if index.size else np.zeros(1, dtype=np.int64)
         plan = self.data_map.plan(
             self.data_map.starts[file] + firsts,
             lengths,
@@ -161,7 +166,7 @@ class ValueFiles:
             extra_waste_bytes=max(0, groups.gap),
         )
         plan = replace(plan, read_shard=plan.read_shard + self.first_data_file)
-        return plan, offsets
+        return plan, offsets, file_offsets
 
     async def fetch(self, groups: Groups, read: ReadFn) -> Fetched:
         """The bytes of the values of ``groups``: their index entries read, checked, then
@@ -169,19 +174,33 @@ class ValueFiles:
         empty = np.zeros(0, dtype=np.uint8)
         index_plan = self.index_plan(groups)
         index = await read(index_plan) if index_plan.nbytes else empty
-        data_plan, offsets = self.data_plan(index.view(INDEX_DTYPE), groups)
+        data_plan, offsets, file_offsets = self.data_plan(index.view(INDEX_DTYPE), groups)
         data = await read(data_plan) if data_plan.num_reads else empty
-        return Fetched(groups, data, offsets)
+        return Fetched(groups, data, offsets, file_offsets)
 
     def decode(self, fetched: Fetched) -> Any:
         """Every value fetched, decoded, in order (groups back to back); a codec's error is a
-        FormatError naming the data files."""
+        FormatError naming the data file and the bytes of the first value that does not
+        decode alone (or, if each does, every data file read)."""
         try:
             return decode_values(self.codec, fetched.data, fetched.offsets)
         except Exception as exc:  # a codec's own error, whatever its type: name the files
-            files = np.unique(fetched.groups.file).tolist()
-            urls = ", ".join(self.data_urls[k] for k in files)
-            raise FormatError(f"{urls}: metadata does not decode: {exc}") from exc
+            raise self._decode_error(fetched, exc) from exc
+
+    def _decode_error(self, fetched: Fetched, error: Exception) -> FormatError:
+        groups, offsets = fetched.groups, fetched.offsets
+        file_of_item = np.repeat(groups.file, groups.count)
+        for i in range(offsets.size - 1):
+            try:
+                decode_values(self.codec, fetched.data, offsets[i : i + 2])
+            except Exception as exc:  # noqa: BLE001 - the codec's own error, named below
+                k, start = int(file_of_item[i]), int(fetched.file_offsets[i])
+                end = start + int(offsets[i + 1] - offsets[i])
+                return FormatError(
+                    f"{self.data_urls[k]}: bytes [{start}, {end}): metadata does not decode: {exc}"
+                )
+        urls = ", ".join(self.data_urls[k] for k in np.unique(groups.file).tolist())
+        return FormatError(f"{urls}: metadata does not decode: {error}")
 
 
 def take_values(values: Any, items: Int64Array) -> Any:
