@@ -25,6 +25,7 @@ from conftest import BUCKET, s3_options
 from faults import fault_server
 
 import asyncbatch as ab
+from asyncbatch.cli import main as cli_main
 from asyncbatch.errors import ConfigError, ManifestError
 from asyncbatch.verify import verify_dataset
 
@@ -396,3 +397,20 @@ def test_metadata_entries_that_disagree_with_the_manifest_are_refused(copy: Path
         ab.Loader(str(copy), batch_size=2)
     with ab.Loader(str(copy), batch_size=2, format_options={"metadata": False}) as loader:
         next(iter(loader))  # read without it
+
+
+def test_the_command_keeps_metadata_fields(
+    tmp_path: Path, corpus_inputs: tuple[Path, Corpus], capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = corpus_inputs[1]
+    out = tmp_path / "out"
+    argv = ["prepare", str(corpus_inputs[0]), "--output", str(out), "--workers", "1"]
+    argv += ["--tokenizer", "test_document_metadata:word_lengths", "--vocab-size", "1000"]
+    argv += ["--metadata-field", "id", "--metadata-field", "url", "--no-progress"]
+    assert cli_main(argv) == 0
+    with ab.Loader(str(out), batch_size=50, shuffle=False, drop_last=False) as loader:
+        got = [v for batch in loader for v in metadata_of(batch["metadata"])]
+    assert got == corpus.meta
+    with pytest.raises(SystemExit):
+        cli_main(["prepare", "--help"])
+    assert "--metadata-field" in capsys.readouterr().out
