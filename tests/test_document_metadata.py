@@ -414,3 +414,27 @@ def test_the_command_keeps_metadata_fields(
     with pytest.raises(SystemExit):
         cli_main(["prepare", "--help"])
     assert "--metadata-field" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seq_len", [None, SEQ_LEN])
+def test_dataloader_workers_and_checksum_levels_keep_the_metadata(
+    local_prepared: str, corpus_inputs: tuple[Path, Corpus], seq_len: int | None
+) -> None:
+    corpus = corpus_inputs[1]
+    args: dict[str, Any] = dict(batch_size=6, shuffle=True, seed=2, seq_len=seq_len)
+    source = ab.LoaderDataset(local_prepared, **args)
+    batches = 0
+    for batch in source.dataloader(num_workers=2):  # batches pickled across processes
+        if seq_len is None:
+            check_documents(batch, corpus)
+        else:
+            check_windows(batch, corpus, SEQ_LEN)
+        batches += 1
+    assert batches > 5
+    for verify in ("block", "full"):
+        with ab.Loader(local_prepared, verify=verify, **args) as loader:
+            for batch in loader:
+                if seq_len is None:
+                    check_documents(batch, corpus)
+                else:
+                    check_windows(batch, corpus, SEQ_LEN)
