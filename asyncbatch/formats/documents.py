@@ -377,13 +377,17 @@ class DocumentSamples(PlannedSource):
             return await super().fetch(ids, read, gap, offload)
         index = self.index
         turn = await index.turns.wait()
-        tokens = asyncio.ensure_future(self._read_documents(ids, read, gap, turn))
-        if self.metadata is None:
-            buffer, lengths = await tokens
-        else:  # the metadata's reads go with the index reads, in this batch's turn
-            meta = asyncio.ensure_future(self.metadata.of_documents(ids, index, read, gap))
-            await run_all((tokens, meta))
-            buffer, lengths = tokens.result()
+        try:
+            tokens = asyncio.ensure_future(self._read_documents(ids, read, gap, turn))
+            if self.metadata is None:
+                buffer, lengths = await tokens
+            else:  # the metadata's reads go with the index reads, in this batch's turn
+                meta = asyncio.ensure_future(self.metadata.of_documents(ids, index, read, gap))
+                await run_all((tokens, meta))
+                buffer, lengths = tokens.result()
+        finally:  # set by then, unless the reads were stopped before they began
+            if not turn.done():
+                turn.set_result(None)
         metadata = self.metadata
 
         def decode() -> dict[str, Any]:
