@@ -422,7 +422,8 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="keep this field or column of every record as the document's metadata (repeat"
-        " for several: --metadata-field id --metadata-field url; a missing field is null)",
+        " for several: --metadata-field id --metadata-field url; a missing field is null;"
+        " default: none)",
     )
     make.add_argument("--eos", help="token id or string added after every document (default: none)")
     make.add_argument(
