@@ -438,3 +438,21 @@ def test_dataloader_workers_and_checksum_levels_keep_the_metadata(
                     check_documents(batch, corpus)
                 else:
                     check_windows(batch, corpus, SEQ_LEN)
+
+
+def test_parquet_metadata_columns_that_json_cannot_hold_are_named(tmp_path: Path) -> None:
+    import datetime
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    when = [datetime.datetime(2020, 1, 1), None]
+    table = pa.table({"text": ["a b", "c"], "id": ["x", "y"], "when": when})
+    pq.write_table(table, folder / "a.parquet")
+    args: dict[str, Any] = dict(tokenizer=word_lengths, vocab_size=100, workers=1, progress=False)
+    with pytest.raises(ab.RecordError, match=r"a.parquet, file .*metadata column 'when' is"):
+        ab.prepare(str(folder), str(tmp_path / "out"), metadata_fields=("id", "when"), **args)
+    nested = pa.table({"text": ["a b"], "tags": [[{"k": "v", "n": 1.5}]]})
+    pq.write_table(nested, folder / "a.parquet")
+    ab.prepare(str(folder), str(tmp_path / "ok"), metadata_fields=("tags",), **args)
+    with ab.Loader(str(tmp_path / "ok"), batch_size=1) as loader:
+        assert list(next(iter(loader))["metadata"]) == [{"tags": [{"k": "v", "n": 1.5}]}]
