@@ -61,7 +61,7 @@ if _typing.TYPE_CHECKING:
     from .formats.documents_write import write_documents_async as write_documents_async
     from .formats.llmbatch_write import write_llmbatch as write_llmbatch
     from .formats.llmbatch_write import write_llmbatch_async as write_llmbatch_async
-    from .formats.metadata import register_codec as register_codec
+    from .formats.metadata_codecs import register_codec as register_codec
     from .formats.metadata_write import write_metadata_stream as write_metadata_stream
     from .formats.metadata_write import (
         write_metadata_stream_async as write_metadata_stream_async,
@@ -92,7 +92,7 @@ _LAZY: dict[str, str] = {
     "write_documents_async": "formats.documents_write",
     "write_llmbatch": "formats.llmbatch_write",
     "write_llmbatch_async": "formats.llmbatch_write",
-    "register_codec": "formats.metadata",
+    "register_codec": "formats.metadata_codecs",
     "write_metadata_stream": "formats.metadata_write",
     "write_metadata_stream_async": "formats.metadata_write",
     "register_format": "formats.registry",

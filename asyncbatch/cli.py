@@ -243,6 +243,7 @@ def prepare_command(args: argparse.Namespace) -> int:
             tokenizer=_tokenizer(args.tokenizer),
             text_field=args.text_field,
             token_field=args.token_field,
+            metadata_fields=tuple(args.metadata_field),
             eos=eos,
             bos=bos,
             shard_size=args.shard_size,
@@ -414,6 +415,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="take token ids as they are from this list-of-integers field, with no tokenizer"
         " (default: none)",
+    )
+    make.add_argument(
+        "--metadata-field",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="keep this field or column of every record as the document's metadata (repeat"
+        " for several: --metadata-field id --metadata-field url; a missing field is null;"
+        " default: none)",
     )
     make.add_argument("--eos", help="token id or string added after every document (default: none)")
     make.add_argument(

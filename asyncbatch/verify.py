@@ -12,6 +12,7 @@ from .checks import ShardChecks, ShardReport, scan_shard, size_error
 from .dataset import Dataset
 from .errors import ConfigError, StoreError
 from .formats.documents_index import index_files
+from .formats.documents_metadata import metadata_files
 from .open import open_dataset_async
 from .portal import run_sync
 from .stores import open_store
@@ -43,7 +44,8 @@ async def verify_dataset_async(
 ) -> VerifyReport:
     """Check every shard of ``dataset`` (or of the one at that URL) against its manifest,
     ``concurrency`` shards at once; reports every problem (it does not stop at the first).
-    The per-shard index files of a documents dataset count as shards (checked whole).
+    The per-shard index files of a documents dataset, and its document metadata files, count
+    as shards (checked whole).
 
     ``level``: ``"block"`` (every block's checksum and the whole shard's; the default when
     blocks are recorded) or ``"full"`` (whole shards only). Sizes are always checked; a
@@ -67,17 +69,21 @@ async def verify_dataset_async(
             notes.append("the manifest records no block checksums: whole shards only")
     else:
         used = "block"
-    # A documents dataset's per-shard index files are checked as shards are (size and whole
-    # checksum, no blocks) and counted with them.
-    files = {url: (size, checksum) for url, size, checksum in index_files(dataset)}
+    # A documents dataset's per-shard index files, and its document metadata files, are
+    # checked as shards are (size and whole checksum, no blocks) and counted with them.
+    indexes = index_files(dataset)
+    metas = metadata_files(dataset)
+    files = {url: (size, checksum) for url, size, checksum in [*indexes, *metas]}
     checks = ShardChecks(
         [dataset], "size", blocks=True, urls=[*dataset.shard_urls, *files], files=files
     )
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
     slots = asyncio.Semaphore(concurrency)
     data_shards = len(manifest.shards)
-    if files:
-        notes.append(f"{len(files)} per-shard document index files checked with the shards")
+    if indexes:
+        notes.append(f"{len(indexes)} per-shard document index files checked with the shards")
+    if metas:
+        notes.append(f"{len(metas)} document metadata files checked with the shards")
 
     async def check(shard: int) -> ShardReport:
         # ``progress`` counts the shards' bytes (the index files' are not in its total).

@@ -454,7 +454,7 @@ def test_corrupt_metadata_is_a_format_error(
         data = bytearray(Path_or_read(data_url, options))
         data[offsets[1]] = ord("}")  # the second value no longer parses as JSON
         replace_object(store, data_url, bytes(data), options, request)
-        match = f"{data_url}: metadata does not decode"
+        match = rf"{data_url}: bytes \[{offsets[1]}, {offsets[2]}\): metadata does not decode"
     else:
         stream = np.frombuffer(
             Path_or_read(source.shard_urls[0], options), dtype=source.stored_dtype

@@ -279,6 +279,12 @@ class RecordReader:
         for name in (field, *self.meta_fields):
             if schema.get_field_index(name) < 0:
                 return f"no column {name!r} (columns: {', '.join(schema.names)[:200]})"
+        for name in self.meta_fields:
+            if not _holds_json(schema.field(name).type, pa):
+                return (
+                    f"metadata column {name!r} is {schema.field(name).type}: metadata_fields"
+                    " take strings, numbers, booleans, and lists or structs of them (JSON)"
+                )
         kind = schema.field(field).type
         if self.tokens:
             ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
@@ -301,3 +307,22 @@ class RecordReader:
                 continue
             ids = values[offsets[i] : offsets[i + 1]]
             yield ids, where, ids.size, metas[i]
+
+
+def _holds_json(kind: Any, pa: Any) -> bool:
+    """Whether the values of an Arrow type, as ``to_pylist`` gives them, are JSON values."""
+    types = pa.types
+    if types.is_dictionary(kind):
+        return _holds_json(kind.value_type, pa)
+    if types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind):
+        return _holds_json(kind.value_type, pa)
+    if types.is_struct(kind):
+        return all(_holds_json(kind.field(i).type, pa) for i in range(kind.num_fields))
+    return bool(
+        types.is_string(kind)
+        or types.is_large_string(kind)
+        or types.is_integer(kind)
+        or (types.is_floating(kind) and not types.is_float16(kind))
+        or types.is_boolean(kind)
+        or types.is_null(kind)
+    )

@@ -21,8 +21,14 @@ Two ways to read one:
   plus where documents start inside it (``cu_seqlens``, ``document_ids``, ``position_ids``),
   found by index math over the offsets.
 
+A per-shard dataset may keep a value per document (``metadata["document_metadata"]``,
+:mod:`asyncbatch.formats.documents_metadata`): documents as samples then get a ``metadata``
+column, packed windows the metadata stream's ``meta_start``, ``meta_end`` and ``meta``
+(``format_options={"metadata": False}`` reads none).
+
 A mixture of document datasets numbers their documents one dataset after another, as it
-numbers their samples.
+numbers their samples. Its datasets keep metadata all or none (else a ConfigError, unless
+``metadata=False``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ from .documents_index import (
     ShardIndexes,
     is_per_shard,
 )
+from .documents_metadata import (
+    METADATA_FIELD,
+    DocumentMetadata,
+    DocumentMetaLayout,
+    document_runs,
+    has_document_metadata,
+    wanted,
+)
+from .metadata import END_FIELD, START_FIELD, VALUE_FIELD
+from .metadata_values import take_values
 from .tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
 if TYPE_CHECKING:
@@ -67,7 +83,7 @@ OUTPUTS = ("jagged", "nested", "padded")
 #: format_options of documents as samples, of packing, and of both.
 OPTIONS = ("output", "pad_id", "max_len")
 PACKING_OPTIONS = ("token_ids",)
-INDEX_OPTIONS = ("index_cache_bytes",)
+INDEX_OPTIONS = ("index_cache_bytes", "metadata")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,10 +137,14 @@ async def load_document_index(dataset: Dataset, store: Store) -> Dataset:
     """``INDEX_LOADERS["documents"]``: read the index file named by the manifest (one whole
     object, never the data) into ``dataset.arrays["document_offsets"]``; of the per-shard
     layout, read nothing (the manifest's per-shard counts go to
-    ``dataset.arrays["shard_documents"]``)."""
+    ``dataset.arrays["shard_documents"]``; its ``document_metadata`` entries are checked)."""
     if is_per_shard(dataset):
         counts = ShardIndexes.of(dataset).counts
+        if has_document_metadata(dataset):
+            DocumentMetaLayout.of(dataset)  # its manifest entries checked at open, too
         return dataclasses.replace(dataset, arrays={**dataset.arrays, SHARD_DOCUMENTS: counts})
+    if has_document_metadata(dataset):
+        DocumentMetaLayout.of(dataset)  # refused: metadata needs the per-shard index
     manifest_url = join_url(dataset.url, MANIFEST_NAME)
     name = dataset.manifest.metadata.get("document_index")
     if not isinstance(name, str) or not name:
@@ -180,6 +200,7 @@ class _Offsets:
         shard_urls: list[str],
         shard_dataset: Int64Array,
         budget: int,
+        metadata: bool | None = None,
     ) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(
@@ -190,6 +211,10 @@ class _Offsets:
         self.offsets = np.zeros(1, dtype=np.int64)
         self.shard_urls, self.shard_dataset = shard_urls, shard_dataset
         self.described_files: Mapping[str, tuple[int, int | None]] = {}
+        #: The documents' metadata, when the datasets keep it and it is asked for.
+        self.metadata: DocumentMetadata | None = None
+        # Parsed first: a dataset that keeps metadata without per-shard indexes is refused.
+        layouts = [DocumentMetaLayout.of(d) for d in datasets] if wanted(datasets, metadata) else []
         if all(p is not None for p in parts):
             present = [p for p in parts if p is not None]
             totals = [int(p[-1]) for p in present]
@@ -210,6 +235,12 @@ class _Offsets:
             [shard_dataset, np.array(index.index_dataset, dtype=np.int64)]
         )
         self.described_files = index.described_files
+        if layouts:
+            meta = DocumentMetadata(datasets, layouts, len(self.shard_urls))
+            self.metadata = meta
+            self.shard_urls = [*self.shard_urls, *meta.urls]
+            self.shard_dataset = np.concatenate([self.shard_dataset, meta.url_dataset])
+            self.described_files = {**index.described_files, **meta.described_files}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +296,7 @@ class DocumentSamples(PlannedSource):
         pad_id: int = 0,
         max_len: int | None = None,
         index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES,
+        metadata: bool | None = None,
     ) -> None:
         self.datasets: Sequence[Dataset] = list(datasets)
         if output not in OUTPUTS:
@@ -275,8 +307,9 @@ class DocumentSamples(PlannedSource):
             raise ConfigError(f"format_options max_len must be a positive integer, got {max_len!r}")
         self.output, self.max_len = output, max_len
         self.shard_map, urls, shard_dataset, stored = _joined(self.datasets)
-        joined = _Offsets(self.datasets, urls, shard_dataset, index_cache_bytes)
+        joined = _Offsets(self.datasets, urls, shard_dataset, index_cache_bytes, metadata)
         self.offsets, self.index = joined.offsets, joined.index
+        self.metadata = joined.metadata
         self.shard_urls: Sequence[str] = joined.shard_urls
         self.shard_dataset = joined.shard_dataset
         #: Index files the engine checks as it checks shards (per-shard indexes).
@@ -315,6 +348,14 @@ class DocumentSamples(PlannedSource):
         if output == "padded":
             self.schema["lengths"] = FieldSchema(dtype="int64", shape=())
             self.schema["attention_mask"] = FieldSchema(dtype="bool", shape=(width,))
+        if self.metadata is not None:
+            if METADATA_FIELD in self.schema:
+                raise ConfigError(
+                    f"{self.datasets[0].url}: a field named {METADATA_FIELD!r} clashes with the"
+                    " documents' metadata column (pass format_options={'metadata': False})"
+                )
+            self.schema[METADATA_FIELD] = self.metadata.sample_schema
+            self.sample_bytes += self.metadata.value_bytes
 
     def _spans(self, ids: Int64Array) -> tuple[Int64Array, Int64Array]:
         """Element start and length of documents ``ids``, all offsets being in memory."""
@@ -337,6 +378,37 @@ class DocumentSamples(PlannedSource):
         index = self.index
         turn = await index.turns.wait()
         try:
+            tokens = asyncio.ensure_future(self._read_documents(ids, read, gap, turn))
+            if self.metadata is None:
+                buffer, lengths = await tokens
+            else:  # the metadata's reads go with the index reads, in this batch's turn
+                meta = asyncio.ensure_future(self.metadata.of_documents(ids, index, read, gap))
+                await run_all((tokens, meta))
+                buffer, lengths = tokens.result()
+        finally:  # set by then, unless the reads were stopped before they began
+            if not turn.done():
+                turn.set_result(None)
+        metadata = self.metadata
+
+        def decode() -> dict[str, Any]:
+            fields = self._decode(buffer, ids.size, lengths)
+            if metadata is not None:
+                fields[METADATA_FIELD] = metadata.values.decode(meta.result())
+            return fields
+
+        if self.converts or metadata is not None:
+            fields: dict[str, Any] = await offload(decode)
+            return fields
+        return decode()
+
+    async def _read_documents(
+        self, ids: Int64Array, read: ReadFn, gap: int, turn: asyncio.Future[None]
+    ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
+        """The bytes of documents ``ids`` and their lengths: their offsets first (lets the
+        next batch take its ``turn`` once the token reads are issued)."""
+        index = self.index
+        assert index is not None
+        try:
             if index.ranged:
                 starts, ends = await index.read_spans(ids, read, gap)
             else:
@@ -347,11 +419,7 @@ class DocumentSamples(PlannedSource):
         finally:
             if not turn.done():
                 turn.set_result(None)
-        buffer = await reading
-        if self.converts:
-            fields: dict[str, Any] = await offload(lambda: self._decode(buffer, ids.size, lengths))
-            return fields
-        return self._decode(buffer, ids.size, lengths)
+        return await reading, lengths
 
     def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
         return self._plan(*self._spans(ids), gap)
@@ -428,13 +496,15 @@ class PackedDocuments(TokenWindows):
         dtype: npt.DTypeLike | torch.dtype | None = None,
         token_ids: bool = True,
         index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES,
+        metadata: bool | None = None,
     ) -> None:
         super().__init__(datasets, seq_len, next_token=next_token, dtype=dtype)
         if not isinstance(token_ids, bool):
             raise ConfigError(f"format_options token_ids must be True or False, got {token_ids!r}")
         urls = list(self.shard_urls)
-        joined = _Offsets(self.datasets, urls, self.shard_dataset, index_cache_bytes)
+        joined = _Offsets(self.datasets, urls, self.shard_dataset, index_cache_bytes, metadata)
         self.offsets, self.index = joined.offsets, joined.index
+        self.metadata = joined.metadata
         self.shard_urls, self.shard_dataset = joined.shard_urls, joined.shard_dataset
         #: Index files the engine checks as it checks shards (per-shard indexes).
         self.described_files = joined.described_files
@@ -444,6 +514,20 @@ class PackedDocuments(TokenWindows):
         if token_ids:
             self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
             self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
+        if self.metadata is not None:
+            clash = {START_FIELD, END_FIELD, VALUE_FIELD} & set(self.schema)
+            if clash:
+                raise ConfigError(
+                    f"{self.dataset.url}: fields {sorted(clash)} clash with the documents'"
+                    " metadata columns (pass format_options={'metadata': False})"
+                )
+            runs = FieldSchema("int64", (-1,), nested=True)
+            self.schema.update(
+                {START_FIELD: runs, END_FIELD: runs, VALUE_FIELD: self.metadata.run_schema}
+            )
+            documents = max(1, int(self.index.documents.sum()) if self.index is not None else 1)
+            per_window = self.window * documents / max(1, self.shard_map.total) + 1
+            self.sample_bytes += int(per_window * (16 + self.metadata.value_bytes))
 
     def window_starts(self, ids: Int64Array) -> Int64Array:
         """Element (of the joined stream) where each window starts."""
@@ -464,10 +548,10 @@ class PackedDocuments(TokenWindows):
         index = self.index
         starts = self.window_starts(ids)
         segments = index.segments_of_windows(starts, self.window)
-        loading = asyncio.ensure_future(index.load(segments, read))
+        loading = asyncio.ensure_future(self._offsets(ids, starts, segments, read, gap))
         reading = asyncio.ensure_future(read(self.windows(ids, gap)))
         await run_all((loading, reading))
-        offsets, numbers = index.window_offsets(segments, loading.result())
+        offsets, numbers, meta = loading.result()
         buffer = reading.result()
 
         def decode() -> dict[str, Any]:
@@ -475,12 +559,40 @@ class PackedDocuments(TokenWindows):
             fields.update(
                 boundaries(offsets, starts, self.seq_len, self.window, self.token_ids, numbers)
             )
+            if meta is not None:
+                fields.update(meta())
             return fields
 
-        if self.converts:
+        if self.converts or meta is not None:
             fields: dict[str, Any] = await offload(decode)
             return fields
         return decode()
+
+    async def _offsets(
+        self, ids: Int64Array, starts: Int64Array, segments: Int64Array, read: ReadFn, gap: int
+    ) -> tuple[Int64Array, Int64Array, Callable[[], dict[str, Any]] | None]:
+        """The offsets around the windows (see :meth:`DocumentIndex.window_offsets`), and with
+        metadata, once its values are fetched, what makes its columns."""
+        index = self.index
+        assert index is not None
+        offsets, numbers = index.window_offsets(segments, await index.load(segments, read))
+        metadata = self.metadata
+        if metadata is None:
+            return offsets, numbers, None
+        runs = document_runs(offsets, numbers, starts, self.window)
+        fetched, item_of_run = await metadata.of_runs(runs, index, read, gap)
+
+        def columns() -> dict[str, Any]:
+            values = take_values(metadata.values.decode(fetched), item_of_run)
+            bounds = np.searchsorted(runs.sample, np.arange(ids.size + 1)).astype(np.int64)
+            offsets = torch.from_numpy(bounds)
+            return {
+                START_FIELD: Jagged(torch.from_numpy(runs.start), offsets),
+                END_FIELD: Jagged(torch.from_numpy(runs.end), offsets),
+                VALUE_FIELD: Jagged(values, offsets),
+            }
+
+        return offsets, numbers, columns
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
         fields = super().decode(buffer, ids)
@@ -579,7 +691,9 @@ def documents(
 ) -> Source:
     """Source factory of the ``documents`` format: documents as samples without ``seq_len``
     (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
-    (``token_ids``); both take ``index_cache_bytes`` (per-shard indexes kept)."""
+    (``token_ids``); both take ``index_cache_bytes`` (per-shard indexes kept) and
+    ``metadata`` (None: read the documents' metadata when the datasets keep it; True: they
+    must; False: read none)."""
     known = OPTIONS + PACKING_OPTIONS + INDEX_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
