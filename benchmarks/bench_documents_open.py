@@ -34,17 +34,16 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import s3fs
-from common import git_revision, paired_ratio, positive, stop_process
+from common import git_revision, paired_ratio, positive
+from common import moto_server as start_moto
 from delayproxy import Counts, running_proxy
 
 import asyncbatch as ab
@@ -121,30 +120,8 @@ def ensure_layouts(count: int, per_shard: int) -> Path:
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     """moto's S3 server in its own process; its URL."""
-    with contextlib.closing(__import__("socket").socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
+    with start_moto() as (url, _):
         yield url
-    finally:
-        stop_process(process)
 
 
 def settle(proxy: Any) -> None:

@@ -69,12 +69,12 @@ import sys
 import sysconfig
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from common import git_revision, positive, stop_process, write_rates
+from common import git_revision, positive, write_rates
+from common import moto_server as start_moto
 
 EOS = "<|endoftext|>"
 SUFFIXES = {".py", ".txt", ".rst", ".html", ".c", ".h", ".decTest"}
@@ -402,32 +402,8 @@ CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 @contextlib.contextmanager
 def running_moto() -> Iterator[tuple[str, int]]:
     """moto's S3 server in its own process on 127.0.0.1 (a free port); its URL and pid."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
-        yield url, process.pid
-    finally:
-        stop_process(process)
+    with start_moto(S3_KEY, S3_SECRET) as server:
+        yield server
 
 
 # ---------------------------------------------------------------------------------------------
