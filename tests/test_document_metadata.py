@@ -273,8 +273,10 @@ def test_metadata_is_fetched_by_range_and_open_reads_the_manifest_only(
                     check_windows(batch, corpus, SEQ_LEN)
                 else:
                     check_documents(batch, corpus)
-            assert 0 < server.sent("GET", index.name) < index.stat().st_size // 4
-            assert 0 < server.sent("GET", data.name) < data.stat().st_size // 4
+            # Read-ahead makes how many batches were fetched (up to prefetch + 2 more than
+            # taken) depend on timing: bounded, never the whole file.
+            assert 0 < server.sent("GET", index.name) < index.stat().st_size // 2
+            assert 0 < server.sent("GET", data.name) < data.stat().st_size // 2
             ranged = [r for m, p, r in server.log if m == "GET" and ".meta." in p]
             assert ranged and all(r.startswith("bytes=") for r in ranged)
 
@@ -333,8 +335,8 @@ def offsets_of(path: Path) -> npt.NDArray[np.int64]:
 
 
 def test_a_corrupt_metadata_index_is_refused_naming_it(copy: Path) -> None:
-    index = copy / "data" / "u000000-0001.meta.idx"
-    data = index.with_name("u000000-0001.meta.bin")
+    [index] = (copy / "data").glob("u000000-*-0001.meta.idx")
+    data = index.with_name(index.name.replace(".idx", ".bin"))
     good = offsets_of(index)
     assert good.size > 3 and good[0] == 0 and good[-1] == data.stat().st_size
     for change, message in [

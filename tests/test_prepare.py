@@ -423,9 +423,11 @@ def test_s3_inputs_and_output(
     ab.prepare(str(tmp_path / "in"), str(tmp_path / "out"), tokenizer=str(tokenizer_file), **common)
     assert report.documents == 60
     assert read_back(f"s3://{BUCKET}/prepared", options) == read_back(str(tmp_path / "out"))
-    for name, data in tree(tmp_path / "out").items():
-        if name.startswith("data/"):
-            assert fs.cat(f"{BUCKET}/prepared/{name}") == data, name
+    # The same shards, byte for byte (their names carry the unit's fingerprint, which holds
+    # the input's URL and version).
+    local_shards = sorted(d for n, d in tree(tmp_path / "out").items() if n.startswith("data/"))
+    remote = fs.find(f"{BUCKET}/prepared/data")
+    assert sorted(fs.cat(path) for path in remote) == local_shards
 
 
 def test_a_missing_bucket_fails_before_any_tokenization(s3_endpoint: str, tmp_path: Path) -> None:
@@ -681,3 +683,134 @@ def test_http_url_lists_as_inputs(
     )
     assert report.units > 2
     assert read_back(str(tmp_path / "out")) == byte_tokenizer(texts[:40])
+
+
+# ---------------------------------------------------------------------------------------------
+# Found in review
+
+
+def test_empty_documents_without_eos_make_a_readable_dataset(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello")
+    (tmp_path / "in" / "b.txt").write_text("")  # a unit of one empty document: a 0-byte shard
+    write_jsonl(tmp_path / "in" / "c.jsonl", ["abcd", "", "", "ef"])
+    ab.prepare(str(tmp_path / "in"), str(tmp_path / "out"), tokenizer=byte_tokenizer, shard_size=8)
+    expected = [list(b"hello"), [], list(b"abcd"), [], [], list(b"ef")]
+    assert read_back(str(tmp_path / "out")) == expected
+    # The empty documents after the full shard "abcd" stay in it: no shard of them alone.
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    counts = manifest["metadata"]["shard_documents"]
+    assert counts == [1, 1, 3, 1]
+
+
+def test_a_changed_function_is_a_changed_tokenizer(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["a", "bb"])
+    out = str(tmp_path / "out")
+
+    def make(shift: int) -> Any:
+        def tokenize(texts: list[str]) -> list[list[int]]:
+            return [[len(text) + shift] for text in texts]
+
+        return tokenize
+
+    ab.prepare(str(path), out, tokenizer=make(0), workers=1, progress=False)
+    again = ab.prepare(str(path), out, tokenizer=make(100), workers=1, progress=False)
+    assert again.units_already_done == 0  # same name, other closure: redone
+    assert read_back(out) == [[101], [102]]
+
+
+def test_a_run_killed_under_other_settings_never_spoils_done_units(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["aaa", "bbb"])
+    out = str(tmp_path / "out")
+    ab.prepare(str(path), out, tokenizer=byte_tokenizer, eos=0, progress=False)
+
+    def crash(texts: list[str]) -> list[list[int]]:
+        raise RuntimeError("killed mid-unit")
+
+    with pytest.raises(RuntimeError, match="killed mid-unit"):
+        ab.prepare(str(path), out, tokenizer=crash, eos=1, workers=1, progress=False)
+    back = ab.prepare(str(path), out, tokenizer=byte_tokenizer, eos=0, progress=False)
+    assert back.units_already_done == 1
+    assert read_back(out) == [[97, 97, 97, 0], [98, 98, 98, 0]]
+
+
+def test_an_edited_input_is_redone(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["aaa"])
+    out = str(tmp_path / "out")
+    ab.prepare(str(path), out, tokenizer=byte_tokenizer, progress=False)
+    write_jsonl(path, ["bbb"])  # the same size
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    again = ab.prepare(str(path), out, tokenizer=byte_tokenizer, progress=False)
+    assert again.units_already_done == 0
+    assert read_back(out) == [list(b"bbb")]
+
+
+def test_more_bad_records_are_named(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"text": "\\ud800"}\n')
+    with pytest.raises(ab.RecordError, match=r"line 2 \(unit 0\): field 'text' holds a lone"):
+        ab.prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "o1"), tokenizer=byte_tokenizer)
+    (tmp_path / "b.jsonl").write_text('{"ids": [1, 99999999999999999999]}\n')
+    with pytest.raises(ab.ConfigError, match=r"line 1 \(unit 0\): a token id"):
+        ab.prepare(str(tmp_path / "b.jsonl"), str(tmp_path / "o2"), token_field="ids")
+    pq.write_table(pa.table({"ids": [[1, None, 3]]}), tmp_path / "c.parquet")
+    with pytest.raises(ab.RecordError, match="holds a null id"):
+        ab.prepare(str(tmp_path / "c.parquet"), str(tmp_path / "o3"), token_field="ids")
+    (tmp_path / "d.jsonl").write_text('{"text": "x", "score": NaN}\n{"text": "y", "score": 1}\n')
+    report = ab.prepare(
+        str(tmp_path / "d.jsonl"),
+        str(tmp_path / "o4"),
+        tokenizer=byte_tokenizer,
+        metadata_fields=("score",),
+        on_error="skip",
+        progress=False,
+    )
+    assert report.skipped_records == 1 and report.documents == 1
+    (tmp_path / "e.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "bom"}\n')
+    ab.prepare(str(tmp_path / "e.jsonl"), str(tmp_path / "o5"), tokenizer=byte_tokenizer)
+    assert read_back(str(tmp_path / "o5")) == [list(b"bom")]
+
+
+def test_a_tokenizers_answer_and_the_vocabulary_are_checked(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["a", "b", "c"])
+    with pytest.raises(ab.ConfigError, match="returned 2 token lists for 3 texts"):
+        ab.prepare(str(path), str(tmp_path / "o1"), tokenizer=lambda t: [[1], [2]], workers=1)
+    with pytest.raises(ab.ConfigError, match="ids must be integers"):
+        ab.prepare(str(path), str(tmp_path / "o2"), tokenizer=lambda t: [[1.5]] * 3, workers=1)
+    with pytest.raises(ab.ConfigError, match=r"token id 60 is outside \[0, 50\)"):
+        ab.prepare(str(path), str(tmp_path / "o3"), tokenizer=lambda t: [[60]] * 3,
+                   vocab_size=50, workers=1)  # fmt: skip
+    with pytest.raises(ab.ConfigError, match="cannot be sent to worker processes"):
+        ab.prepare(str(path), str(tmp_path / "o4"), tokenizer=lambda t: t, workers=2)
+
+
+def test_a_bad_parquet_footer_is_skipped_and_counted(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.parquet").write_bytes(b"PAR1 not really PAR1")
+    write_jsonl(tmp_path / "in" / "b.jsonl", ["fine"])
+    with pytest.raises(ab.RecordError, match="cannot read the Parquet footer"):
+        ab.prepare(str(tmp_path / "in"), str(tmp_path / "o"), tokenizer=byte_tokenizer)
+    report = ab.prepare(
+        str(tmp_path / "in"), str(tmp_path / "o"), tokenizer=byte_tokenizer, on_error="skip"
+    )
+    assert report.skipped_files == 1 and read_back(str(tmp_path / "o")) == [list(b"fine")]
+
+
+def test_prepare_from_a_running_event_loop(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["in a notebook"])
+
+    async def main() -> ab.PrepareReport:
+        return ab.prepare(str(path), str(tmp_path / "o"), tokenizer=byte_tokenizer)
+
+    import asyncio
+
+    assert asyncio.run(main()).documents == 1
+
+
+def test_a_hugging_face_dataset_folder_reads_its_data_files_only(tmp_path: Path) -> None:
+    folder = tmp_path / "repo"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("# dataset card")
+    (folder / "dataset_info.json").write_text('{"features": {}}')
+    pq.write_table(pa.table({"text": ["one", "two"]}), folder / "data" / "train-0.parquet")
+    ab.prepare(str(folder), str(tmp_path / "o"), tokenizer=byte_tokenizer)
+    assert read_back(str(tmp_path / "o")) == [list(b"one"), list(b"two")]

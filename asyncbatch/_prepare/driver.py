@@ -7,6 +7,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from ..dataset import join_url, read_object
 from ..errors import ConfigError, NotFoundError, StoreError
 from ..formats.documents_index import per_shard_metadata
 from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
+from ..portal import run_sync
 from ..progress import Progress
 from ..stores import open_store
 from . import engines
@@ -104,16 +106,18 @@ def prepare(
         )
     options = dict(storage_options or {})
     root = output.rstrip("/")
-    asyncio.run(_check_writable(root, options))
+    run_sync(_check_writable(root, options))
     spec = make_spec(tokenizer, vocab_size, options)
     dtype = output_dtype(spec)
     eos_ids, bos_ids = special_ids(spec, eos, "eos"), special_ids(spec, bos, "bos")
     count = workers or engines.default_workers()
+    if engine == "local" and count > 1:
+        _check_picklable(spec)  # Ray pickles with cloudpickle: lambdas travel there
     # Started now, the workers load while the units are planned and checked.
     pool = engines.start_pool(spec, count) if engine == "local" and count > 1 else None
     try:
         files = expand_inputs(inputs, options)
-        units = plan_units(files, unit_size, options)
+        units = plan_units(files, unit_size, options, skip=on_error == "skip")
         shaping = {
             "format": FORMAT_VERSION,
             "tokenizer": spec.fingerprint,
@@ -140,12 +144,13 @@ def prepare(
             on_error,
             json.dumps(shaping, sort_keys=True),
             tuple(metadata_fields),
+            spec.vocab_size,
         )
-        records = asyncio.run(_done_records(units, settings))
+        records = run_sync(_done_records(units, settings))
         already = sum(record is not None for record in records)
         todo = [unit for unit, record in zip(units, records, strict=True) if record is None]
         if todo:
-            asyncio.run(_withdraw_manifest(root, options))
+            run_sync(_withdraw_manifest(root, options))
         peak = 0
         bar = Progress(len(todo), "prepare", "units") if progress and todo else None
         documents = tokens = 0
@@ -165,7 +170,7 @@ def prepare(
         done = [record for record in records if record is not None]
         assert len(done) == len(units)
         manifest = _manifest(done, dtype, checksum_block, shaping, len(files))
-        asyncio.run(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
+        run_sync(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -235,13 +240,31 @@ def _run(
     return engines.run_pool(todo, settings, pool, count)
 
 
+def _check_picklable(spec: TokenizerSpec) -> None:
+    """A tokenizer that worker processes cannot receive is a ConfigError now, not a pickling
+    error from the pool later."""
+    try:
+        pickle.dumps(spec)
+    except Exception as exc:  # noqa: BLE001 - pickle raises PicklingError, TypeError, ...
+        raise ConfigError(
+            f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
+            " function, or workers=1"
+        ) from exc
+
+
+#: Seconds an output store may take to answer the write check.
+WRITE_CHECK_SECONDS = 5
+
+
 async def _check_writable(root: str, options: dict[str, Any]) -> None:
     """Fail at once, before any tokenization, when ``root`` cannot be written."""
     probe = join_url(root, "done/.write-check")
     try:
-        await asyncio.wait_for(_write(root, "done/.write-check", b"", options), 10)
+        await asyncio.wait_for(_write(root, "done/.write-check", b"", options), WRITE_CHECK_SECONDS)
     except TimeoutError as exc:
-        raise StoreError(f"cannot write the output {root}: no answer in 10 s", probe) from exc
+        raise StoreError(
+            f"cannot write the output {root}: no answer in {WRITE_CHECK_SECONDS} s", probe
+        ) from exc
     except StoreError as exc:
         raise type(exc)(f"cannot write the output {root}: {exc}", probe) from exc
     except OSError as exc:
@@ -336,7 +359,7 @@ def _manifest(
                     shard["bytes"],
                     shard["elements"],
                     checksum=parse_digest(shard["checksum"]),
-                    block_checksums=base64.b64decode(blocks) if blocks else None,
+                    block_checksums=base64.b64decode(blocks) if blocks is not None else None,
                 )
             )
             counts.append(shard["documents"])

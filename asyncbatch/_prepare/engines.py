@@ -12,6 +12,8 @@ from __future__ import annotations
 import concurrent.futures as futures
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -53,11 +55,23 @@ _SPEC: TokenizerSpec | None = None
 
 def _start_worker(spec: TokenizerSpec) -> None:
     global _SPEC
+    parent = os.getppid()
+    threading.Thread(
+        target=_exit_with, args=(parent,), name="asyncbatch-parent-watch", daemon=True
+    ).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     _SPEC = spec
     if spec.kind != "none":
         load(spec)
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker when the driver is gone (``kill -9``): an orphan would go on writing
+    units beside a resumed run."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _pool_unit(unit: Unit, settings: Settings) -> UnitResult:
@@ -150,7 +164,8 @@ def run_ray(
         ray.init(**kwargs)
         started = True
     try:
-        remote = ray.remote(num_cpus=1, max_retries=0)(_ray_unit)
+        # A unit redone writes the same bytes: Ray may retry one whose worker died.
+        remote = ray.remote(num_cpus=1, max_retries=2)(_ray_unit)
         spec_ref = ray.put(spec)  # sent to the object store once, not once per task
         cpus = ray.cluster_resources().get("CPU", 1)  # type: ignore[no-untyped-call]
         limit = 2 * (workers or max(1, int(cpus)))
@@ -168,14 +183,22 @@ def run_ray(
                 ready, running = ray.wait(running, num_returns=1)
                 try:
                     result: UnitResult = ray.get(ready[0])
-                except ray.exceptions.RayTaskError as exc:
-                    if running:
+                except ray.exceptions.RayError as exc:
+                    if running:  # those already running finish: their units count on resume
                         ray.wait(running, num_returns=len(running))
+                        running = []
                     cause = getattr(exc, "cause", None)
-                    raise (cause if isinstance(cause, BaseException) else exc) from None
+                    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(
+                        cause, Exception
+                    ):
+                        raise cause from None
+                    raise AsyncBatchError(
+                        f"a Ray task of prepare failed ({type(exc).__name__}: {exc}); the units"
+                        " finished are kept: run again to resume"
+                    ) from exc
                 yield result
         except BaseException:
-            for ref in running:
+            for ref in running:  # Ctrl-C, or the caller stopped: stop at once
                 ray.cancel(ref, force=True)
             raise
     finally:

@@ -20,10 +20,12 @@ from ..errors import ConfigError, NotFoundError, RecordError
 #: Compression suffixes read as streams (fsspec's ``compression="infer"`` names).
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-#: Suffixes a folder, prefix or glob is expanded to (a file named explicitly is read whatever
-#: its suffix: as text unless it is JSONL or Parquet).
+TEXT_SUFFIXES = (".txt", ".text")
+#: Suffixes a folder or prefix is expanded to (a file named explicitly, or matched by a glob,
+#: is read whatever its suffix: as text unless it is JSONL or Parquet).
 KNOWN_SUFFIXES = JSONL_SUFFIXES + (".parquet",) + TEXT_SUFFIXES
+#: The files a Hugging Face dataset folder holds beside its data, never read as records.
+NOT_DATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 GLOB_CHARS = "*?["
 
 
@@ -33,6 +35,7 @@ class InputFile:
     size: int
     kind: str  # "jsonl", "parquet" or "text"
     compression: str | None
+    version: str = ""  # the store's ETag or modification time: an edited input is redone
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +52,7 @@ class Unit:
     end: int = 0
     row_groups: tuple[int, ...] = ()
     first_row: int = 0
+    version: str = ""
 
     def describe(self) -> dict[str, Any]:
         """What identifies the unit's input, for its fingerprint."""
@@ -76,7 +80,9 @@ def _known(url: str) -> bool:
     name = url.rsplit("/", 1)[-1].lower()
     for suffix in COMPRESSIONS:
         name = name.removesuffix(suffix)
-    return name.endswith(KNOWN_SUFFIXES) and not name.startswith((".", "_"))
+    return (
+        name.endswith(KNOWN_SUFFIXES) and not name.startswith((".", "_")) and name not in NOT_DATA
+    )
 
 
 def filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -102,30 +108,41 @@ def expand_inputs(inputs: str | Sequence[str], options: Mapping[str, Any]) -> li
         found = _expand_one(fs, path, item)
         if not found:
             raise NotFoundError(f"no input files at {item}", item)
-        for name, size in sorted(found, key=lambda pair: natural_key(pair[0])):
+        for name, size, version in sorted(found, key=lambda found: natural_key(found[0])):
             url = _url(fs, item, name)
             if url in seen:
                 continue
             seen.add(url)
             kind, compression = file_kind(url)
-            files.append(InputFile(url, size, kind, compression))
+            files.append(InputFile(url, size, kind, compression, version))
     return files
 
 
-def _expand_one(fs: Any, path: str, item: str) -> list[tuple[str, int]]:
+def _expand_one(fs: Any, path: str, item: str) -> list[tuple[str, int, str]]:
+    """``(path, size, version)`` of each file at one input argument."""
     try:
-        if any(char in path for char in GLOB_CHARS) and "://" not in path:
+        if any(char in path for char in GLOB_CHARS):
             infos = fs.glob(path, detail=True)
-            return [(n, int(i.get("size") or 0)) for n, i in infos.items() if i["type"] == "file"]
-        if fs.isdir(path):
+            chosen = [(n, i) for n, i in infos.items() if i["type"] == "file"]
+        elif fs.isdir(path):
             infos = fs.find(path, detail=True)
-            return [(n, int(i.get("size") or 0)) for n, i in infos.items() if _known(n)]
-        info = fs.info(path)
+            chosen = [(n, i) for n, i in infos.items() if _known(n)]
+        else:
+            chosen = [(fs.info(path)["name"], fs.info(path))]
     except FileNotFoundError:
         return []
     except OSError as exc:
         raise NotFoundError(f"cannot list inputs at {item}: {exc}", item) from exc
-    return [(info["name"], int(info.get("size") or 0))]
+    return [(name, int(info.get("size") or 0), _version(info)) for name, info in chosen]
+
+
+def _version(info: Mapping[str, Any]) -> str:
+    """What changes when a file is rewritten: its ETag, version id or modification time."""
+    for key in ("ETag", "etag", "VersionId", "generation", "mtime", "LastModified", "created"):
+        value = info.get(key)
+        if value:
+            return f"{key}={value}"
+    return ""
 
 
 def _url(fs: Any, given: str, name: str) -> str:
@@ -137,7 +154,7 @@ def _url(fs: Any, given: str, name: str) -> str:
 
 
 def plan_units(
-    files: Sequence[InputFile], unit_size: int, options: Mapping[str, Any]
+    files: Sequence[InputFile], unit_size: int, options: Mapping[str, Any], skip: bool = False
 ) -> list[Unit]:
     """The units of ``files``, numbered in input order. Parquet footers are read 16 at a time
     (a few requests each): planning a corpus of many files is not one round trip per file."""
@@ -146,7 +163,7 @@ def plan_units(
         runs = dict(
             zip(
                 (file.url for file in parquet),
-                pool.map(lambda file: _row_group_runs(file, unit_size, options), parquet),
+                pool.map(lambda file: _row_group_runs(file, unit_size, options, skip), parquet),
                 strict=True,
             )
         )
@@ -155,7 +172,18 @@ def plan_units(
         if file.kind == "jsonl" and file.compression is None and file.size > unit_size:
             for start in range(0, file.size, unit_size):
                 end = min(start + unit_size, file.size)
-                units.append(Unit(len(units), file.url, "jsonl", None, file.size, start, end))
+                units.append(
+                    Unit(
+                        len(units),
+                        file.url,
+                        "jsonl",
+                        None,
+                        file.size,
+                        start,
+                        end,
+                        version=file.version,
+                    )  # fmt: skip
+                )
         elif file.kind == "parquet":
             for groups, first_row in runs[file.url]:
                 units.append(
@@ -167,18 +195,29 @@ def plan_units(
                         file.size,
                         row_groups=groups,
                         first_row=first_row,
+                        version=file.version,
                     )
                 )
         else:
-            units.append(Unit(len(units), file.url, file.kind, file.compression, file.size))
+            units.append(
+                Unit(
+                    len(units),
+                    file.url,
+                    file.kind,
+                    file.compression,
+                    file.size,
+                    version=file.version,
+                )  # fmt: skip
+            )
     return units
 
 
 def _row_group_runs(
-    file: InputFile, unit_size: int, options: Mapping[str, Any]
+    file: InputFile, unit_size: int, options: Mapping[str, Any], skip: bool
 ) -> list[tuple[tuple[int, ...], int]]:
     """Runs of consecutive row groups of at most ``unit_size`` compressed bytes (at least one
-    group each), with the file row each run starts at."""
+    group each), with the file row each run starts at. A footer that cannot be read is an
+    error, or with ``skip`` one unit of no row group, which counts the file as skipped."""
     import pyarrow.parquet as pq
 
     fs, path = filesystem(file.url, options)
@@ -186,6 +225,8 @@ def _row_group_runs(
         with fs.open(path, "rb") as handle:
             metadata = pq.ParquetFile(handle).metadata
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        if skip:
+            return [((), 0)]
         raise RecordError(
             f"{file.url}: cannot read the Parquet footer: {exc}", file.url, "footer"
         ) from exc

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import RecordError
+from ..errors import ConfigError, RecordError
 from .inputs import Unit, filesystem
 
 #: Bytes read from an input at a time, and records per batch handed to the tokenizer.
@@ -115,12 +115,18 @@ class RecordReader:
         except Exception as exc:  # noqa: BLE001 - any failure to open is an unreadable file
             raise self.unreadable(f"cannot open the file: {exc!r}", "file") from exc
 
-    def _meta(self, values: Mapping[str, Any]) -> bytes | None:
-        """The record's metadata fields as compact JSON (a missing field is null)."""
+    def _meta(self, values: Mapping[str, Any], where: str) -> bytes | None:
+        """The record's metadata fields as compact JSON (a missing field is null); ``b""``
+        for a record skipped because JSON cannot hold them (NaN, invalid Unicode)."""
         if not self.meta_fields:
             return None
         picked = {name: values.get(name) for name in self.meta_fields}
-        return json.dumps(picked, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            text = json.dumps(picked, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            return text.encode("utf-8")
+        except (ValueError, UnicodeEncodeError) as exc:
+            self._bad(f"metadata fields {self.meta_fields} cannot be stored as JSON: {exc}", where)
+            return b""
 
     def _text(self) -> Iterator[tuple[Any, str, int, bytes | None]]:
         with self._open() as handle:
@@ -133,7 +139,7 @@ class RecordReader:
                 raise error from exc
             self.skipped.add(error)
             return
-        yield text, "file", len(raw), self._meta({})
+        yield text, "file", len(raw), self._meta({}, "file")
 
     def _read(self, handle: Any, where: str, size: int = -1) -> bytes:
         try:
@@ -185,6 +191,8 @@ class RecordReader:
             except UnicodeDecodeError as exc:
                 self._bad(f"invalid UTF-8 at byte {offset + exc.start}", where, exc)
                 continue
+            if offset == 0 and text.startswith("\ufeff"):
+                text = text[1:]  # a byte-order mark
             if not text.strip():
                 continue  # blank lines are no records
             try:
@@ -201,10 +209,16 @@ class RecordReader:
             value = record[field]
             if tokens:
                 ids = self._ids(value, where)
-                if ids is not None:
-                    yield ids, where, ids.size, self._meta(record)
+                meta = self._meta(record, where)
+                if ids is not None and meta != b"":
+                    yield ids, where, ids.size, meta
             elif isinstance(value, str):
-                yield value, where, len(line), self._meta(record)
+                if not _encodable(value):
+                    self._bad(f"field {field!r} holds a lone surrogate (invalid Unicode)", where)
+                    continue
+                meta = self._meta(record, where)
+                if meta != b"":
+                    yield value, where, len(line), meta
             else:
                 self._bad(f"field {field!r} is a {type(value).__name__}, not a string", where)
 
@@ -214,7 +228,13 @@ class RecordReader:
         ):
             self._bad(f"field {self.field!r} is not a list of integers", where)
             return None
-        return np.array(value, dtype=np.int64) if value else np.zeros(0, np.int64)
+        try:
+            return np.array(value, dtype=np.int64) if value else np.zeros(0, np.int64)
+        except OverflowError:
+            raise ConfigError(
+                f"{self.unit.url}, {where} (unit {self.unit.index}): a token id of"
+                f" {self.field!r} is outside the int64 range; ids must fit the output dtype"
+            ) from None
 
     def _bad(self, message: str, where: str, cause: BaseException | None = None) -> None:
         error = self.error(message, where)
@@ -254,23 +274,23 @@ class RecordReader:
                 except Exception as exc:  # noqa: BLE001
                     raise self.unreadable(f"cannot read the file: {exc!r}", f"row {row}") from exc
                 column = batch.column(0)
-                metas = self._parquet_meta(batch)
+                metas = self._parquet_meta(batch, row)
                 if self.tokens:
                     yield from self._parquet_ids(column, row, metas)
                 else:
                     for i, text in enumerate(column.to_pylist()):
                         if text is None:
                             self._bad(f"column {field!r} is null", f"row {row + i}")
-                        else:
+                        elif metas[i] != b"":
                             yield text, f"row {row + i}", len(text), metas[i]
                 row += len(column)
 
-    def _parquet_meta(self, batch: Any) -> list[bytes | None]:
+    def _parquet_meta(self, batch: Any, row: int) -> list[bytes | None]:
         if not self.meta_fields:
             return [None] * batch.num_rows
         columns = {name: batch.column(name).to_pylist() for name in set(self.meta_fields)}
         return [
-            self._meta({name: values[i] for name, values in columns.items()})
+            self._meta({name: values[i] for name, values in columns.items()}, f"row {row + i}")
             for i in range(batch.num_rows)
         ]
 
@@ -290,6 +310,8 @@ class RecordReader:
             ok = pa.types.is_list(kind) or pa.types.is_large_list(kind)
             ok = ok and pa.types.is_integer(kind.value_type)
         else:
+            if pa.types.is_dictionary(kind):
+                kind = kind.value_type  # a pandas category column
             ok = kind in (pa.string(), pa.large_string())
         wanted = "a list of integers" if self.tokens else "a string"
         return None if ok else f"column {field!r} is {kind}, not {wanted}"
@@ -298,12 +320,23 @@ class RecordReader:
         self, column: Any, row: int, metas: list[bytes | None]
     ) -> Iterator[tuple[Any, str, int, bytes | None]]:
         offsets = column.offsets.to_numpy()
-        values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        if column.values.null_count:
+            self._bad(f"column {self.field!r} holds a null id", f"rows from {row}")
+            return
+        values = column.values.to_numpy(zero_copy_only=False)
+        if values.dtype == np.uint64 and values.size and int(values.max()) >= 2**63:
+            raise ConfigError(
+                f"{self.unit.url}, rows from {row} (unit {self.unit.index}): token id"
+                f" {int(values.max())} does not fit the output dtype"
+            )
+        values = values.astype(np.int64, copy=False)
         nulls = column.is_null().to_numpy(zero_copy_only=False)
         for i in range(len(column)):
             where = f"row {row + i}"
             if nulls[i]:
                 self._bad(f"column {self.field!r} is null", where)
+                continue
+            if metas[i] == b"":
                 continue
             ids = values[offsets[i] : offsets[i + 1]]
             yield ids, where, ids.size, metas[i]
@@ -326,3 +359,12 @@ def _holds_json(kind: Any, pa: Any) -> bool:
         or types.is_boolean(kind)
         or types.is_null(kind)
     )
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (JSON's ``\\ud800`` escapes make lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

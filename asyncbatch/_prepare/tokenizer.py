@@ -9,7 +9,9 @@ fingerprint for the units' done records); each worker process loads it once
 from __future__ import annotations
 
 import dataclasses
+import marshal
 import os
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,13 +64,35 @@ def make_spec(tokenizer: Any, vocab_size: int | None, options: Mapping[str, Any]
         size = vocab_size or int(tokenizer.n_vocab)
         return TokenizerSpec("tiktoken", tokenizer, f"tiktoken:{ident}", size)
     if callable(tokenizer):
-        name = getattr(tokenizer, "__qualname__", type(tokenizer).__qualname__)
-        module = getattr(tokenizer, "__module__", "?")
-        return TokenizerSpec("callable", tokenizer, f"callable:{module}.{name}", vocab_size)
+        return TokenizerSpec("callable", tokenizer, _callable_fingerprint(tokenizer), vocab_size)
     raise ConfigError(
         f"tokenizer must be a tokenizer.json path or URL, a tokenizers.Tokenizer, a"
         f" tiktoken.Encoding or a callable list[str] -> list[list[int]], got {kind}"
     )
+
+
+def _callable_fingerprint(function: Any) -> str:
+    """A callable's name, with its code, defaults and closure values for a function (or its
+    pickled state for another callable): an edited function redoes the units it made. What
+    the function calls is not covered."""
+    name = getattr(function, "__qualname__", type(function).__qualname__)
+    module = getattr(function, "__module__", "?")
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        values = [cell.cell_contents for cell in (function.__closure__ or ())]
+        values += list(function.__defaults__ or ())
+        body = marshal.dumps(code) + b"".join(map(_state, values))
+    else:
+        body = _state(function)
+    return f"callable:{module}.{name}:{format_digest(digest(body))}"
+
+
+def _state(value: Any) -> bytes:
+    """``value`` pickled (a repr could hold a memory address), or its type's name."""
+    try:
+        return pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - unpicklable: its type alone
+        return type(value).__qualname__.encode()
 
 
 def _read_text(url: str, options: Mapping[str, Any]) -> str:
@@ -130,15 +154,15 @@ _LOADED: dict[str, Any] = {}
 
 
 def load(spec: TokenizerSpec) -> Any:
-    """The tokenizer object of ``spec``, loaded once per process."""
+    """The tokenizer object of ``spec``, loaded once per process (a tokenizer.json's; other
+    kinds travel as objects)."""
+    if spec.kind != "hf":
+        return spec.payload
     loaded = _LOADED.get(spec.fingerprint)
     if loaded is None:
-        if spec.kind == "hf":
-            from tokenizers import Tokenizer
+        from tokenizers import Tokenizer
 
-            loaded = Tokenizer.from_str(spec.payload)
-        else:
-            loaded = spec.payload
+        loaded = Tokenizer.from_str(spec.payload)
         _LOADED.clear()  # one tokenizer per process at a time
         _LOADED[spec.fingerprint] = loaded
     return loaded

@@ -1,9 +1,11 @@
 """One unit of work: its records tokenized and written as shards of whole documents, each
 with its index, then the unit's done record, last.
 
-A unit's files are named from the unit (``data/u000012-0000.bin``, ``.idx``;
-``done/u000012.json``) and depend on nothing but its input and the settings, so a unit redone
-after a crash overwrites its partial files with the same bytes, on any engine.
+A unit's files are named from the unit and its fingerprint (``data/u000012-3f9a0c1e-0000.bin``,
+``.idx``; ``done/u000012.json``) and depend on nothing but its input and the settings: a unit
+redone after a crash overwrites its partial files with the same bytes, on any engine, and a
+run with other settings (or an edited input) writes other files, never over those a done
+record of another fingerprint names.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..checksums import block_digests, digest, encode_blocks, format_digest
 from ..dataset import join_url
 from ..errors import ConfigError
 from ..formats.documents_index import index_path, shard_index_bytes, shard_index_info
+from ..portal import run_sync
 from ..stores import open_store
 from .inputs import Unit
 from .records import Batch, RecordReader
@@ -51,6 +54,7 @@ class Settings:
     on_error: str
     fingerprint: str  # of everything that shapes the output, and the tokenizer
     metadata_fields: tuple[str, ...] = ()
+    vocab_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +85,7 @@ def run_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
     """Run ``unit`` in this process (its own event loop for the writes)."""
     started = time.perf_counter()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a worker is one core
-    with asyncio.Runner() as runner:
-        record = runner.run(_run(unit, settings, spec))
+    record = run_sync(_run(unit, settings, spec))
     return UnitResult(record, time.perf_counter() - started, peak_rss())
 
 
@@ -110,12 +113,13 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
         metadata_fields=settings.metadata_fields,
     )
     encode = encoder(spec) if settings.token_field is None else None
+    fingerprint = unit_fingerprint(unit, settings)
     store = open_store(settings.output, dict(settings.storage_options))
     try:
-        shards = _Shards(store, settings, unit.index)
+        shards = _Shards(store, settings, f"{DATA_FOLDER}/u{unit.index:06d}-{fingerprint[:8]}")
         documents = tokens = 0
         for batch in reader.batches():
-            flat, lengths = _tokens(batch, encode, settings, reader)
+            flat, lengths = _tokens(batch, encode, settings, reader, spec.kind == "callable")
             documents += lengths.size
             tokens += flat.size
             await shards.add(flat, lengths, batch.meta)
@@ -123,7 +127,7 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
         record: dict[str, Any] = {
             "unit": unit.index,
             "input": unit.describe(),
-            "fingerprint": unit_fingerprint(unit, settings),
+            "fingerprint": fingerprint,
             "documents": documents,
             "tokens": tokens,
             "skipped_records": reader.skipped.records,
@@ -139,29 +143,47 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
 
 
 def _tokens(
-    batch: Batch, encode: Any, settings: Settings, reader: RecordReader
+    batch: Batch, encode: Any, settings: Settings, reader: RecordReader, untrusted: bool
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
     """The documents of ``batch`` as one flat array of the output dtype and their lengths,
-    ``bos`` and ``eos`` added; an id the dtype cannot hold is a ConfigError."""
+    ``bos`` and ``eos`` added; an id the dtype (or ``vocab_size``) cannot hold is a
+    ConfigError. ``untrusted``: a user's callable, whose answer is checked."""
+    unit = reader.unit
     if encode is not None:
         ids: Sequence[Any] = encode(batch.values)
+        if untrusted and (not isinstance(ids, Sequence) or len(ids) != len(batch.values)):
+            raise ConfigError(
+                f"the tokenizer returned {len(ids) if isinstance(ids, Sequence) else ids!r}"
+                f" token lists for {len(batch.values)} texts ({unit.url}, unit {unit.index});"
+                " it must return one list of ids per text"
+            )
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        body = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum()))
+        if untrusted:
+            flat = np.array(list(itertools.chain.from_iterable(ids)))
+            if flat.size and flat.dtype.kind not in "iu":
+                raise ConfigError(
+                    f"the tokenizer returned ids of type {flat.dtype} ({unit.url}, unit"
+                    f" {unit.index}); ids must be integers"
+                )
+            body = flat.astype(np.int64)
+        else:
+            body = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum()))
     else:
         ids = batch.values
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         body = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     dtype = np.dtype(settings.dtype)
+    limit = settings.vocab_size or int(np.iinfo(dtype).max) + 1
     if body.size:
         high, low = int(body.max()), int(body.min())
-        if high > np.iinfo(dtype).max or low < 0:
-            bad = np.flatnonzero((body > np.iinfo(dtype).max) | (body < 0))[0]
+        if high >= limit or low < 0:
+            bad = np.flatnonzero((body >= limit) | (body < 0))[0]
             document = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
             raise ConfigError(
-                f"{reader.unit.url}, {batch.where[document]} (unit {reader.unit.index}): token id"
-                f" {int(body[bad])} does not fit the output dtype {dtype.name}"
-                f" (vocabulary size {'unknown' if dtype.itemsize == 4 else 2**16}); pass"
-                " vocab_size= or a tokenizer with the right vocabulary"
+                f"{unit.url}, {batch.where[document]} (unit {unit.index}): token id"
+                f" {int(body[bad])} is outside [0, {limit}), the ids of the output dtype"
+                f" {dtype.name} and vocabulary; pass vocab_size= or a tokenizer with the"
+                " right vocabulary"
             )
     bos, eos = settings.bos, settings.eos
     if not bos and not eos:
@@ -182,8 +204,8 @@ class _Shards:
     """Documents cut into shards of about ``shard_size`` bytes at document ends; each shard
     written with its index of local offsets."""
 
-    def __init__(self, store: Any, settings: Settings, unit: int) -> None:
-        self.store, self.settings, self.unit = store, settings, unit
+    def __init__(self, store: Any, settings: Settings, stem: str) -> None:
+        self.store, self.settings, self.stem = store, settings, stem
         self.itemsize = np.dtype(settings.dtype).itemsize
         self.per_shard = max(1, settings.shard_size // self.itemsize)
         self.parts: list[npt.NDArray[Any]] = []
@@ -198,6 +220,15 @@ class _Shards:
         """Append documents: their tokens back to back, their lengths, and their metadata
         (one JSON object each, or none at all without metadata fields)."""
         while lengths.size:
+            if self.fill >= self.per_shard:
+                # Empty documents still fit the full shard; one with tokens opens the next.
+                empty = int(np.argmax(lengths > 0)) if lengths.any() else lengths.size
+                self.lengths.append(lengths[:empty])
+                self.meta += meta[:empty]
+                lengths, meta = lengths[empty:], meta[empty:]
+                if lengths.size:
+                    await self._flush()
+                continue
             ends = np.cumsum(lengths)
             # The first document that fills the shard closes it; all of them otherwise.
             full = int(np.searchsorted(ends, self.per_shard - self.fill, side="left"))
@@ -208,8 +239,6 @@ class _Shards:
             self.meta += meta[:take]
             self.fill += count
             flat, lengths, meta = flat[count:], lengths[take:], meta[take:]
-            if self.fill >= self.per_shard:
-                await self._flush()
 
     async def finish(self) -> list[dict[str, Any]]:
         if self.lengths:
@@ -223,7 +252,7 @@ class _Shards:
         self.parts, self.lengths, self.meta, self.fill = [], [], [], 0
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        path = f"{DATA_FOLDER}/u{self.unit:06d}-{len(self.written):04d}.bin"
+        path = f"{self.stem}-{len(self.written):04d}.bin"
         raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
         index = shard_index_bytes(offsets)
         block = self.settings.checksum_block
