@@ -4,17 +4,21 @@ run the rest on an engine, and write the manifest from the units' done records, 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
-import pickle
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from ..checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, parse_digest
+from ..checksums import (
+    ALGORITHM,
+    DEFAULT_CHECKSUM_BLOCK,
+    decode_blocks,
+    num_blocks,
+    parse_digest,
+)
 from ..dataset import join_url, read_object
 from ..errors import ConfigError, NotFoundError, StoreError
 from ..formats.documents_index import per_shard_metadata
@@ -30,7 +34,6 @@ from .unit import Settings, done_url, record_checksum, unit_fingerprint
 DEFAULT_SHARD_SIZE = 256 * 2**20
 #: Input bytes per unit: large uncompressed JSONL files and Parquet files are cut to about this.
 DEFAULT_UNIT_SIZE = 256 * 2**20
-FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,29 +114,15 @@ def prepare(
     dtype = output_dtype(spec)
     eos_ids, bos_ids = special_ids(spec, eos, "eos"), special_ids(spec, bos, "bos")
     count = workers or engines.default_workers()
-    if engine == "local" and count > 1:
-        _check_picklable(spec)  # Ray pickles with cloudpickle: lambdas travel there
     # Started now, the workers load while the units are planned and checked.
     pool = engines.start_pool(spec, count) if engine == "local" and count > 1 else None
     try:
         files = expand_inputs(inputs, options)
         units = plan_units(files, unit_size, options, skip=on_error == "skip")
-        shaping = {
-            "format": FORMAT_VERSION,
-            "tokenizer": spec.fingerprint,
-            "text_field": text_field,
-            "token_field": token_field,
-            "bos": list(bos_ids),
-            "eos": list(eos_ids),
-            "dtype": dtype.str,
-            "shard_size": shard_size,
-            "checksum_block": checksum_block,
-            "on_error": on_error,
-            "metadata_fields": list(metadata_fields),
-        }
         settings = Settings(
             root,
             options,
+            spec.fingerprint,
             text_field,
             token_field,
             bos_ids,
@@ -142,7 +131,6 @@ def prepare(
             shard_size,
             checksum_block,
             on_error,
-            json.dumps(shaping, sort_keys=True),
             tuple(metadata_fields),
             spec.vocab_size,
         )
@@ -169,7 +157,7 @@ def prepare(
                 bar.close()
         done = [record for record in records if record is not None]
         assert len(done) == len(units)
-        manifest = _manifest(done, dtype, checksum_block, shaping, len(files))
+        manifest = _manifest(done, dtype, settings, len(files))
         run_sync(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
     finally:
         if pool is not None:
@@ -238,18 +226,6 @@ def _run(
     if pool is None:
         return engines.run_inline(todo, settings, spec)
     return engines.run_pool(todo, settings, pool, count)
-
-
-def _check_picklable(spec: TokenizerSpec) -> None:
-    """A tokenizer that worker processes cannot receive is a ConfigError now, not a pickling
-    error from the pool later."""
-    try:
-        pickle.dumps(spec)
-    except Exception as exc:  # noqa: BLE001 - pickle raises PicklingError, TypeError, ...
-        raise ConfigError(
-            f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
-            " function, or workers=1"
-        ) from exc
 
 
 #: Seconds an output store may take to answer the write check.
@@ -342,33 +318,35 @@ async def _withdraw_manifest(root: str, options: dict[str, Any]) -> None:
 def _manifest(
     records: Sequence[dict[str, Any]],
     dtype: np.dtype[Any],
-    checksum_block: int | None,
-    shaping: dict[str, Any],
+    settings: Settings,
     files: int,
 ) -> Manifest:
     """The manifest of the units' shards in unit order (metadata only: no data is read)."""
+    block = settings.checksum_block
     shards = []
     counts: list[int] = []
     indexes: list[dict[str, Any]] = []
     for record in records:
         for shard in record["shards"]:
-            blocks = shard.get("block_checksums")
+            blocks = None
+            if block is not None:
+                blocks = decode_blocks(shard["block_checksums"], num_blocks(shard["bytes"], block))
             shards.append(
                 ShardInfo(
                     shard["path"],
                     shard["bytes"],
                     shard["elements"],
                     checksum=parse_digest(shard["checksum"]),
-                    block_checksums=base64.b64decode(blocks) if blocks is not None else None,
+                    block_checksums=blocks,
                 )
             )
             counts.append(shard["documents"])
             indexes.append(shard["index"])
     metas = [s["metadata"] for r in records for s in r["shards"] if "metadata" in s]
     extra: dict[str, Any] = {}
-    if shaping["metadata_fields"]:
+    if settings.metadata_fields:
         extra["document_metadata"] = {
-            "fields": shaping["metadata_fields"],
+            "fields": list(settings.metadata_fields),
             "codec": {"name": "json", "options": {}},
             "shards": metas,
         }
@@ -376,7 +354,7 @@ def _manifest(
         **per_shard_metadata(counts, indexes),
         **extra,
         "prepare": {
-            **shaping,
+            **settings.shaping(),
             "input_files": files,
             "units": len(records),
             "skipped_records": sum(r["skipped_records"] for r in records),
@@ -389,5 +367,5 @@ def _manifest(
         tuple(shards),
         metadata,
         checksum=ALGORITHM,
-        checksum_block=checksum_block,
+        checksum_block=block,
     )

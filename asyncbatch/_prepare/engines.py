@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import multiprocessing
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -85,7 +86,15 @@ def _ready() -> None:
 
 def start_pool(spec: TokenizerSpec, workers: int) -> futures.ProcessPoolExecutor:
     """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock),
-    started now, so that they load while the driver plans the units."""
+    started now, so that they load while the driver plans the units. A tokenizer they
+    cannot receive is a ConfigError here, not a pickling error from the pool later."""
+    try:
+        pickle.dumps(spec)  # what the pool does with initargs (Ray uses cloudpickle instead)
+    except Exception as exc:  # noqa: BLE001 - PicklingError, TypeError, AttributeError
+        raise ConfigError(
+            f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
+            " function, or workers=1"
+        ) from exc
     context = multiprocessing.get_context("spawn")
     pool = futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(spec,)
@@ -136,12 +145,6 @@ def run_pool(
 # -- Ray ---------------------------------------------------------------------------------------
 
 
-def _ray_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
-    # A Ray worker process runs many tasks: load() keeps the tokenizer for the next ones.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return run_unit(unit, settings, spec)
-
-
 def run_ray(
     units: Sequence[Unit],
     settings: Settings,
@@ -165,7 +168,7 @@ def run_ray(
         started = True
     try:
         # A unit redone writes the same bytes: Ray may retry one whose worker died.
-        remote = ray.remote(num_cpus=1, max_retries=2)(_ray_unit)
+        remote = ray.remote(num_cpus=1, max_retries=2)(run_unit)
         spec_ref = ray.put(spec)  # sent to the object store once, not once per task
         cpus = ray.cluster_resources().get("CPU", 1)  # type: ignore[no-untyped-call]
         limit = 2 * (workers or max(1, int(cpus)))

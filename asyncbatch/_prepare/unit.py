@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -34,16 +35,20 @@ from .inputs import Unit
 from .records import Batch, RecordReader
 from .tokenizer import TokenizerSpec, encoder
 
+#: Bumped when a unit's output for the same settings changes: older units are redone.
+FORMAT_VERSION = 1
 DONE_FOLDER = "done"
 DATA_FOLDER = "data"
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What every unit of one run shares (picklable; the tokenizer travels apart)."""
+    """What every unit of one run shares (picklable; the tokenizer travels apart, named here
+    by its fingerprint)."""
 
     output: str
     storage_options: Mapping[str, Any]
+    tokenizer: str
     text_field: str
     token_field: str | None
     bos: tuple[int, ...]
@@ -52,9 +57,29 @@ class Settings:
     shard_size: int
     checksum_block: int | None
     on_error: str
-    fingerprint: str  # of everything that shapes the output, and the tokenizer
     metadata_fields: tuple[str, ...] = ()
-    vocab_size: int | None = None
+    vocab_size: int | None = None  # ids at or past it are refused; shapes nothing
+
+    def shaping(self) -> dict[str, Any]:
+        """Every setting that shapes the output (recorded in the manifest)."""
+        return {
+            "format": FORMAT_VERSION,
+            "tokenizer": self.tokenizer,
+            "text_field": self.text_field,
+            "token_field": self.token_field,
+            "bos": list(self.bos),
+            "eos": list(self.eos),
+            "dtype": self.dtype,
+            "shard_size": self.shard_size,
+            "checksum_block": self.checksum_block,
+            "on_error": self.on_error,
+            "metadata_fields": list(self.metadata_fields),
+        }
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Of :meth:`shaping`: a unit's files and done record are valid for it alone."""
+        return json.dumps(self.shaping(), sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
