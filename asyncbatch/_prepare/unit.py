@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,10 +83,9 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class UnitResult:
-    """A finished unit: its done record (as written) and what running it cost."""
+    """A finished unit: its done record (as written) and the peak memory of its process."""
 
     record: dict[str, Any]
-    seconds: float
     peak_rss: int  # bytes, of the process that ran it, over its life so far
 
 
@@ -108,10 +106,9 @@ def record_checksum(record: Mapping[str, Any]) -> str:
 
 def run_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
     """Run ``unit`` in this process (its own event loop for the writes)."""
-    started = time.perf_counter()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a worker is one core
     record = run_sync(_run(unit, settings, spec))
-    return UnitResult(record, time.perf_counter() - started, peak_rss())
+    return UnitResult(record, peak_rss())
 
 
 def peak_rss() -> int:
