@@ -10,6 +10,7 @@ from typing import Any
 
 from .dataset import Dataset, join_url, read_object
 from .errors import ConfigError, NotFoundError
+from .formats.base import Opener
 from .formats.npy import object_infos
 from .formats.registry import INDEX_LOADERS, openers
 from .manifest import MANIFEST_NAME, Manifest
@@ -18,6 +19,7 @@ from .stores import open_store
 from .stores.base import Store
 from .stores.disk_cache import DiskCache
 from .stores.retry import RetryPolicy
+from .stores.stack import Unsupported
 
 
 async def open_dataset_async(
@@ -58,7 +60,7 @@ async def open_dataset_async(
                 raise ConfigError(f"options={extra!r}: a dataset with a manifest takes none")
             return dataset
         for opener in known_openers:
-            if opener.probe is not None and await opener.probe(url, store):
+            if opener.probe is not None and await _probe(opener, url, store):
                 return await opener.open(url, store, store_options, extra)
         if not known_openers:
             raise missing
@@ -72,6 +74,16 @@ async def open_dataset_async(
         ) from missing
     finally:
         await store.close()
+
+
+async def _probe(opener: Opener, url: str, store: Store) -> bool:
+    """Whether ``opener`` finds its layout at ``url``; a store that cannot list holds none
+    that needs a listing to be found."""
+    assert opener.probe is not None
+    try:
+        return await opener.probe(url, store)
+    except Unsupported:
+        return False
 
 
 async def _open_list(

@@ -19,9 +19,9 @@ T = TypeVar("T")
 
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run ``coroutine`` in a new event loop and return its result."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if not _loop_running():
+        # Outside the except clause: an error of the coroutine must not read as raised
+        # while handling "no running event loop".
         return asyncio.run(coroutine)  # cancels the coroutine on Ctrl-C itself
     loop = asyncio.new_event_loop()
     task = loop.create_task(coroutine)
@@ -35,6 +35,14 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
             with contextlib.suppress(RuntimeError):  # the loop already finished and closed
                 loop.call_soon_threadsafe(task.cancel)
             raise
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _run_to_end(loop: asyncio.AbstractEventLoop, task: asyncio.Task[T]) -> T:

@@ -168,6 +168,15 @@ def test_a_read_only_transport_refuses_writes(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_missing_dataset_on_a_transport_that_cannot_list_is_not_found(tmp_path: Path) -> None:
+    ab.register_store("twomethods", lambda s, o, *, max_inflight: DirTransport(), clobber=True)
+    url = f"twomethods://{tmp_path}/no-such-dataset"
+    with pytest.raises(NotFoundError, match="no dataset at twomethods://") as caught:
+        ab.open_dataset(url)
+    assert caught.value.url == f"{url}/manifest.json"
+    assert "no manifest" in str(caught.value)
+
+
 @pytest.mark.timeout(120)
 def test_an_installed_entry_point_registers_its_scheme(
     tmp_path: Path, dataset: Path, tokens: npt.NDArray[np.uint16], monkeypatch: pytest.MonkeyPatch

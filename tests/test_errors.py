@@ -104,3 +104,16 @@ def test_a_worker_error_reaches_the_consumer_with_its_attributes(
     assert error.end > 100  # past the end of what is left of the shard
     assert f"bytes [{error.start}, {error.end})" in str(error)
     assert "DataLoader worker process" in error.__notes__[-1]
+
+
+def test_a_sync_calls_error_is_not_chained_to_the_loop_lookup(tmp_path: Path) -> None:
+    with pytest.raises(errors.NotFoundError) as caught:
+        ab.open_dataset(str(tmp_path / "missing"))
+    chain: list[BaseException] = []
+    todo: list[BaseException | None] = [caught.value]
+    while todo:
+        exc = todo.pop()
+        if exc is not None and exc not in chain:
+            chain.append(exc)
+            todo += [exc.__cause__, exc.__context__]
+    assert not any("no running event loop" in str(e) for e in chain), chain

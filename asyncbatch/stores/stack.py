@@ -117,8 +117,12 @@ def map_error(
     return fail(StoreError, f"request failed: {what}", url, start, end, retryable=is_transient(exc))
 
 
+class Unsupported(StoreError):
+    """The transport lacks what was asked of it (``list()``, ``write()``)."""
+
+
 def _unsupported(url: str, what: str, capability: str) -> StoreError:
-    return StoreError(f"this store cannot {what} (its transport has no {capability}): {url}", url)
+    return Unsupported(f"this store cannot {what} (its transport has no {capability}): {url}", url)
 
 
 class TransportStore:
