@@ -277,6 +277,36 @@ def test_arguments_are_checked_and_survive_pickling(tmp_path: Path) -> None:
         assert pickle.loads(pickle.dumps(loader.cache)).path == loader.cache.path
 
 
+@pytest.mark.parametrize(
+    ("shared", "dir_mode", "file_mode"), [(False, 0o700, 0o600), (True, 0o2770, 0o660)]
+)
+def test_the_cache_is_the_owners_unless_shared_with_the_group(
+    http_dataset: tuple[str, Path, RangeHTTPServer],
+    tokens: npt.NDArray[np.uint16],
+    tmp_path: Path,
+    shared: bool,
+    dir_mode: int,
+    file_mode: int,
+) -> None:
+    url, _, _ = http_dataset
+    cache = ab.DiskCache(tmp_path / "nodes" / "cache", shared=shared)
+    assert pickle.loads(pickle.dumps(cache)).shared is shared
+    old = os.umask(0o022)  # the usual umask would give 0755 and 0644
+    try:
+        with ab.Loader(url, batch_size=4, seq_len=SEQ, cache=cache) as loader:
+            check_epoch(loader, tokens)
+    finally:
+        os.umask(old)
+    root = tmp_path / "nodes" / "cache"
+    dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert len(dirs) > 2 and len(files) > 2
+    assert {oct(p.stat().st_mode & 0o7777) for p in dirs} == {oct(dir_mode)}
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(file_mode)}
+    with pytest.raises(ab.ConfigError, match="shared must be True or False, got 'yes'"):
+        ab.DiskCache(tmp_path, shared="yes")  # type: ignore[arg-type]
+
+
 # --- processes sharing the cache, and killed -------------------------------------------
 
 

@@ -82,6 +82,10 @@ class DiskCache:
     little more than asked. Counters (``hits``, ``misses`` in blocks; ``hit_bytes`` read
     from entries; ``fetched_bytes`` read from the store below) add up over this object's
     life in this process. Pickles as its arguments.
+
+    Directories and entries are the owner's alone (0700 and 0600): the cache holds bytes of
+    private buckets, and a node is often shared. ``shared=True`` opens them to the group
+    (2770, group-inherited, and 0660) for jobs of several users of one group.
     """
 
     def __init__(
@@ -90,7 +94,12 @@ class DiskCache:
         *,
         max_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        shared: bool = False,
     ) -> None:
+        if not isinstance(shared, bool):
+            raise ConfigError(f"shared must be True or False, got {shared!r}")
+        self.shared = shared
+        self._dir_mode, self._file_mode = (0o2770, 0o660) if shared else (0o700, 0o600)
         if not isinstance(path, str | os.PathLike) or not os.fspath(path):
             raise ConfigError(f"cache path must be a non-empty str or os.PathLike, got {path!r}")
         self.block_size = _positive_int("block_size", block_size)
@@ -137,10 +146,14 @@ class DiskCache:
         raise ConfigError(f"cache must be a path or an asyncbatch.DiskCache, got {value!r}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (self.path, self.max_bytes, self.block_size))
+        return (_restore, (self.path, self.max_bytes, self.block_size, self.shared))
 
     def __repr__(self) -> str:
-        return f"DiskCache({self.path!r}, max_bytes={self.max_bytes}, block_size={self.block_size})"
+        shared = ", shared=True" if self.shared else ""
+        return (
+            f"DiskCache({self.path!r}, max_bytes={self.max_bytes},"
+            f" block_size={self.block_size}{shared})"
+        )
 
     def statistics(self) -> dict[str, int]:
         """The counters, as one dict."""
@@ -225,8 +238,7 @@ class DiskCache:
                 self._prepare()
                 self._reserve(len(data))
                 try:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(directory)  # not makedirs: a deleted cache stays deleted
+                    self._mkdir(directory)  # not makedirs: a deleted cache stays deleted
                     self._store(os.path.join(directory, str(block)), data)
                 finally:
                     with self._lock:
@@ -243,9 +255,11 @@ class DiskCache:
 
     def _store(self, path: str, data: Buffer | bytes) -> None:
         temp = f"{path}{_TEMP}{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._file_mode)
         try:
             try:
+                if self.shared:
+                    os.fchmod(fd, self._file_mode)  # past the umask (022 drops group writes)
                 self._write(fd, data)
             finally:
                 os.close(fd)
@@ -254,6 +268,15 @@ class DiskCache:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
+
+    def _mkdir(self, directory: str) -> None:
+        """Create ``directory`` with the cache's mode (an existing one is left as it is)."""
+        try:
+            os.mkdir(directory, self._dir_mode)
+        except FileExistsError:
+            return
+        if self.shared:
+            os.chmod(directory, self._dir_mode)  # past the umask
 
     def _write(self, fd: int, data: Buffer | bytes) -> None:
         """Write all of ``data`` to ``fd`` (not fsynced: an entry can be fetched again)."""
@@ -266,7 +289,11 @@ class DiskCache:
         with self._lock:
             if self._ready:
                 return
-            os.makedirs(os.path.join(self.path, _OBJECTS), exist_ok=True)
+            if not os.path.isdir(self.path):
+                parent = os.path.dirname(self.path)
+                os.makedirs(parent, exist_ok=True)
+                self._mkdir(self.path)
+            self._mkdir(os.path.join(self.path, _OBJECTS))
             meta = {"max_bytes": self.max_bytes, "block_size": self.block_size}
             self._store(os.path.join(self.path, _META), json.dumps(meta).encode())
             self._scan(0)
@@ -307,8 +334,8 @@ class DiskCache:
                 os.unlink(os.path.join(directory, str(block)))
 
 
-def _restore(path: str, max_bytes: int | None, block_size: int) -> DiskCache:
-    return DiskCache(path, max_bytes=max_bytes, block_size=block_size)
+def _restore(path: str, max_bytes: int | None, block_size: int, shared: bool) -> DiskCache:
+    return DiskCache(path, max_bytes=max_bytes, block_size=block_size, shared=shared)
 
 
 def scan(path: str, *, clean: bool = False) -> tuple[list[tuple[float, int, str]], int]:
