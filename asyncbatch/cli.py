@@ -290,7 +290,7 @@ _OPTION_HELP = "storage option (JSON values allowed), repeatable (default: none)
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="asyncbatch", description=__doc__)
+    root = argparse.ArgumentParser(prog="asyncbatch", description=(__doc__ or "").replace("``", ""))
     commands = root.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("demo", help="stream a dataset (by default a local demo one)")
