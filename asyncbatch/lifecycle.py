@@ -2,9 +2,10 @@
 
 A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs.
 
-- At interpreter exit every loader still running is closed (its tasks cancelled, its stores
-  closed, its thread joined), so a script that never called ``close()`` still ends without
-  "Task was destroyed" or "Unclosed client session" noise. Threads a loader gave up waiting
+- As interpreter exit begins, before atexit handlers run, every loader still running is
+  closed (its tasks cancelled, its stores closed, its thread joined), so a script that
+  never called ``close()`` still ends without "Task was destroyed" or "Unclosed client
+  session" noise. Threads a loader gave up waiting
   for (after Ctrl-C) are joined too, for a bounded time.
 - In a child made by ``fork()`` the engine threads do not exist: each running loader forgets
   its run, so that its next ``next()`` starts a new one in the child, and interpreter exit in
@@ -75,5 +76,17 @@ def _after_fork_in_child() -> None:
     _stragglers.clear()
 
 
-atexit.register(_at_exit)
+def _register_at_exit() -> None:
+    """Close loaders as interpreter shutdown begins: before threading joins the executors'
+    workers (a run's decode and transform threads) and before any atexit handler, such as
+    torch's or a process group's, tears down what a run's threads may be using. A daemon
+    thread still inside native code at finalization is killed there (C++ code then aborts
+    with "terminate called without an active exception"); closed first, none is left."""
+    early = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
+    if early is not None:
+        early(_at_exit)
+    atexit.register(_at_exit)  # a no-op once the first call closed everything
+
+
+_register_at_exit()
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -7,6 +7,7 @@ and prints one JSON line of results on stdout; the test reads it, and checks std
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import importlib
@@ -228,11 +229,19 @@ def leak_once(mode: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
         global _kept
         _kept = ab.Loader(url, **kwargs)
         out["ids"] = len(ids_of(_kept, 2))
+        # Registered last, so it runs first among atexit handlers: the loader is closed
+        # already (torch's handlers, say, find no loader thread running).
+        atexit.register(_report_threads_at_exit)
     out["threads"] = asyncbatch_threads() if mode != "exit" else []
     return out
 
 
 _kept: Any = None
+
+
+def _report_threads_at_exit() -> None:
+    if asyncbatch_threads():
+        print(f"asyncbatch threads at exit: {asyncbatch_threads()}", file=sys.stderr)
 
 
 def steady(url: str, options: dict[str, Any]) -> dict[str, Any]:
