@@ -789,6 +789,24 @@ def test_a_tokenizers_answer_and_the_vocabulary_are_checked(tmp_path: Path) -> N
         ab.prepare(str(path), str(tmp_path / "o4"), tokenizer=lambda t: t, workers=2)
 
 
+def failing_tokenizer(texts: list[str]) -> list[list[int]]:
+    if any("boom" in text for text in texts):
+        raise ValueError("cannot encode this")
+    return [list(text.encode()) for text in texts]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_tokenizer_that_raises_is_a_record_error_naming_file_and_unit(
+    tmp_path: Path, on_error: str
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["fine", "boom"])
+    with pytest.raises(ab.RecordError, match="the tokenizer raised ValueError: cannot encode") as e:
+        ab.prepare(str(path), str(tmp_path / "o"), tokenizer=failing_tokenizer,
+                   on_error=on_error, workers=2)  # fmt: skip
+    assert (e.value.url, e.value.location, e.value.unit) == (str(path), "line 1", 0)
+    assert "on the records of line 1 to line 2" in str(e.value)
+
+
 def test_a_bad_parquet_footer_is_skipped_and_counted(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.parquet").write_bytes(b"PAR1 not really PAR1")

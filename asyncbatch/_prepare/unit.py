@@ -172,7 +172,15 @@ def _tokens(
     ConfigError. ``untrusted``: a user's callable, whose answer is checked."""
     unit = reader.unit
     if encode is not None:
-        ids: Sequence[Any] = encode(batch.values)
+        try:
+            ids: Sequence[Any] = encode(batch.values)
+        except Exception as exc:
+            # Not skipped under on_error="skip": a tokenizer that fails is a bug to see.
+            where = f"{batch.where[0]} to {batch.where[-1]}" if batch.where else "no record"
+            raise reader.error(
+                f"the tokenizer raised {type(exc).__name__}: {exc} (on the records of {where})",
+                batch.where[0] if batch.where else "",
+            ) from exc
         if untrusted and (not isinstance(ids, Sequence) or len(ids) != len(batch.values)):
             raise ConfigError(
                 f"the tokenizer returned {len(ids) if isinstance(ids, Sequence) else ids!r}"
