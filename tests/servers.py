@@ -266,9 +266,10 @@ def azurite_server(location: Path) -> Iterator[str]:
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/devstoreaccount1"
     finally:
+        # It waits for idle kept-alive connections to close; its blobs are in memory only.
         process.terminate()
         try:
-            process.wait(10)
+            process.wait(1)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
