@@ -136,9 +136,7 @@ def test_node_cache_and_verify(
     assert any((tmp_path / "cache").rglob("*"))  # blocks were kept on disk
 
 
-def test_abfs_urls_read_and_list_in_their_own_form(
-    azurite_endpoint: str, blobs: Any
-) -> None:
+def test_abfs_urls_read_and_list_in_their_own_form(azurite_endpoint: str, blobs: Any) -> None:
     data = bytes(range(256)) * 40
     put(blobs, "abfs/one.bin", data)
     put(blobs, "abfs/sub/two.bin", b"2")
@@ -280,9 +278,8 @@ def test_where_credentials_are_found() -> None:
     assert (anon.shared_key, anon.sas, anon.bearer) == (None, None, None)
     dev = parse_connection_string("UseDevelopmentStorage=true")
     assert dev["AccountName"] == DEV_ACCOUNT and dev["BlobEndpoint"].endswith(DEV_ACCOUNT)
-    chinese = AccountFinder(
-        {"connection_string": f"AccountName=a;AccountKey={DEV_KEY};EndpointSuffix=core.chinacloudapi.cn"}
-    ).account(None)
+    text = f"AccountName=a;AccountKey={DEV_KEY};EndpointSuffix=core.chinacloudapi.cn"
+    chinese = AccountFinder({"connection_string": text}).account(None)
     assert chinese.base == "https://a.blob.core.chinacloudapi.cn"
 
 

@@ -283,8 +283,8 @@ class AzureStore:
             return fail(NotFoundError, detail, url, start, end)
         if code == "ResourceNotFound":
             detail = (
-                f"not found (HTTP 404 ResourceNotFound): no storage account {account.name!r} at"
-                f" {account.base}, or a private container read without credentials"
+                f"no storage account {account.name!r} at {account.base} (HTTP 404"
+                " ResourceNotFound), or a private container read without credentials"
             )
             return fail(NotFoundError, detail, url, start, end)
         if (
