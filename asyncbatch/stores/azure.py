@@ -99,12 +99,18 @@ class BlobPath:
     container: str
     blob: str
     prefix: str
+    #: ``scheme://host[:port]`` of the Blob service.
+    origin: str
+    #: The path of the container (an emulator's has the account before it), URI-encoded.
+    root: str
+    #: The path of the blob, URI-encoded (as sent and as Shared Key signs it).
+    blob_path: str
 
     def path(self, blob: str | None = None) -> str:
-        """The request's path, URI-encoded (as sent and as Shared Key signs it)."""
-        name = self.blob if blob is None else blob
-        base = urlsplit(self.account.base).path.rstrip("/")
-        return f"{base}/{self.container}" + (f"/{quote(name, safe='/~')}" if name else "")
+        """The request's path for ``blob`` (this URL's by default; ``""``: the container)."""
+        if blob is None:
+            return self.blob_path
+        return self.root + (f"/{quote(blob, safe='/~')}" if blob else "")
 
 
 class AzureStore:
@@ -157,7 +163,13 @@ class AzureStore:
                 " letter or digit"
             )
         account = self._accounts.account(host.split(".")[0] if at else None, host if at else None)
-        found = BlobPath(account, container, blob, f"{scheme}://{authority}")
+        base = urlsplit(account.base)
+        root = f"{base.path.rstrip('/')}/{container}"
+        blob_path = root + (f"/{quote(blob, safe='/~')}" if blob else "")
+        origin = f"{base.scheme}://{base.netloc}"
+        found = BlobPath(
+            account, container, blob, f"{scheme}://{authority}", origin, root, blob_path
+        )
         if len(self._paths) < 100_000:
             self._paths[url] = found
         return found
@@ -209,10 +221,7 @@ class AzureStore:
         text = "&".join(f"{name}={quote(value, safe='')}" for name, value in query.items())
         if auth.sas is not None:
             text = f"{text}&{auth.sas}" if text else auth.sas
-        parts = urlsplit(where.account.base)
-        target = URL(
-            f"{parts.scheme}://{parts.netloc}{path}{'?' + text if text else ''}", encoded=True
-        )
+        target = URL(f"{where.origin}{path}{'?' + text if text else ''}", encoded=True)
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
             async with asyncio.timeout(wait):
