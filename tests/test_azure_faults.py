@@ -311,6 +311,31 @@ def test_a_tail_read_is_retried_and_pinned(
     assert server.count("HEAD", path_of(url)) == 2  # the size; the new ETag for the message
 
 
+@pytest.mark.timeout(30)
+def test_writes_are_retried_and_empty_objects_read(
+    azurite_endpoint: str, server: FaultServer
+) -> None:
+    url = new_object(azurite_endpoint)  # the container exists: no PUT creates it below
+    empty = f"{url}-empty"
+    server.inject(Fault(status=503), Fault(reset_after=0), OK, methods=("PUT",))
+
+    async def main() -> tuple[bytes | bytearray, bytes | bytearray, ObjectInfo]:
+        store = store_via(server)
+        try:
+            await store.write(url, DATA[:1000])  # a Put Blob repeats safely: retried
+            await store.write(empty, b"")
+            assert isinstance(store, ReadsTail)
+            tail, _ = await store.read_tail(url, 10)
+            nothing, info = await store.read_tail(empty, 10)
+            return tail, nothing, info
+        finally:
+            await store.close()
+
+    tail, nothing, info = asyncio.run(main())
+    assert (bytes(tail), bytes(nothing), info.size) == (DATA[990:1000], b"", 0)
+    assert server.count("PUT", path_of(url)) == 3
+
+
 @pytest.mark.timeout(60)
 def test_loader_over_a_faulty_proxy_is_byte_exact(
     azurite_endpoint: str, server: FaultServer

@@ -185,7 +185,9 @@ class AzureStore:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
                 auto_decompress=False,
                 headers={"Accept-Encoding": "identity"},
+                # Shared Key signs Content-Type: none is added behind its back.
                 skip_auto_headers=("Content-Type",),
+                trust_env=True,  # HTTPS_PROXY and NO_PROXY, as Azure's own tools honour them
             )
             self._limit = asyncio.Semaphore(self.max_inflight)
         return self._session, self._limit
