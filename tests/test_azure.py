@@ -274,6 +274,12 @@ def test_where_credentials_are_found() -> None:
     assert other.base == "https://other.blob.core.windows.net"
     from_env = AccountFinder({}, env).account(None)
     assert from_env.name == "fromenv" and from_env.auth.shared_key is not None
+    from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+
+    named = AccountFinder({"credential": AzureNamedKeyCredential("k", DEV_KEY)}).account("k")
+    assert named.auth.shared_key is not None and named.auth.shared_key.account == "k"
+    sas = AccountFinder({"credential": AzureSasCredential("sv=1&sig=y")}).account("k").auth
+    assert sas.sas == "sv=1&sig=y"
     anon = AccountFinder({"anon": True}, env).account(None).auth
     assert (anon.shared_key, anon.sas, anon.bearer) == (None, None, None)
     dev = parse_connection_string("UseDevelopmentStorage=true")

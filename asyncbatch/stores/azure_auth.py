@@ -4,7 +4,9 @@ Credentials are found as Azure's own tools find them, first match wins:
 
 1. ``storage_options`` (adlfs's names): ``connection_string``; ``anon=True`` (public
    containers: nothing sent); ``account_key`` (Shared Key, signed here); ``sas_token``
-   (appended to every URL); ``credential`` (an azure-identity credential, sync or async);
+   (appended to every URL); ``credential`` (an azure-identity credential, sync or async, or
+   what azure-storage-blob also takes there: a key or SAS string, ``AzureNamedKeyCredential``,
+   ``AzureSasCredential``);
    ``tenant_id`` + ``client_id`` + ``client_secret`` (a service principal).
 2. The environment: ``AZURE_STORAGE_CONNECTION_STRING``; ``AZURE_STORAGE_KEY`` (or adlfs's
    ``AZURE_STORAGE_ACCOUNT_KEY``); ``AZURE_STORAGE_SAS_TOKEN``.
@@ -298,6 +300,15 @@ class AccountFinder:
             return Auth()
         key = given.get("account_key") or fields.get("AccountKey")
         sas = given.get("sas_token") or fields.get("SharedAccessSignature")
+        credential: Any = given.get("credential")
+        # What azure-storage-blob takes as credential= besides a token credential: a key or
+        # SAS string, AzureNamedKeyCredential (.named_key), AzureSasCredential (.signature).
+        if isinstance(credential, str):
+            key, sas = (None, credential) if "sig=" in credential else (credential, None)
+        elif hasattr(credential, "named_key"):
+            key = credential.named_key[1]
+        elif hasattr(credential, "signature"):
+            sas = credential.signature
         explicit = {"credential", "client_secret", "tenant_id", "client_id"} & given.keys()
         if key is None and sas is None and not explicit:
             key = env.get("AZURE_STORAGE_KEY") or env.get("AZURE_STORAGE_ACCOUNT_KEY") or None
