@@ -320,6 +320,14 @@ def test_bearer_tokens_are_kept_until_near_expiry_and_failures_typed() -> None:
         assert await bearer.header() == "Bearer t1"
         assert await bearer.header() == "Bearer t1"
         assert credential.calls == 1
+        # A credential made by the store shares its token with the next store's.
+        first = BearerToken(_Credential(), owned=True, shared=("test", "shared"))
+        assert await first.header() == "Bearer t1"
+        again = _Credential()
+        assert (
+            await BearerToken(again, owned=True, shared=("test", "shared")).header() == "Bearer t1"
+        )
+        assert again.calls == 0
         failing = BearerToken(_Credential(fail=True), owned=False)
         with pytest.raises(ab.CredentialsError, match="az login.*failed to retrieve a token"):
             await failing.header()

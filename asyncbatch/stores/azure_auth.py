@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import inspect
 import os
@@ -145,18 +146,32 @@ class SharedKey:
         headers["Authorization"] = f"SharedKey {self.account}:{base64.b64encode(digest).decode()}"
 
 
+#: Tokens of the credentials this module made, by how they were made (``DefaultAzureCredential``
+#: or one service principal), kept across stores: a loader makes a store per run, and asking
+#: ``az login`` or a metadata service again every epoch costs a second or more.
+_TOKENS: dict[tuple[str, ...], tuple[str, float]] = {}
+
+
 class BearerToken:
-    """Entra ID tokens from an azure-identity credential, renewed before they expire."""
+    """Entra ID tokens from an azure-identity credential, renewed before they expire.
+
+    ``shared``: the key under which tokens of a credential made here are kept for the
+    process (None for one the user gave: its own cache lives as long as it does)."""
 
     #: Seconds before expiry a token is renewed.
     MARGIN = 300.0
 
-    def __init__(self, credential: Any, *, owned: bool) -> None:
+    def __init__(
+        self, credential: Any, *, owned: bool, shared: tuple[str, ...] | None = None
+    ) -> None:
         self._credential = credential
         self._owned = owned  # created here: closed here
+        self._shared = shared
         self._token: str | None = None
         self._expires = 0.0
         self._lock: asyncio.Lock | None = None
+        if shared is not None and shared in _TOKENS:
+            self._token, self._expires = _TOKENS[shared]
 
     async def header(self) -> str:
         """``Bearer <token>``, fetched or renewed when needed."""
@@ -166,6 +181,8 @@ class BearerToken:
             async with self._lock:
                 if self._token is None or time.time() > self._expires - self.MARGIN:
                     await self._renew()
+                    if self._shared is not None and self._token is not None:
+                        _TOKENS[self._shared] = (self._token, self._expires)
         return f"Bearer {self._token}"
 
     async def _renew(self) -> None:
@@ -350,9 +367,12 @@ class AccountFinder:
                     f" client_secret=: {', '.join(missing)} missing"
                 )
             credential: Any = aio.ClientSecretCredential(*map(str, parts))
+            digest = hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
+            shared: tuple[str, ...] = ("service principal", digest)
         else:
             credential = aio.DefaultAzureCredential()
-        self._bearer = BearerToken(credential, owned=True)
+            shared = ("default",)
+        self._bearer = BearerToken(credential, owned=True, shared=shared)
         return self._bearer
 
     async def close(self) -> None:
