@@ -238,7 +238,8 @@ class AccountFinder:
         given = self._options
         connection = given.get("connection_string")
         credential_options = {"account_key", "sas_token", "credential", "client_secret", "anon"}
-        if connection is None and not credential_options & given.keys():
+        chosen = {name for name in credential_options if given.get(name) not in (None, False)}
+        if connection is None and not chosen:
             connection = env.get("AZURE_STORAGE_CONNECTION_STRING") or None
         self._connection = parse_connection_string(connection) if connection else {}
         fields = self._connection
