@@ -269,7 +269,6 @@ class AzureStore:
         status, reason = response.status, response.reason or ""
         code = response.headers.get("x-ms-error-code", "")
         retry_after = parse_retry_after(response.headers.get("Retry-After"))
-        message = ""
         body = b""
         try:
             if method != "HEAD":
