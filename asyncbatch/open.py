@@ -64,7 +64,7 @@ async def open_dataset_async(
                 return await opener.open(url, store, store_options, extra)
         if not known_openers:
             raise missing
-        looked = [f"no manifest ({missing.url} not found)"]
+        looked = [f"no manifest ({missing.url} not found{_reason(missing.__cause__)})"]
         looked += [opener.probes_for for opener in known_openers if opener.probe is not None]
         names = ", ".join(repr(opener.name) for opener in known_openers)
         raise NotFoundError(
@@ -118,6 +118,12 @@ async def _open_list(
         await store.close()
 
 
+def _reason(error: BaseException | None) -> str:
+    """``: why``, when a store said more than "not found" (a missing bucket or container)."""
+    detail = str(getattr(error, "detail", "") or "")
+    return "" if not detail or detail.startswith("not found") else f": {detail}"
+
+
 async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dataset:
     root = (
         url[: -len(MANIFEST_NAME)].rstrip("/") if url.endswith(MANIFEST_NAME) else url.rstrip("/")
@@ -126,7 +132,7 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
     try:
         text = await read_object(store, manifest_url)
     except NotFoundError as exc:
-        msg = f"no dataset at {url}: {manifest_url} not found"
+        msg = f"no dataset at {url}: {manifest_url} not found{_reason(exc)}"
         raise NotFoundError(msg, manifest_url) from exc
     dataset = Dataset(root, Manifest.from_json(text, manifest_url), options)
     if dataset.manifest.checksum is None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from servers import RangeHTTPServer, http_server, moto_server
+from servers import RangeHTTPServer, azurite_server, http_server, moto_server
 
 import asyncbatch as ab
 
@@ -35,6 +35,20 @@ def http_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     root = tmp_path_factory.mktemp("http-root")
     with http_server(root) as server:
         yield root, server
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Azurite's Blob service (scripts/bootstrap installs it): the dev account's endpoint."""
+    with azurite_server(tmp_path_factory.mktemp("azurite")) as url:
+        yield url
+
+
+def azure_options(endpoint: str) -> dict[str, Any]:
+    """Azurite's well-known development account and key, at ``endpoint``."""
+    from asyncbatch.stores.azure_auth import DEV_ACCOUNT, DEV_KEY
+
+    return {"account_name": DEV_ACCOUNT, "account_key": DEV_KEY, "endpoint": endpoint}
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:

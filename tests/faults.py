@@ -225,11 +225,14 @@ class FaultServer:
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
         if fault.ignore_range:
             headers.pop("Range", None)
+        # No body sent for none received: aiohttp would add a Content-Type, which Azure's
+        # Shared Key signs.
+        body = await request.read()
         async with self._client.request(
             request.method,
             self.upstream + request.path_qs,
             headers=headers,
-            data=await request.read(),
+            data=body or None,
             allow_redirects=False,
         ) as upstream:
             body = await upstream.read()

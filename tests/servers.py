@@ -224,3 +224,52 @@ def moto_server(**settings: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+#: Where scripts/bootstrap installs Azurite (npm), unless AZURITE names another azurite-blob.
+AZURITE = Path(__file__).resolve().parent.parent / ".venv/azurite/node_modules/.bin/azurite-blob"
+
+
+@contextlib.contextmanager
+def azurite_server(location: Path) -> Iterator[str]:
+    """Azurite's Blob service (Microsoft's emulator, from npm) on a free port, blobs in
+    memory; the well-known development account's endpoint URL."""
+    binary = os.environ.get("AZURITE") or str(AZURITE)
+    if not Path(binary).exists():
+        raise RuntimeError(f"Azurite is not installed at {binary}: run scripts/bootstrap")
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            binary,
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=location,  # anything it writes besides the blobs in memory
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("Azurite did not start") from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/devstoreaccount1"
+    finally:
+        # It waits for idle kept-alive connections to close; its blobs are in memory only.
+        process.terminate()
+        try:
+            process.wait(1)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -71,7 +71,8 @@ class FsspecStore:
                 skip_instance_cache=True,
                 **self._options,
             )
-            await fs.set_session()
+            if hasattr(fs, "set_session"):  # adlfs has none: it connects in __init__
+                await fs.set_session()
         else:
             fs = self._cls(skip_instance_cache=True, **self._options)
             self._pool = ThreadPoolExecutor(
@@ -153,6 +154,9 @@ class FsspecStore:
         if s3 is not None:
             await s3.__aexit__(None, None, None)  # s3fs: an aiobotocore client
             fs._s3 = None
+        service = getattr(fs, "service_client", None)
+        if service is not None and hasattr(service, "close"):
+            await service.close()  # adlfs: azure-storage-blob's aio client
 
 
 def fsspec_store(
