@@ -79,7 +79,7 @@ def pyarrow_modules() -> tuple[Any, Any]:
         import pyarrow.parquet
     except ImportError as exc:
         raise ConfigError(
-            "Parquet datasets need pyarrow: pip install 'asyncbatch[parquet]'"
+            "Parquet and Arrow datasets need pyarrow: pip install 'asyncbatch[parquet]'"
         ) from exc
     return pyarrow, pyarrow.parquet
 
