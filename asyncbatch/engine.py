@@ -462,13 +462,13 @@ def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
         # Slicing a Jagged costs ~35 us of torch calls; here every part's values come from one
         # split and its offsets from one numpy subtraction (a view each).
         offsets = value.offsets.numpy()
-        cuts = np.cumsum([0, *lengths])
-        bounds = offsets[cuts]
+        ends = np.cumsum([0, *lengths])
+        bounds = offsets[ends]
         values = value.values[int(bounds[0]) : int(bounds[-1])]
         parts = torch.split_with_sizes(values, np.diff(bounds).tolist())
         return [
             Jagged(part, torch.from_numpy(offsets[a : b + 1] - offsets[a]))
-            for part, (a, b) in zip(parts, itertools.pairwise(cuts.tolist()), strict=True)
+            for part, (a, b) in zip(parts, itertools.pairwise(ends.tolist()), strict=True)
         ]
     cuts = list(itertools.accumulate(lengths, initial=0))
     return [value[a:b] for a, b in itertools.pairwise(cuts)]

@@ -47,7 +47,7 @@ from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import arrow_ipc as ipc
-from .arrow_rows import RowPicker
+from .arrow_rows import Column, RowPicker
 from .base import Offload, Opener, ReadFn
 from .npy import gather_limited, may_list, read_range
 from .parquet import (
@@ -186,9 +186,7 @@ async def read_headers(store: Store, url: str, info: ObjectInfo | None = None) -
     return await _stream_layout(data, url, size, info.version)
 
 
-async def _file_layout(
-    data: _Bytes, url: str, size: int
-) -> tuple[bytes, int, list[ipc.Message]]:
+async def _file_layout(data: _Bytes, url: str, size: int) -> tuple[bytes, int, list[ipc.Message]]:
     """The file layout's schema, the byte its footer starts at, its record batches' headers:
     the footer, then every header in one call."""
     pa, _ = pyarrow_modules()
@@ -458,16 +456,6 @@ async def _open_files(
 # Reading
 
 
-@dataclass(frozen=True)
-class Column:
-    """A selected column: its Arrow type and its first and end node and buffer."""
-
-    name: str
-    kind: Any
-    nodes: tuple[int, int]
-    buffers: tuple[int, int]
-
-
 class ArrowRows:
     """Sample ``i`` is row ``i`` of the files one after another (of the datasets of a mixture
     one after another); fields are the selected columns."""
@@ -487,7 +475,7 @@ class ArrowRows:
         self.nulls = first["nulls"]
         arrow_schema = pa.ipc.read_schema(pa.py_buffer(self.datasets[0].arrays[SCHEMA]))
         layout = dict(zip(arrow_schema.names, column_layout(arrow_schema, ""), strict=True))
-        self.selected = [
+        self.selected: Sequence[Column] = [
             Column(
                 name,
                 arrow_schema.field(name).type,
@@ -778,6 +766,6 @@ ARROW_OPENER = Opener(
     open_arrow,
     claims=claims,
     probe=probe_arrow,
-    probes_for="no state.json, no .arrow or .feather files",
+    probes_for="no state.json, no .arrow or .feather files listed under it",
     open_many=open_arrow_list,
 )

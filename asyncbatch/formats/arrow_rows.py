@@ -16,8 +16,9 @@ per row would be one more read each), are read whole instead (:class:`RowPicker.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -25,10 +26,33 @@ import numpy.typing as npt
 from ..errors import FormatError
 from . import arrow_ipc as ipc
 
-if TYPE_CHECKING:
-    from .arrow import ArrowRows
-
 Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Column:
+    """A selected column: its Arrow type and its first and end node and buffer."""
+
+    name: str
+    kind: Any
+    nodes: tuple[int, int]
+    buffers: tuple[int, int]
+
+
+class RecordBatches(Protocol):
+    """What :class:`RowPicker` reads of the record batches of a dataset
+    (:class:`~asyncbatch.formats.arrow.ArrowRows`)."""
+
+    selected: Sequence[Column]
+    #: Per record batch: rows, codec, ``[node, (length, nulls)]``, ``[buffer, (offset,
+    #: length)]`` and where its body starts (file-concatenated).
+    rows: Int64Array
+    codec: Int64Array
+    nodes: Int64Array
+    buffers: Int64Array
+    body: Int64Array
+
+    def where(self, batch: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -79,10 +103,9 @@ class Picks:
 
 
 class RowPicker:
-    """Plans and decodes the rows of :class:`~asyncbatch.formats.arrow.ArrowRows` read by
-    row."""
+    """Plans and decodes the rows of record batches read by row."""
 
-    def __init__(self, source: ArrowRows) -> None:
+    def __init__(self, source: RecordBatches) -> None:
         from .parquet import pyarrow_modules
 
         pa, _ = pyarrow_modules()

@@ -127,9 +127,7 @@ async def _walk(
                 known[child] = info
         elif "." not in name and may_list(child + "/"):
             folders.append(child)
-    for nested in await gather_limited(
-        _walk(store, folder, known, suffixes) for folder in folders
-    ):
+    for nested in await gather_limited(_walk(store, folder, known, suffixes) for folder in folders):
         files.extend(nested)
     return files
 
