@@ -45,7 +45,7 @@ from ..dataset import Dataset, join_url
 from ..errors import ConfigError, FormatError, NotFoundError
 from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
-from ..stores.base import ObjectInfo, Store, fetch_tail, tail_by_stat
+from ..stores.base import ObjectInfo, ReadsInto, Store, fetch_tail, tail_by_stat
 from . import arrow_ipc as ipc
 from .arrow_rows import Column, RowPicker
 from .base import Offload, Opener, ReadFn
@@ -154,12 +154,61 @@ class FileHeaders:
     batches: list[ipc.Message]
 
 
+class Reads:
+    """Reads of several files' headers, issued by their walks at once: on a store that reads
+    a group of ranges into one buffer (:class:`~asyncbatch.stores.base.ReadsInto`: the local
+    store, one thread job) those waiting together go in one call; elsewhere one call each."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.pending: list[tuple[str, int, int, asyncio.Future[bytes]]] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def read(self, url: str, start: int, end: int) -> bytes:
+        if not isinstance(self.store, ReadsInto):
+            return await read_range(self.store, url, start, end)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes] = loop.create_future()
+        self.pending.append((url, start, end, future))
+        if len(self.pending) == 1:
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        group, self.pending = self.pending, []
+        task = asyncio.ensure_future(self._read(group))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _read(self, group: list[tuple[str, int, int, asyncio.Future[bytes]]]) -> None:
+        assert isinstance(self.store, ReadsInto)
+        urls = sorted({g[0] for g in group})
+        starts = np.array([g[1] for g in group], dtype=np.int64)
+        ends = np.array([g[2] for g in group], dtype=np.int64)
+        offsets = np.cumsum(ends - starts) - (ends - starts)
+        dest = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+        which = np.array([urls.index(g[0]) for g in group], dtype=np.int64)
+        try:
+            await self.store.read_into(urls, which, starts, ends, dest, offsets)
+        except BaseException as exc:
+            for *_, future in group:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        data = dest.tobytes()
+        for k, (*_, future) in enumerate(group):
+            if not future.done():
+                future.set_result(data[int(offsets[k]) : int(offsets[k] + ends[k] - starts[k])])
+
+
 class _Bytes:
     """The bytes of one file fetched so far (its tail, the last read-ahead window); a
     range not at hand is fetched with ``ahead`` bytes more."""
 
-    def __init__(self, store: Store, url: str, size: int, tail: bytes) -> None:
-        self.store, self.url, self.size = store, url, size
+    def __init__(self, reads: Reads, url: str, size: int, tail: bytes) -> None:
+        self.reads, self.store, self.url, self.size = reads, reads.store, url, size
         self.held = [(size - len(tail), tail)]
 
     async def get(self, start: int, end: int, ahead: int = 0) -> bytes:
@@ -167,19 +216,22 @@ class _Bytes:
             if at <= start and end <= at + len(data):
                 return data[start - at : end - at]
         stop = min(self.size, max(end, start + ahead))
-        data = await read_range(self.store, self.url, start, stop)
+        data = await self.reads.read(self.url, start, stop)
         self.held[1:] = [(start, data)]
         return data[: end - start]
 
 
-async def read_headers(store: Store, url: str, info: ObjectInfo | None = None) -> FileHeaders:
-    """The schema and record batch headers of the Arrow IPC file ``url`` (either layout)."""
+async def read_headers(
+    store: Store, url: str, info: ObjectInfo | None = None, reads: Reads | None = None
+) -> FileHeaders:
+    """The schema and record batch headers of the Arrow IPC file ``url`` (either layout);
+    ``reads`` gathers the reads of files opened together."""
     if info is None:
         tail, info = await fetch_tail(store, url, TAIL_PROBE)
     else:
         tail, info = await tail_by_stat(store, url, TAIL_PROBE, info)
     size = info.size
-    data = _Bytes(store, url, size, bytes(tail))
+    data = _Bytes(reads or Reads(store), url, size, bytes(tail))
     if size >= 2 * 8 + 4 and tail[-6:] == ipc.FILE_MAGIC:
         schema, footer, batches = await _file_layout(data, url, size)
         return FileHeaders(size, info.version, schema, footer, batches)
@@ -365,7 +417,8 @@ async def _open_files(
         raise ConfigError(f"options nulls={nulls!r}: expected one of {NULLS}")
     pa, _ = pyarrow_modules()
     known = known or {}
-    files = await gather_limited(read_headers(store, u, known.get(u)) for u in urls)
+    reads = Reads(store)
+    files = await gather_limited(read_headers(store, u, known.get(u), reads) for u in urls)
     schemas = await asyncio.to_thread(
         lambda: [_schema(f, u) for f, u in zip(files, urls, strict=True)]
     )
