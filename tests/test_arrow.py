@@ -26,6 +26,7 @@ from test_parquet import check_packed, windows_of
 import asyncbatch as ab
 from asyncbatch.batch import Jagged, Strings
 from asyncbatch.errors import ConfigError, FormatError
+from asyncbatch.formats import arrow_rows
 from asyncbatch.formats.arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 
 pa = pytest.importorskip("pyarrow")
@@ -340,8 +341,18 @@ def exact_epoch(dataset: ab.Dataset) -> tuple[int, list[int]]:
         return loader.statistics().bytes_fetched, sorted(ids)
 
 
+@pytest.fixture(params=["offsets kept", "offsets per row"])
+def offsets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way an exact shuffle finds a string's or list's offsets: record batches' whole
+    offsets buffers read once and kept (a dataset's fit), or two offsets read per row."""
+    if request.param == "offsets per row":
+        monkeypatch.setattr(arrow_rows, "OFFSETS_CACHE", 0)
+    name: str = request.param
+    return name
+
+
 @pytest.mark.parametrize("codec", [None, "zstd"])
-def test_exact_shuffle_reads_single_rows(codec: str | None, tmp_path: Path) -> None:
+def test_exact_shuffle_reads_single_rows(codec: str | None, offsets: str, tmp_path: Path) -> None:
     """Uncompressed: a row's bytes in each buffer, far below the record batches' columns it
     lies in. Compressed: whole record batches (a compressed buffer has no row offsets)."""
     n = 400
@@ -477,7 +488,7 @@ def test_dictionary_columns_refused_unless_left_out(tmp_path: Path) -> None:
         assert sorted(read_all(str(tmp_path), options=columns)) == list(range(30))
 
 
-def test_corrupt_offsets_are_an_error_never_wrong_rows(tmp_path: Path) -> None:
+def test_corrupt_offsets_are_an_error_never_wrong_rows(offsets: str, tmp_path: Path) -> None:
     table = pa.table({"id": pa.array(np.arange(20)), "text": pa.array(["ab"] * 20)})
     data = bytearray(ipc_bytes(table, 20, "stream"))
     offsets = np.arange(0, 42, 2, dtype="<i4").tobytes()

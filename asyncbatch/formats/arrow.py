@@ -419,9 +419,8 @@ async def _open_files(
     known = known or {}
     reads = Reads(store)
     files = await gather_limited(read_headers(store, u, known.get(u), reads) for u in urls)
-    schemas = await asyncio.to_thread(
-        lambda: [_schema(f, u) for f, u in zip(files, urls, strict=True)]
-    )
+    # Schemas are small (and most are alike): parsed here, not worth a thread's hop.
+    schemas = [_schema(f, u) for f, u in zip(files, urls, strict=True)]
     schema = schemas[0]
     for file_url, headers, other in zip(urls, files, schemas, strict=True):
         if not other.equals(schema, check_metadata=False):

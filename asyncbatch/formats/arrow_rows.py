@@ -28,6 +28,11 @@ from . import arrow_ipc as ipc
 
 Int64Array = npt.NDArray[np.int64]
 
+#: Bytes of variable-length columns' offsets kept (int64, one per row and column): when a
+#: dataset's fit, each record batch's offsets buffer is read whole once, and later rows of it
+#: need one read each, not two.
+OFFSETS_CACHE = 64 << 20
+
 
 @dataclass(frozen=True)
 class Column:
@@ -99,6 +104,11 @@ class Picks:
     rows: Int64Array
     starts: Int64Array
     lengths: Int64Array
+    #: Where each column's part of the first read starts.
+    parts: list[int] = field(default_factory=list)
+    #: Per cached variable-length column: the record batches whose whole offsets buffer the
+    #: first read brings.
+    loading: dict[int, Int64Array] = field(default_factory=dict)
     offsets: dict[int, tuple[Int64Array, Int64Array]] = field(default_factory=dict)
 
 
@@ -122,6 +132,14 @@ class RowPicker:
             & (source.rows > 0)
             & all(layout is not None for layout in self.layouts)
         )
+        # Offsets of variable-length columns, kept once read whole where all of them fit in
+        # OFFSETS_CACHE bytes: later rows then need no first read of their own.
+        counts = source.rows + 1
+        self.flat_base = np.cumsum(counts) - counts
+        var = [c for c, lay in enumerate(self.layouts) if lay is not None and lay.kind == "var"]
+        cached = bool(var) and int(counts.sum()) * 8 * len(var) <= OFFSETS_CACHE
+        self.flat = {c: np.zeros(int(counts.sum()), dtype=np.int64) for c in var if cached}
+        self.loaded = {c: np.zeros(source.rows.size, dtype=bool) for c in self.flat}
 
     def _buffer(self, batches: Int64Array, k: int) -> tuple[Int64Array, Int64Array]:
         """Where buffer ``k`` of each of ``batches`` starts (file-concatenated) and its length."""
@@ -139,9 +157,24 @@ class RowPicker:
 
     def first(self, batches: Int64Array, rows: Int64Array) -> Picks:
         """The first plan's ranges of rows ``rows`` of record batches ``batches``."""
-        starts, lengths = [], []
-        for layout in self.layouts:
+        starts: list[Int64Array] = []
+        lengths: list[Int64Array] = []
+        parts: list[int] = []
+        loading: dict[int, Int64Array] = {}
+        at_part = 0
+        for c, layout in enumerate(self.layouts):
             assert layout is not None
+            parts.append(at_part)
+            if c in self.flat:  # whole offsets buffers of the batches not read yet
+                new = np.unique(batches[~self.loaded[c][batches]])
+                at, size = self._buffer(new, layout.offsets)
+                whole = (self.source.rows[new] + 1) * layout.width
+                self._check(new, whole, size, "the offsets")
+                loading[c] = new
+                starts.append(at)
+                lengths.append(whole)
+                at_part += int(whole.sum())
+                continue
             if layout.kind == "var":
                 at, size = self._buffer(batches, layout.offsets)
                 offset, length = rows * layout.width, 2 * layout.width
@@ -154,26 +187,39 @@ class RowPicker:
             self._check(batches, offset + length, size, "a row")
             starts.append(at + offset)
             lengths.append(np.full(rows.size, length, dtype=np.int64))
-        return Picks(batches, rows, np.concatenate(starts), np.concatenate(lengths))
+            at_part += rows.size * length
+        return Picks(batches, rows, np.concatenate(starts), np.concatenate(lengths), parts, loading)
 
-    def _blocks(self, picks: Picks) -> list[int]:
-        """Where each column's part of the first read starts in its buffer."""
-        per_column = picks.lengths.reshape(len(self.layouts), -1).sum(axis=1)
-        starts: list[int] = (np.cumsum(per_column) - per_column).tolist()
-        return starts
+    def _offsets(
+        self, c: int, layout: Layout, picks: Picks, picked: npt.NDArray[np.uint8]
+    ) -> tuple[Int64Array, Int64Array]:
+        """Each picked row's two offsets in column ``c``: from the first read, or from the
+        kept offsets (those the first read brought whole put there first)."""
+        dtype = "<i4" if layout.width == 4 else "<i8"
+        at = picks.parts[c]
+        if c not in self.flat:
+            count = 2 * picks.rows.size
+            pairs = np.frombuffer(picked, dtype=dtype, count=count, offset=at).astype(np.int64)
+            return pairs[0::2], pairs[1::2]
+        new = picks.loading[c]
+        if new.size:
+            counts = self.source.rows[new] + 1
+            values = np.frombuffer(picked, dtype=dtype, count=int(counts.sum()), offset=at)
+            first = np.repeat(self.flat_base[new] - (np.cumsum(counts) - counts), counts)
+            self.flat[c][first + np.arange(values.size)] = values
+            self.loaded[c][new] = True
+        row = self.flat_base[picks.batches] + picks.rows
+        return self.flat[c][row], self.flat[c][row + 1]
 
     def second(self, picks: Picks, picked: npt.NDArray[np.uint8]) -> tuple[Int64Array, Int64Array]:
         """The second plan: the values of the variable-length columns' rows, whose offsets
         ``picked`` (the first read's bytes) holds."""
         starts, lengths = [], []
-        n = picks.rows.size
-        for c, (layout, at) in enumerate(zip(self.layouts, self._blocks(picks), strict=True)):
+        for c, layout in enumerate(self.layouts):
             assert layout is not None
             if layout.kind != "var":
                 continue
-            dtype = "<i4" if layout.width == 4 else "<i8"
-            pairs = np.frombuffer(picked, dtype=dtype, count=2 * n, offset=at).astype(np.int64)
-            begin, end = pairs[0::2], pairs[1::2]
+            begin, end = self._offsets(c, layout, picks, picked)
             data, size = self._buffer(picks.batches, layout.values)
             bad = np.flatnonzero((begin < 0) | (end < begin))
             if bad.size:
@@ -200,7 +246,7 @@ class RowPicker:
         n = picks.rows.size
         out: dict[str, Any] = {}
         value_at = 0
-        for c, (layout, at) in enumerate(zip(self.layouts, self._blocks(picks), strict=True)):
+        for c, (layout, at) in enumerate(zip(self.layouts, picks.parts, strict=True)):
             assert layout is not None
             column = self.source.selected[c]
             kind = column.kind
