@@ -7,7 +7,9 @@ boolean's byte, a fixed-size list's ``size * width``); a string's or a list's tw
 ``row * 4`` (``* 8`` when large) of its offsets buffer, then, in a second read, the values
 between them. Every selected column of every row of a group is one range of the first plan,
 every variable-length one a range of the second; the engine coalesces neighbours as for any
-read. Offsets read are checked against their buffer's bounds (a FormatError names the file
+read. Where the offsets of all record batches fit in :data:`OFFSETS_CACHE` bytes, a record
+batch's whole offsets buffer is read the first time one of its rows is, and kept: its later
+rows need no offsets read. Offsets read are checked against their buffer's bounds (a FormatError names the file
 and byte), and pyarrow validates the arrays built from the bytes.
 
 Record batches with a compressed body, or with nulls in a selected column (a validity bit
