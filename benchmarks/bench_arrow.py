@@ -56,7 +56,7 @@ RECORD_BATCH = 1000
 
 def write_folder(folder: Path, args: argparse.Namespace) -> int:
     """The ``save_to_disk`` folder; returns the tokens written."""
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     rng = np.random.default_rng(0)
     lengths = rng.geometric(1 / args.mean_tokens, args.rows).astype(np.int64)
@@ -74,7 +74,9 @@ def write_folder(folder: Path, args: argparse.Namespace) -> int:
     return int(offsets[-1])
 
 
-def read(batches: Iterator[Any], limit: int, tokens_of: Callable[[Any], int]) -> dict[str, float]:
+def read(
+    batches: Iterator[Any], limit: int, tokens_of: Callable[[Any], tuple[int, int]]
+) -> dict[str, float]:
     """Reads ``limit`` batches (from the first ``next()``): seconds, rows, tokens, first."""
     start = time.perf_counter()
     first, tokens, rows = 0.0, 0, 0

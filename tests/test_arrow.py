@@ -491,8 +491,8 @@ def test_dictionary_columns_refused_unless_left_out(tmp_path: Path) -> None:
 def test_corrupt_offsets_are_an_error_never_wrong_rows(offsets: str, tmp_path: Path) -> None:
     table = pa.table({"id": pa.array(np.arange(20)), "text": pa.array(["ab"] * 20)})
     data = bytearray(ipc_bytes(table, 20, "stream"))
-    offsets = np.arange(0, 42, 2, dtype="<i4").tobytes()
-    at = bytes(data).index(offsets)
+    text_offsets = np.arange(0, 42, 2, dtype="<i4").tobytes()
+    at = bytes(data).index(text_offsets)
     data[at + 4 * 5 : at + 4 * 6] = (10**6).to_bytes(4, "little")  # row 5's end, far out
     (tmp_path / "a.arrow").write_bytes(bytes(data))
     dataset = ab.open_dataset(str(tmp_path))

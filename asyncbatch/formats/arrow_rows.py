@@ -9,8 +9,9 @@ between them. Every selected column of every row of a group is one range of the 
 every variable-length one a range of the second; the engine coalesces neighbours as for any
 read. Where the offsets of all record batches fit in :data:`OFFSETS_CACHE` bytes, a record
 batch's whole offsets buffer is read the first time one of its rows is, and kept: its later
-rows need no offsets read. Offsets read are checked against their buffer's bounds (a FormatError names the file
-and byte), and pyarrow validates the arrays built from the bytes.
+rows need no offsets read. Offsets read are checked against their buffer's bounds (a
+FormatError names the file and byte), and pyarrow validates the arrays built from the
+bytes.
 
 Record batches with a compressed body, or with nulls in a selected column (a validity bit
 per row would be one more read each), are read whole instead (:class:`RowPicker.readable`).
