@@ -534,3 +534,22 @@ def test_options_and_explicit_format(tmp_path: Path) -> None:
     dataset = ab.open_dataset(str(tmp_path / "a.arrow"), format="arrow")
     assert dataset.manifest.total_elements == 40
     assert ab.open_dataset(str(tmp_path / "*.arrow")).manifest.total_elements == 80
+
+
+@pytest.mark.parametrize("shuffle", ["block", True])
+def test_a_mixture_of_two_arrow_datasets(shuffle: Any, tmp_path: Path) -> None:
+    for name, first in (("a", 0), ("b", 100)):
+        (tmp_path / name).mkdir()
+        data = ipc_bytes(make_table(first, 30), 7, "stream" if name == "a" else "file")
+        (tmp_path / name / "p.arrow").write_bytes(data)
+    blend = ab.mix([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], samples=40)
+    with ab.Loader(blend, batch_size=8, shuffle=shuffle) as loader:
+        ids = []
+        for batch in loader:
+            assert batch["text"].to_pylist() == [
+                f"row {i} " + "é" * (i % 3) for i in batch["id"].tolist()
+            ]
+            ids += batch["id"].tolist()
+    assert len(ids) == 40
+    assert {i // 100 for i in ids} == {0, 1}  # rows of both
+    assert all(i % 100 < 30 for i in ids)
