@@ -534,6 +534,13 @@ def test_options_and_explicit_format(tmp_path: Path) -> None:
     dataset = ab.open_dataset(str(tmp_path / "a.arrow"), format="arrow")
     assert dataset.manifest.total_elements == 40
     assert ab.open_dataset(str(tmp_path / "*.arrow")).manifest.total_elements == 80
+    (tmp_path / "splits").mkdir()  # a DatasetDict: one folder per split
+    good_files(tmp_path / "splits" / "train")
+    good_files(tmp_path / "splits" / "test")
+    (tmp_path / "splits" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(ConfigError, match=r"DatasetDict .*open one split's folder"):
+        ab.open_dataset(str(tmp_path / "splits"))
+    assert ab.open_dataset(str(tmp_path / "splits" / "train")).manifest.total_elements == 80
 
 
 @pytest.mark.parametrize("shuffle", ["block", True])

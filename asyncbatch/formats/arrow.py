@@ -67,6 +67,8 @@ FORMAT = "arrow"
 SUFFIXES = (".arrow", ".feather")
 #: What ``Dataset.save_to_disk`` writes beside its data files; it names them in order.
 STATE = "state.json"
+#: What ``DatasetDict.save_to_disk`` writes beside one folder per split.
+DATASET_DICT = "dataset_dict.json"
 #: Bytes read from the end of every file at open: a footer, or all of a small file.
 TAIL_PROBE = 64 << 10
 #: Bytes read from the start of a stream: its schema and the first headers.
@@ -134,6 +136,15 @@ async def arrow_files(
     named = await _state_files(store, url)
     if named is not None:
         return url, named
+    try:  # a DatasetDict's folder: its splits' files are not one dataset
+        await store.size(join_url(url, DATASET_DICT))
+    except (NotFoundError, NotADirectoryError, IsADirectoryError):
+        pass
+    else:
+        raise ConfigError(
+            f"{url} holds a DatasetDict ({DATASET_DICT}): open one split's folder, such as"
+            f" {join_url(url, 'train')}"
+        )
     return await parquet_files(url, store, known, SUFFIXES, FORMAT)
 
 
