@@ -560,3 +560,16 @@ def test_a_mixture_of_two_arrow_datasets(shuffle: Any, tmp_path: Path) -> None:
     assert len(ids) == 40
     assert {i // 100 for i in ids} == {0, 1}  # rows of both
     assert all(i % 100 < 30 for i in ids)
+
+
+def test_inspect_lists_record_batches_and_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "p.arrow").write_bytes(ipc_bytes(make_table(0, 30), 7, "stream"))
+    from asyncbatch.cli import main
+
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "format    arrow" in out
+    assert "record batches: 5" in out
+    assert "tokens: list<item: int32>\n" in out
