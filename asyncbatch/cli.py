@@ -149,8 +149,11 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  {shard.path}  {human_bytes(shard.nbytes)}  {shard.elements:,} elements")
     if len(manifest.shards) > args.shards:
         print(f"  ... {len(manifest.shards) - args.shards} more")
-    if manifest.format == "parquet":  # files read in place: their row groups and columns
-        print(f"row groups: {manifest.metadata['row_groups']}")
+    if manifest.format in ("parquet", "arrow"):  # read in place: their blocks and columns
+        if manifest.format == "parquet":
+            print(f"row groups: {manifest.metadata['row_groups']}")
+        else:
+            print(f"record batches: {manifest.metadata['record_batches']}")
         print("columns:")
         for name, kind in manifest.metadata["types"].items():
             chosen = "" if name in manifest.metadata["columns"] else "  (not selected)"

@@ -122,8 +122,9 @@ def test_the_built_in_formats_are_registered() -> None:
         "metadata_stream",
         "llmbatch",
         "parquet",
+        "arrow",
     }
     names = [o.name for o in registry.openers()]
-    assert names == ["megatron", "npy", "raw", "llmbatch", "parquet"]
+    assert names == ["megatron", "npy", "raw", "llmbatch", "parquet", "arrow"]
     with pytest.raises(TypeError):
         registry.FORMATS["x"] = token_windows  # type: ignore[index]

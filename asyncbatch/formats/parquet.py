@@ -35,7 +35,7 @@ import fnmatch
 import io
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -79,7 +79,7 @@ def pyarrow_modules() -> tuple[Any, Any]:
         import pyarrow.parquet
     except ImportError as exc:
         raise ConfigError(
-            "Parquet datasets need pyarrow: pip install 'asyncbatch[parquet]'"
+            "Parquet and Arrow datasets need pyarrow: pip install 'asyncbatch[parquet]'"
         ) from exc
     return pyarrow, pyarrow.parquet
 
@@ -98,8 +98,14 @@ async def probe_parquet(url: str, store: Store) -> bool:
     return may_list(url) and bool(await _walk(store, url))
 
 
-async def _walk(store: Store, url: str, known: dict[str, ObjectInfo] | None = None) -> list[str]:
-    """``.parquet`` files under ``url``, recursively (into names without a dot: folders;
+async def _walk(
+    store: Store,
+    url: str,
+    known: dict[str, ObjectInfo] | None = None,
+    suffixes: tuple[str, ...] = (SUFFIX,),
+) -> list[str]:
+    """``.parquet`` files (names ending in one of ``suffixes``) under ``url``, recursively
+    (into names without a dot: folders;
     names starting with ``.`` or ``_``, such as ``_SUCCESS``, are skipped). A store whose
     listing tells sizes and versions (:class:`~asyncbatch.stores.base.ListsInfo`) puts
     them in ``known``: those files' footers are then read without a stat or a suffix."""
@@ -115,38 +121,43 @@ async def _walk(store: Store, url: str, known: dict[str, ObjectInfo] | None = No
         name = child.rstrip("/").rpartition("/")[2]
         if child.rstrip("/") == url.rstrip("/") or name.startswith((".", "_")):
             continue
-        if name.endswith(SUFFIX):
+        if name.endswith(suffixes):
             files.append(child)
             if known is not None and info is not None:
                 known[child] = info
         elif "." not in name and may_list(child + "/"):
             folders.append(child)
-    for nested in await gather_limited(_walk(store, folder, known) for folder in folders):
+    for nested in await gather_limited(_walk(store, folder, known, suffixes) for folder in folders):
         files.extend(nested)
     return files
 
 
 async def parquet_files(
-    url: str, store: Store, known: dict[str, ObjectInfo] | None = None
+    url: str,
+    store: Store,
+    known: dict[str, ObjectInfo] | None = None,
+    suffixes: tuple[str, ...] = (SUFFIX,),
+    format: str = FORMAT,
 ) -> tuple[str, list[str]]:
     """The dataset root and its files, in natural order: ``url`` itself, the files matching a
-    glob, or every ``.parquet`` under a folder or prefix (sizes and versions the listing
-    tells go in ``known``, see :func:`_walk`)."""
+    glob, or every ``.parquet`` (name ending in one of ``suffixes``, of format ``format``)
+    under a folder or prefix (sizes and versions the listing tells go in ``known``, see
+    :func:`_walk`)."""
     url = url.rstrip("/")
     match = _GLOB.search(url)
-    if match is None and url.endswith(SUFFIX):
+    if match is None and url.endswith(suffixes):
         return parent_and_name(url)[0], [url]
     root = url[: match.start()].rpartition("/")[0] if match else url
     if not may_list(root + "/") or not may_list(url + "/"):
         raise ConfigError(
             f"{url}: this store cannot list a folder; name the files instead:"
-            " ab.open_dataset([url, ...], format='parquet')"
+            f" ab.open_dataset([url, ...], format={format!r})"
         )
-    found = await _walk(store, root, known)
+    found = await _walk(store, root, known, suffixes)
     if match is not None:
         found = [u for u in found if fnmatch.fnmatchcase(u, url)]
     if not found:
-        raise NotFoundError(f"no {SUFFIX} files at {url}", url)
+        raise NotFoundError(f"no {' or '.join(suffixes)} files at {url}", url)
     return root, sorted(found, key=lambda u: natural_key(u[len(root) :]))
 
 
@@ -667,6 +678,31 @@ def _to_field(array: Any, fill: bool, pa: Any) -> Any:
     return _numbers(array)
 
 
+class RowGroups(Protocol):
+    """What :class:`PackedParquet` reads through: blocks of rows (Parquet row groups, Arrow
+    record batches) of one list column, read and decoded whole."""
+
+    datasets: Sequence[Dataset]
+    shard_urls: Sequence[str]
+    shard_dataset: Int64Array
+    schema: dict[str, FieldSchema]
+    #: Rows, file, number in the file and cumulative row ends of every block.
+    rows: Int64Array
+    rg_file: Int64Array
+    rg_local: Int64Array
+    ends: Int64Array
+    #: The column's leaf (its index among the format's leaves).
+    leaves: Int64Array
+
+    async def read_groups(
+        self, needed: Int64Array, read: ReadFn, gap: int
+    ) -> tuple[npt.NDArray[np.uint8], Int64Array]: ...
+
+    def decode_groups(
+        self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array
+    ) -> Any: ...
+
+
 class PackedParquet:
     """Token windows over a list column's documents one after another, with the documents'
     boundaries inside each (``cu_seqlens``, ``document_ids``, ``position_ids``), exactly as
@@ -713,7 +749,7 @@ class PackedParquet:
             raise ConfigError(
                 f"format_options column={column!r}: the files hold {list(metadata['types'])}"
             )
-        self.rows = ParquetRows(datasets, [column])
+        self.rows: RowGroups = self.row_groups(datasets, column)
         kind = self.rows.schema[column]
         if not kind.nested or kind.dtype.startswith("float"):
             raise ConfigError(
@@ -748,15 +784,21 @@ class PackedParquet:
             self.schema["document_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
             self.schema["position_ids"] = FieldSchema(dtype="int64", shape=(self.window,))
 
+    def row_groups(self, datasets: Sequence[Dataset], column: str) -> RowGroups:
+        """The rows read, of the one column packed (another format's packer overrides it)."""
+        return ParquetRows(datasets, [column])
+
     def _token_counts(self, leaf: int) -> tuple[Int64Array, npt.NDArray[np.bool_]]:
         """Tokens of every row group (value count less null count, from the footers), and
         whether its footer had the null count (else its value count stands, unchecked)."""
+        rows = self.rows
+        assert isinstance(rows, ParquetRows)
         values = np.concatenate([d.arrays[VALUES][:, leaf] for d in self.datasets])
         nulls = np.zeros_like(values)
         counted = np.ones(values.shape, dtype=np.bool_)
-        files, local = self.rows.rg_file.tolist(), self.rows.rg_local.tolist()
+        files, local = rows.rg_file.tolist(), rows.rg_local.tolist()
         for at, (file, g) in enumerate(zip(files, local, strict=True)):
-            stats = self.rows._file_metadata(file).row_group(g).column(leaf).statistics
+            stats = rows._file_metadata(file).row_group(g).column(leaf).statistics
             if stats is not None and stats.has_null_count:
                 nulls[at] = stats.null_count
             else:

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .arrow import ARROW_OPENER, arrow_rows
 from .base import Opener, Source, SourceFactory
 from .documents import documents, load_document_index
 from .llmbatch import OPENER as LLMBATCH_OPENER
@@ -128,6 +129,7 @@ def _register_builtin_formats() -> None:
     register_format("raw", opener=RAW_OPENER)
     register_format("llmbatch", source=llmbatch_records, opener=LLMBATCH_OPENER)
     register_format("parquet", source=parquet_rows, opener=PARQUET_OPENER)
+    register_format("arrow", source=arrow_rows, opener=ARROW_OPENER)
 
 
 _register_builtin_formats()
