@@ -47,10 +47,12 @@ _BUILTIN: dict[str, str] = {
     "s3a": "asyncbatch.stores.s3:s3_store",
     "http": "asyncbatch.stores.http:http_store",
     "https": "asyncbatch.stores.http:http_store",
+    "gs": "asyncbatch.stores.gcs:gcs_store",
+    "gcs": "asyncbatch.stores.gcs:gcs_store",
 }
 
 #: The extra that installs a built-in store's packages.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}
+_EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http", "gs": "gcs", "gcs": "gcs"}
 
 _registry: dict[str, StoreFactory | str] = dict(_BUILTIN)
 #: Schemes found served by fsspec (and no entry point) at their first use.
