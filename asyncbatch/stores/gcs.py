@@ -393,15 +393,21 @@ class GcsStore:
             except ShortReadError:  # 416
                 return None
             answer = None
+            generation = response.headers.get("x-goog-generation") or None
+            content_range = response.headers.get("Content-Range") or ""
+            if content_range.endswith("/0") and not response.content_length:
+                # An empty object (fake-gcs-server answers "bytes 0--1/0"): no bytes, size 0.
+                response.release()
+                return TailAnswer(bytearray(), 0, generation)
             try:
                 answer = await receive_tail(
                     lambda: response.content.read(CHUNK),
                     url,
                     length,
                     response.status,
-                    response.headers.get("Content-Range"),
+                    content_range,
                     response.content_length,
-                    response.headers.get("x-goog-generation") or None,
+                    generation,
                     self.retry.idle_timeout,
                 )
             finally:

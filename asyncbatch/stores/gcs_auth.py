@@ -49,8 +49,10 @@ _NO_CREDENTIALS = (
     " for a public bucket"
 )
 
-#: Default credentials by (kind, scope), shared by every store of the process.
-_found: dict[tuple[str, str], Any] = {}
+#: Environment variables that say where default credentials are.
+_WHERE = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_HOST")
+#: Default credentials by (kind, scope, _WHERE's values), shared by the process's stores.
+_found: dict[tuple[str | None, ...], Any] = {}
 _found_lock = threading.Lock()
 #: One token refresh at a time in the process (one an hour per credentials object).
 _refresh_lock = threading.Lock()
@@ -113,7 +115,8 @@ class GcsCredentials:
         token, scopes = self._token, [self._scope]
         try:
             if isinstance(token, str) and token in ("google_default", "cloud"):
-                key = (token, self._scope)
+                # Looked up again when the variables that say where they are change.
+                key = (token, self._scope, *map(os.environ.get, _WHERE))
                 with _found_lock:
                     if key not in _found:
                         if token == "cloud":
