@@ -62,7 +62,11 @@ async def open_dataset_async(
                 return await opener.open(url, store, store_options, extra)
         if not known_openers:
             raise missing
-        looked = [f"no manifest ({missing.url} not found)"]
+        # A store's reason beyond "not found" (GCS: the bucket does not exist) is kept.
+        cause = missing.__cause__ if isinstance(missing.__cause__, NotFoundError) else missing
+        why = str(getattr(cause, "detail", "") or "not found")
+        why = f"{missing.url} not found" if why.startswith("not found") else f"{why}: {missing.url}"
+        looked = [f"no manifest ({why})"]
         looked += [opener.probes_for for opener in known_openers if opener.probe is not None]
         names = ", ".join(repr(opener.name) for opener in known_openers)
         raise NotFoundError(

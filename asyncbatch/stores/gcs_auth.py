@@ -15,7 +15,8 @@
 
 A token is fetched (or refreshed, before it expires) in a worker thread, one refresh at a
 time in the process, each of google-auth's HTTP requests bounded by the store's
-connect and first-byte timeouts; default credentials are looked up once per process.
+connect and first-byte timeouts; credentials are loaded once per process (and per key file,
+``token=`` dict, or values of the variables that say where default ones are).
 Failures are typed: no credentials found or a token refused is a
 :class:`~asyncbatch.errors.CredentialsError` naming the fix; a token endpoint that cannot
 be reached, a retryable :class:`~asyncbatch.errors.StoreError`.
@@ -24,6 +25,7 @@ be reached, a retryable :class:`~asyncbatch.errors.StoreError`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -51,8 +53,8 @@ _NO_CREDENTIALS = (
 
 #: Environment variables that say where default credentials are.
 _WHERE = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_HOST")
-#: Default credentials by (kind, scope, _WHERE's values), shared by the process's stores.
-_found: dict[tuple[str | None, ...], Any] = {}
+#: Credentials by where they come from and their scope, shared by the process's stores.
+_found: dict[tuple[object, ...], Any] = {}
 _found_lock = threading.Lock()
 #: One token refresh at a time in the process (one an hour per credentials object).
 _refresh_lock = threading.Lock()
@@ -82,14 +84,40 @@ def check_token(token: object) -> None:
         )
 
 
+def _from_info(info: object, scopes: list[str], what: str) -> Any:
+    """Credentials from a key file's JSON: a service account's key, or an authorized user's
+    (``gcloud auth application-default login``); other kinds through
+    ``GOOGLE_APPLICATION_CREDENTIALS`` or a Credentials object."""
+    kind = info.get("type") if isinstance(info, dict) else None
+    try:
+        if kind == "service_account":
+            from google.oauth2 import service_account
+
+            account: Any = service_account.Credentials  # untyped classmethods
+            return account.from_service_account_info(info, scopes=scopes)
+        if kind == "authorized_user":
+            from google.oauth2 import credentials
+
+            user: Any = credentials.Credentials
+            return user.from_authorized_user_info(info, scopes=scopes)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{what} is not a valid {kind} key: {exc}") from exc
+    raise ConfigError(
+        f"{what} holds credentials of type {kind!r}: token= takes service_account and"
+        " authorized_user keys; for other kinds set GOOGLE_APPLICATION_CREDENTIALS to the file"
+        " or pass a google.auth Credentials object"
+    )
+
+
 def _timed_request(timeout: float) -> Any:
     """google-auth's ``requests`` transport with every request bounded by ``timeout``."""
     from google.auth.transport.requests import Request
 
-    class TimedRequest(Request):  # type: ignore[misc]
+    class TimedRequest(Request):
         def __call__(self, url: str, method: str = "GET", *args: Any, **kwargs: Any) -> Any:
             kwargs["timeout"] = min(float(kwargs.get("timeout") or timeout), timeout)
-            return super().__call__(url, method, *args, **kwargs)
+            call: Any = super().__call__  # untyped
+            return call(url, method, *args, **kwargs)
 
     return TimedRequest()
 
@@ -108,34 +136,52 @@ class GcsCredentials:
         self.anonymous = token == "anon"
 
     def _load(self) -> Any:
-        """The google-auth credentials (blocking: run in a thread)."""
-        import google.auth
+        """The google-auth credentials (blocking: run in a thread), shared by every store of
+        the process that names the same ones, so that each new store (each run of a
+        loader) reuses their token."""
         from google.auth import exceptions
 
-        token, scopes = self._token, [self._scope]
-        try:
-            if isinstance(token, str) and token in ("google_default", "cloud"):
-                # Looked up again when the variables that say where they are change.
-                key = (token, self._scope, *map(os.environ.get, _WHERE))
-                with _found_lock:
-                    if key not in _found:
-                        if token == "cloud":
-                            from google.auth import compute_engine
+        token = self._token
+        if not isinstance(token, str | os.PathLike | Mapping):
+            return token  # a Credentials object: the caller's own
+        key: tuple[object, ...]
+        if isinstance(token, Mapping):
+            key = ("info", json.dumps(token, sort_keys=True, default=str))
+        elif token in ("google_default", "cloud"):
+            # Looked up again when the variables that say where they are change.
+            key = (token, *map(os.environ.get, _WHERE))
+        else:
+            path = Path(token).expanduser()
+            key = ("file", str(path), path.stat().st_mtime_ns if path.exists() else None)
+        key = (*key, self._scope)
+        with _found_lock:
+            if key not in _found:
+                try:
+                    _found[key] = self._find(token)
+                except exceptions.DefaultCredentialsError as exc:
+                    reason = " ".join(str(exc).split())
+                    raise CredentialsError(_NO_CREDENTIALS.format(reason=reason)) from exc
+            return _found[key]
 
-                            _found[key] = compute_engine.Credentials(scopes=scopes)
-                        else:
-                            request = _timed_request(self._timeout)
-                            _found[key] = google.auth.default(scopes=scopes, request=request)[0]
-                    return _found[key]
-            if isinstance(token, Mapping):
-                return google.auth.load_credentials_from_dict(dict(token), scopes=scopes)[0]
-            if isinstance(token, str | os.PathLike):
-                path = str(Path(token).expanduser())
-                return google.auth.load_credentials_from_file(path, scopes=scopes)[0]
-        except exceptions.DefaultCredentialsError as exc:
-            reason = " ".join(str(exc).split())
-            raise CredentialsError(_NO_CREDENTIALS.format(reason=reason)) from exc
-        return token  # a Credentials object
+    def _find(self, token: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
+        scopes = [self._scope]
+        if isinstance(token, Mapping):
+            return _from_info(dict(token), scopes, "the token= dict")
+        if token == "cloud":
+            from google.auth import compute_engine
+
+            metadata: Any = compute_engine.Credentials
+            return metadata(scopes=scopes)
+        if token == "google_default":
+            import google.auth
+
+            return google.auth.default(scopes=scopes, request=_timed_request(self._timeout))[0]
+        path = Path(token).expanduser()
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"token={str(token)!r}: not a JSON key file ({exc})") from exc
+        return _from_info(info, scopes, f"the key file {str(path)!r}")
 
     def _refresh(self, credentials: Any) -> None:
         """Fetch a new token unless another thread just did (blocking)."""
