@@ -189,6 +189,18 @@ class GcsCredentials:
             if not credentials.valid:
                 credentials.refresh(_timed_request(self._timeout))
 
+    def ready(self) -> dict[str, str] | None:
+        """The headers while the token is valid (no await on the path of every request);
+        None when :meth:`headers` must fetch one."""
+        if self.anonymous:
+            return {}
+        credentials = self._credentials
+        if credentials is None or not credentials.valid:
+            return None
+        headers: dict[str, str] = {}
+        credentials.apply(headers)
+        return headers
+
     async def headers(self, url: str) -> dict[str, str]:
         """``Authorization`` (and a quota project's header), fetching a token if needed."""
         if self.anonymous:
