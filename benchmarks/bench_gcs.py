@@ -204,11 +204,11 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="proxy delay per request")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
-    import gcsfs
+    from importlib.metadata import version
 
     print(
         f"bench_gcs at {git_revision()} ({datetime.date.today()}), {platform.python_version()},"
-        f" gcsfs {gcsfs.__version__}, {args.size_mb} MiB, {args.inflight} in flight,"
+        f" gcsfs {version('gcsfs')}, {args.size_mb} MiB, {args.inflight} in flight,"
         f" {args.batches} batches of {BATCH_SIZE} x {SEQ_LEN}, delay {args.delay_ms:g} ms"
     )
     tokens = np.random.default_rng(0).integers(

@@ -59,6 +59,15 @@ def fails(
     return caught.value
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """What opening a dataset imports (torch, the formats) loaded before anything is timed:
+    the bounds are for the checks, not for a first import on a loaded machine."""
+    import asyncbatch.loader
+    import asyncbatch.open
+    import asyncbatch.stores.gcs  # noqa: F401
+
+
 @pytest.fixture(scope="module")
 def dataset_url(gcs_endpoint: str) -> str:
     url = f"gs://{BUCKET}/misconfig/tokens"
@@ -109,6 +118,14 @@ def test_unknown_storage_option_names_the_closest(
 def test_bad_option_values_fail_at_once(entry: Entry, options: dict[str, Any], named: str) -> None:
     error = fails(ab.ConfigError, lambda: entry(f"gs://{BUCKET}/x", options), OPTION_TYPO)
     assert named in str(error)
+
+
+@pytest.mark.parametrize(
+    ("url", "fixed"), [("gs:/bucket/tokens", "gs://bucket/tokens"), ("GS://b/t", "gs://b/t")]
+)
+def test_malformed_urls_are_refused_with_the_fix(entry: Entry, url: str, fixed: str) -> None:
+    error = fails(ab.ConfigError, lambda: entry(url, {}), OPTION_TYPO)
+    assert url in str(error) and f"use {fixed}" in str(error)
 
 
 def test_invalid_bucket_name_is_a_config_error(entry: Entry, gcs_endpoint: str) -> None:

@@ -17,6 +17,8 @@ A token is fetched (or refreshed, before it expires) in a worker thread, one ref
 time in the process, each of google-auth's HTTP requests bounded by the store's
 connect and first-byte timeouts; credentials are loaded once per process (and per key file,
 ``token=`` dict, or values of the variables that say where default ones are).
+Token requests are google-auth's own, with its own few retries of a token endpoint's
+transient errors (the storage requests themselves are retried by the store's stack alone).
 Failures are typed: no credentials found or a token refused is a
 :class:`~asyncbatch.errors.CredentialsError` naming the fix; a token endpoint that cannot
 be reached, a retryable :class:`~asyncbatch.errors.StoreError`.
