@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -338,3 +341,103 @@ def test_a_missing_key_file_in_the_environment_is_named(
         AT_ONCE,
     )
     assert str(missing) in str(error)
+
+
+class MetadataHandler(BaseHTTPRequestHandler):
+    """The metadata server of a Compute Engine VM, as google-auth asks it."""
+
+    server: MetadataServer
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        root = "/computeMetadata/v1/"
+        body: object
+        if path == "/":
+            body = "ok"  # google-auth's ping: it checks the Metadata-Flavor header
+        elif path == root + "project/project-id":
+            body = "test-project"
+        elif path == root + "universe/universe-domain":
+            body = "googleapis.com"
+        elif path.startswith(root + "instance/service-accounts/") and path.endswith("/token"):
+            with self.server.lock:
+                self.server.tokens += 1
+            body = {"access_token": "metadata-token", "expires_in": 3600, "token_type": "Bearer"}
+        elif path.startswith(root + "instance/service-accounts/"):
+            body = {"email": "vm@test-project.iam.gserviceaccount.com", "aliases": ["default"]}
+        else:
+            self.send_error(404)
+            return
+        json_body = not isinstance(body, str)
+        data = (json.dumps(body) if json_body else str(body)).encode()
+        self.send_response(200)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", "application/json" if json_body else "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class MetadataServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), MetadataHandler)
+        self.lock = threading.Lock()
+        self.tokens = 0
+
+
+METADATA_CHILD = """
+import sys
+
+import asyncbatch as ab
+
+if __name__ == "__main__":
+    url, endpoint = sys.argv[1:]
+    # Application Default Credentials (found on the metadata server), then token="cloud".
+    for options in ({"endpoint_url": endpoint}, {"endpoint_url": endpoint, "token": "cloud"}):
+        print(ab.open_dataset(url, options).manifest.total_elements)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_metadata_server_gives_credentials(
+    dataset_url: str, proxy: FaultServer, tmp_path: Path
+) -> None:
+    # google-auth reads where the metadata server is when it is imported: a new process.
+    server = MetadataServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    script = tmp_path / "child.py"
+    script.write_text(METADATA_CHILD)
+    host = f"127.0.0.1:{server.server_address[1]}"
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "NO_GCE_CHECK")
+    }
+    env.update(
+        GCE_METADATA_HOST=host,
+        GCE_METADATA_IP=host,
+        CLOUDSDK_CONFIG=str(tmp_path / "no-gcloud"),
+        PYTHONPATH=os.pathsep.join(sys.path),
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), dataset_url, proxy.url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=100,
+            check=False,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(TOKENS.size)] * 2
+    assert authorization(proxy) == {"Bearer metadata-token"}
+    assert server.tokens == 2  # one for each kind of credentials
