@@ -98,6 +98,7 @@ def read(proxy: FaultServer, url: str, start: int, end: int, **kwargs: Any) -> b
 RETRIED = {
     "503": Fault(status=503),
     "500": Fault(status=500),
+    "408": Fault(status=408),
     "429": Fault(status=429, retry_after=0.01),
     "stall": Fault(stall=FOREVER),
     "slow-headers": Fault(delay=FOREVER),

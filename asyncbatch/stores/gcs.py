@@ -266,7 +266,10 @@ class GcsStore:
             return await self._not_found(url, start, end, message)
         if message and status != 416:
             reason = f"{reason}: {message}" if reason else message
-        return status_error(status, reason, url, start, end, retry_after=retry_after)
+        error = status_error(status, reason, url, start, end, retry_after=retry_after)
+        if status == 408:  # GCS's request timeout: its guidelines say to retry it
+            error.retryable = True  # type: ignore[attr-defined]
+        return error
 
     async def _not_found(
         self, url: str, start: int | None, end: int | None, message: str
