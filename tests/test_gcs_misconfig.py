@@ -5,6 +5,7 @@ and sent to fake-gcs-server (through the fault server, which logs every header).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -24,6 +25,7 @@ from faults import FaultServer, fault_server
 from servers import free_port
 
 import asyncbatch as ab
+from asyncbatch.stores import open_store
 
 #: Errors no retry can fix come from the first attempt (the bound leaves room for a loaded
 #: machine; retried, they would take the default policy's 30 s).
@@ -142,6 +144,18 @@ def test_a_missing_bucket_says_so(entry: Entry, gcs_endpoint: str) -> None:
     error = fails(ab.NotFoundError, lambda: entry(url, gcs_options(gcs_endpoint)), AT_ONCE)
     assert "the bucket 'no-such-bucket' does not exist (HTTP 404)" in str(error)
     assert url in str(error)
+
+
+def test_a_url_without_an_object_is_a_config_error(gcs_endpoint: str) -> None:
+    async def size() -> int:
+        store = open_store(f"gs://{BUCKET}", gcs_options(gcs_endpoint))
+        try:
+            return await store.size(f"gs://{BUCKET}/")
+        finally:
+            await store.close()
+
+    with pytest.raises(ab.ConfigError, match=f"no object named in gs://{BUCKET}/"):
+        asyncio.run(size())
 
 
 def test_a_missing_object_is_not_found(gcs_endpoint: str) -> None:

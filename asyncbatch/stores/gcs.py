@@ -192,6 +192,8 @@ class GcsStore:
         found = self._urls.get(key)
         if found is None:
             bucket, name = split_url(url)
+            if not name:
+                raise ConfigError(f"no object named in {url}: gs://bucket/path/to/object")
             if self._billing is not None:
                 query["userProject"] = self._billing
             path = f"{self.endpoint}/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}"
