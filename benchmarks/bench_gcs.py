@@ -16,6 +16,9 @@ separate process that holds each request that long); its own CPU then caps the r
 * ``gcsfs`` and ``gcsfs gap 0``: the same two, with ``gs`` registered to the fsspec store
   (``register_store("gs", fsspec_store, clobber=True)``), so gcsfs serves every request with
   the same storage options;
+* ``obstore adapter``: the same Loader over ``obstore+gs://`` URLs, served by the example
+  adapter (``examples/adapter``: Rust's ``object_store`` through obstore, one request per
+  range, the XML API), when it is installed;
 * ``built-in store`` and ``gcsfs store``: each store alone (``open_store``), as many random
   window-sized ranges of the first shard as the Loader lines read windows, one
   ``read_ranges`` call each, N at a time: what the transport costs per request.
@@ -38,6 +41,7 @@ import asyncio
 import contextlib
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -48,6 +52,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +72,8 @@ BUCKET = "bench"
 SHARD_SIZE = 64 * 2**20
 BUILT_IN = "asyncbatch.stores.gcs:gcs_store"
 FSSPEC = "asyncbatch.stores.fsspec_store:fsspec_store"
+#: The example adapter (examples/adapter: Rust's object_store), read as ``obstore+gs://``.
+OBSTORE = "obstore"
 LINES = {
     "built-in": (BUILT_IN, None),
     "built-in gap 0": (BUILT_IN, 0),
@@ -74,6 +81,7 @@ LINES = {
     "gcsfs gap 0": (FSSPEC, 0),
     "built-in store": (BUILT_IN, -1),
     "gcsfs store": (FSSPEC, -1),
+    "obstore adapter": (OBSTORE, None),
 }
 #: ``gap`` of the lines that time the store alone.
 STORE = -1
@@ -108,7 +116,9 @@ def fake_gcs_server() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory"]
-        + ["-host", "127.0.0.1", "-port", str(port), "-log-level", "error"],
+        + ["-host", "127.0.0.1", "-port", str(port), "-log-level", "error"]
+        # The XML API's path-style URLs (what obstore reads) are served for this host only.
+        + ["-public-host", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -132,7 +142,7 @@ def fake_gcs_server() -> Iterator[str]:
 
 def time_line(
     url: str,
-    options: dict[str, str],
+    options: dict[str, Any],
     tokens: npt.NDArray[np.uint16],
     args: argparse.Namespace,
     gap: int | None,
@@ -226,20 +236,27 @@ def main() -> None:
             if args.delay_ms > 0:
                 endpoint = stack.enter_context(running_proxy(endpoint, args.delay_ms / 1e3)).url
             options = {"endpoint_url": endpoint, "token": "anon"}
-            lines = {name: Line() for name in LINES}
             names = list(LINES)
+            if importlib.util.find_spec("asyncbatch_obstore") is None:
+                print("  (no obstore adapter line: pip install -e examples/adapter)")
+                names.remove("obstore adapter")
+            lines = {name: Line() for name in names}
             try:
                 shard = f"{url}/shard-00000.bin"
                 size = min(SHARD_SIZE, tokens.nbytes)
 
                 def measure(factory: str, gap: int | None) -> Sample:
+                    if factory == OBSTORE:
+                        adapter = {"base_url": endpoint, "skip_signature": True}
+                        adapter["client_options"] = {"allow_http": True}
+                        return time_line(f"obstore+{url}", adapter, tokens, args, gap)
                     ab.register_store("gs", factory, clobber=True)
                     if gap == STORE:
                         return time_store(shard, options, size, args)
                     return time_line(url, options, tokens, args, gap)
 
-                for factory, gap in LINES.values():  # warm-up: imports, first sessions
-                    measure(factory, gap)
+                for name in names:  # warm-up: imports, first sessions
+                    measure(*LINES[name])
                 for round_ in range(args.rounds):
                     order = names[round_ % len(names) :] + names[: round_ % len(names)]
                     for name in order:
