@@ -240,6 +240,11 @@ def main() -> None:
             if importlib.util.find_spec("asyncbatch_obstore") is None:
                 print("  (no obstore adapter line: pip install -e examples/adapter)")
                 names.remove("obstore adapter")
+            elif args.delay_ms > 0:
+                # The emulator serves the XML API's paths to its own host name only, and the
+                # proxy passes the client's Host header on.
+                print("  (no obstore adapter line behind the delay proxy)")
+                names.remove("obstore adapter")
             lines = {name: Line() for name in names}
             try:
                 shard = f"{url}/shard-00000.bin"

@@ -1,11 +1,14 @@
 """GCS transport: ``gs://`` (and ``gcs://``) over the JSON API with aiohttp, credentials from
 google-auth (:mod:`~asyncbatch.stores.gcs_auth`).
 
-Why not obstore's ``GCSStore`` (Rust ``object_store``), the obvious candidate: it hands back
-whole ranges, so a body that breaks off is fetched again from its start; it neither sends a
-generation as a precondition of a ranged GET nor reports the generation it read; its
-retries and timeouts are its own (a pause in a body cannot be told from a slow one); and its
-errors are strings to parse. Over aiohttp, the GCS store is the HTTP store's twin and shares
+Why not obstore's ``GCSStore`` (Rust ``object_store``), the obvious candidate, faster on the
+emulator (``benchmarks/bench_gcs.py``: its HTTP runs in Rust threads, off the GIL): its
+errors tell the status only in their text and carry no ``Retry-After``, so a throttled read
+cannot wait as long as GCS asks; a ranged GET can send an ETag (``If-Match``) or ask for one
+generation (a 404 once the object is replaced, which cannot be told from a deleted one), not
+``ifGenerationMatch``; its timeout bounds a whole request, not the pauses of a body; and a
+broken body is resumed only by streaming it from Python chunk by chunk, which gives back
+much of the speed. Over aiohttp, the GCS store is the HTTP store's twin and shares
 :mod:`~asyncbatch.stores.ranged` with it and with S3: every range checked against
 ``Content-Range``, a broken body resumed from its missing tail, connect / first-byte / idle
 timeouts, one attempt per call (the registry's stack retries under the
