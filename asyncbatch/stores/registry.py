@@ -50,11 +50,13 @@ _BUILTIN: dict[str, str] = {
     "az": "asyncbatch.stores.azure:azure_store",
     "abfs": "asyncbatch.stores.azure:azure_store",
     "abfss": "asyncbatch.stores.azure:azure_store",
+    "gs": "asyncbatch.stores.gcs:gcs_store",
+    "gcs": "asyncbatch.stores.gcs:gcs_store",
 }
 
 #: The extra that installs a built-in store's packages.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "http": "http", "https": "http"}
-_EXTRAS |= {"az": "azure", "abfs": "azure", "abfss": "azure"}
+_EXTRAS |= {"az": "azure", "abfs": "azure", "abfss": "azure", "gs": "gcs", "gcs": "gcs"}
 
 _registry: dict[str, StoreFactory | str] = dict(_BUILTIN)
 #: Schemes found served by fsspec (and no entry point) at their first use.

@@ -140,8 +140,12 @@ class TransportStore:
         #: The transport as :class:`Versioned`, if it is (checked once: a protocol
         #: ``isinstance`` costs microseconds, and a run stats every shard).
         self._versioned: Versioned | None = transport if isinstance(transport, Versioned) else None
+        #: The transport as :class:`ResumesRanges`, if it is (checked once: not per range).
+        self._resumer: ResumesRanges | None = (
+            transport if isinstance(transport, ResumesRanges) else None
+        )
         #: Whether the transport resumes ranges: the retrying layer then retries each one.
-        self.resumes = isinstance(transport, ResumesRanges)
+        self.resumes = self._resumer is not None
         self.coalesce_gap = (
             transport.coalesce_gap if isinstance(transport, Coalesces) else REMOTE_COALESCE_GAP
         )
@@ -226,8 +230,8 @@ class TransportStore:
         """One attempt of a :class:`ResumesRanges` transport at ``[start, end)``, from
         ``progress`` on: the pin sent as its precondition, the version its answer told
         pinned or compared with the pin, all the bytes or :class:`ShortReadError`."""
-        transport = self.transport
-        assert isinstance(transport, ResumesRanges)
+        transport = self._resumer
+        assert transport is not None
         try:
             await transport.read_range(
                 url,
