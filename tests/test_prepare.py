@@ -733,7 +733,7 @@ def test_a_run_killed_under_other_settings_never_spoils_done_units(tmp_path: Pat
     def crash(texts: list[str]) -> list[list[int]]:
         raise RuntimeError("killed mid-unit")
 
-    with pytest.raises(RuntimeError, match="killed mid-unit"):
+    with pytest.raises(ab.RecordError, match="raised RuntimeError: killed mid-unit"):
         ab.prepare(str(path), out, tokenizer=crash, eos=1, workers=1, progress=False)
     back = ab.prepare(str(path), out, tokenizer=byte_tokenizer, eos=0, progress=False)
     assert back.units_already_done == 1
