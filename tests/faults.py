@@ -30,6 +30,7 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 #: S3-style error bodies, so botocore parses the codes it would get from AWS.
 S3_CODES = {
+    301: "PermanentRedirect",
     403: "AccessDenied",
     404: "NoSuchKey",
     412: "PreconditionFailed",
@@ -63,6 +64,8 @@ class Fault:
     chunked: bool = False  # chunked body (no Content-Length; a truncated one lacks its end)
     ignore_range: bool = False  # answer a range request with 200 and the whole object
     etag: str | None = None  # report this ETag (the object seems to have changed)
+    ignore_if_match: bool = False  # drop If-Match: answer whatever version is there now
+    version_id: str | None = None  # report this x-amz-version-id (S3: another version)
     drip: tuple[int, float] | None = None  # (bytes, seconds): send the body this slowly
 
 
@@ -182,6 +185,10 @@ class FaultServer:
             if fault.etag is not None:
                 for key in [k for k in headers if k.lower() == "etag"]:
                     headers[key] = fault.etag
+            if fault.version_id is not None:
+                for key in [k for k in headers if k.lower() == "x-amz-version-id"]:
+                    del headers[key]
+                headers["x-amz-version-id"] = fault.version_id
             with self._lock:
                 self.body_bytes[(request.method, request.path)] += len(body)
             return await _send(request, status, headers, body, fault)
@@ -197,7 +204,7 @@ class FaultServer:
         stat = path.stat()
         etag = f'"{stat.st_ino:x}-{stat.st_size:x}-{stat.st_mtime_ns:x}"'
         if_match = request.headers.get("If-Match")
-        if if_match is not None and if_match not in ("*", etag):
+        if if_match is not None and not fault.ignore_if_match and if_match not in ("*", etag):
             return 412, {}, b""
         headers = {"ETag": etag, "Accept-Ranges": "bytes"}
         if path.suffix == ".html":  # index pages, for listings
@@ -225,6 +232,8 @@ class FaultServer:
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
         if fault.ignore_range:
             headers.pop("Range", None)
+        if fault.ignore_if_match:
+            headers = {k: v for k, v in headers.items() if k.lower() != "if-match"}
         async with self._client.request(
             request.method,
             self.upstream + request.path_qs,
