@@ -4,13 +4,16 @@ Sizes go straight to the aiobotocore client's ``head_object`` with botocore's re
 and s3fs's ``_call_s3`` retries bypassed. Ranges go over aiohttp, signed by
 :mod:`~asyncbatch.stores.s3_signed` with the client's credentials and endpoint (a fraction of
 the CPU per request of botocore's ``get_object``, still used where that module does not
-apply). Every call is one attempt, so the registry's stack (``stack.py``) and its
+apply, with one :class:`~asyncbatch.errors.SlowPathWarning` per reason). Every call is one
+attempt, so the registry's stack (``stack.py``) and its
 :class:`~asyncbatch.stores.retry.RetryPolicy` are the only retry layer (a persistent 503
 costs exactly ``max_attempts`` GETs). It offers :class:`~asyncbatch.stores.base.ResumesRanges`:
 the stack retries each range for its missing tail, pins each key at its first ETag and
-passes the pin in, which this transport sends as ``IfMatch``; every response's
-``ContentRange`` is checked against the range asked. botocore and aiohttp errors are mapped
-to typed errors naming the key and range; none escapes raw.
+passes the pin in, which this transport sends as ``IfMatch``; every response's ETag is
+compared with the pin (a server or proxy may ignore ``IfMatch``) and its ``ContentRange``
+with the range asked, before the body is read. botocore and aiohttp errors are mapped to
+typed errors naming the key and range (a missing bucket: a
+:class:`~asyncbatch.errors.BucketNotFoundError` naming it); none escapes raw.
 """
 
 from __future__ import annotations
@@ -257,8 +260,8 @@ class S3Store(FsspecStore):
         )
 
     async def _explain_not_found(self, url: str, error: StoreError) -> None:
-        """Raise a :class:`NotFoundError` naming the bucket if ``url``'s bucket does not
-        exist: a HEAD's 404 has no body, and s3fs's listings and writes bury the code."""
+        """Raise a :class:`BucketNotFoundError` naming the bucket if ``url``'s bucket does
+        not exist: a HEAD's 404 has no body, and s3fs's listings and writes bury the code."""
         from botocore.exceptions import ClientError
 
         client, _, fs = await self._client()
