@@ -141,7 +141,10 @@ class _Body:
         self._response = response
 
     async def read(self, size: int) -> bytes:
-        return await self._response.content.read(size)
+        """The next piece of the body as it arrived (``size`` is not a bound: a piece never
+        runs past the body's end): aiohttp's ``read(size)`` would join the pieces into a new
+        copy of up to ``size`` bytes, which the store then copies into its buffer again."""
+        return await self._response.content.readany()
 
     def close(self) -> None:
         if self._response.content.at_eof():
