@@ -24,7 +24,7 @@ Only public interfaces of botocore, aiobotocore and s3fs are used, so that both 
 * proxies: the client config's ``proxies``, else the environment's (``HTTPS_PROXY``,
   ``NO_PROXY``), as botocore chooses them.
 
-What this module does not handle goes through botocore's ``get_object`` (about 4x the CPU
+What this module does not handle goes through botocore's ``get_object`` (several times the CPU
 per request), and the store warns once with
 :class:`~asyncbatch.errors.SlowPathWarning` naming the reason: a ``signature_version`` other
 than SigV4 or ``UNSIGNED``, a client certificate, ``proxies_config``, a bucket whose endpoint
