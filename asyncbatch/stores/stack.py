@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -222,8 +222,9 @@ class TransportStore:
         """One attempt of a :class:`ResumesRanges` transport at ``[start, end)``, from
         ``progress`` on: the pin sent as its precondition, the version its answer told
         pinned or compared with the pin, all the bytes or :class:`ShortReadError`."""
-        transport = self.transport
-        assert isinstance(transport, ResumesRanges)
+        # Checked once, at construction (self.resumes): a protocol isinstance per request
+        # costs about 10 us, a twentieth of an S3 GET's CPU.
+        transport = cast(ResumesRanges, self.transport)
         try:
             await transport.read_range(
                 url,
