@@ -27,6 +27,7 @@ import typing as _typing
 
 # Errors import nothing else; everything that needs numpy or torch loads on first use.
 from .errors import AsyncBatchError as AsyncBatchError
+from .errors import BucketNotFoundError as BucketNotFoundError
 from .errors import CacheWarning as CacheWarning
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
@@ -43,6 +44,7 @@ from .errors import ResumeStateError as ResumeStateError
 from .errors import RetriesExhaustedError as RetriesExhaustedError
 from .errors import ShardChangedError as ShardChangedError
 from .errors import ShortReadError as ShortReadError
+from .errors import SlowPathWarning as SlowPathWarning
 from .errors import StoreError as StoreError
 from .errors import StoreTimeoutError as StoreTimeoutError
 from .errors import ThrottledError as ThrottledError
@@ -132,6 +134,7 @@ __all__ = [
     "AsyncBatchError",
     "AsyncLoader",
     "Batch",
+    "BucketNotFoundError",
     "CacheWarning",
     "ChecksumError",
     "ConfigError",
@@ -157,6 +160,7 @@ __all__ = [
     "RetryPolicy",
     "ShardChangedError",
     "ShortReadError",
+    "SlowPathWarning",
     "StoreError",
     "StoreTimeoutError",
     "Strings",

@@ -10,6 +10,7 @@ whole (torch alone would rebuild it from its type and message)::
     │   └── ResumeStateError               a state_dict this loader cannot honour
     ├── StoreError(OSError)                a read or write against a store failed
     │   ├── NotFoundError(FileNotFoundError)          404, no such key or file
+    │   │   └── BucketNotFoundError        the bucket itself does not exist (names it)
     │   ├── PermissionDeniedError(PermissionError)    403, EACCES
     │   │   └── CredentialsError           401, no credentials, or a key the store rejects
     │   ├── EndpointError(ConnectionError)            host name unresolvable, TLS not trusted
@@ -28,6 +29,7 @@ whole (torch alone would rebuild it from its type and message)::
     └── TransformError                     the loader's transform= raised; chains it
 
     CacheWarning(UserWarning)              the node-local cache failed; reads go on without it
+    SlowPathWarning(UserWarning)           a store's configuration rules out its fast path
 
 Retried by the stores' retry policy: ThrottledError, StoreTimeoutError, ShortReadError from a
 broken body, and 5xx or connection errors (refused connections only briefly); never
@@ -73,6 +75,10 @@ class StoreError(AsyncBatchError, OSError):
 
 class NotFoundError(StoreError, FileNotFoundError):
     """The object or file does not exist."""
+
+
+class BucketNotFoundError(NotFoundError):
+    """The bucket (or container) the URL names does not exist; the message names it."""
 
 
 class PermissionDeniedError(StoreError, PermissionError):
@@ -183,3 +189,9 @@ def describe_range(url: str, start: int, end: int) -> str:
 class CacheWarning(UserWarning):
     """The node-local cache could not be used (full, unwritable, deleted, or an object
     without a version); reads go on from the store. Warned once per cache and cause."""
+
+
+class SlowPathWarning(UserWarning):
+    """A store's configuration rules out its fast path, so it reads the slow way (the S3
+    store's GETs through botocore's ``get_object``: several times the CPU per request). The
+    message names the reason; warned once per process and reason."""

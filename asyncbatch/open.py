@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from .dataset import Dataset, join_url, read_object
-from .errors import ConfigError, NotFoundError
+from .errors import BucketNotFoundError, ConfigError, NotFoundError
 from .formats.base import Opener
 from .formats.npy import object_infos
 from .formats.registry import INDEX_LOADERS, openers
@@ -52,8 +52,8 @@ async def open_dataset_async(
         try:
             dataset = await _open_manifest(url, store, store_options)
         except NotFoundError as exc:
-            if format is not None:
-                raise
+            if format is not None or isinstance(exc, BucketNotFoundError):
+                raise  # no other layout can be there either
             missing = exc
         else:
             if extra:
@@ -131,6 +131,8 @@ async def _open_manifest(url: str, store: Store, options: dict[str, Any]) -> Dat
     manifest_url = join_url(root, MANIFEST_NAME)
     try:
         text = await read_object(store, manifest_url)
+    except BucketNotFoundError:
+        raise
     except NotFoundError as exc:
         msg = f"no dataset at {url}: {manifest_url} not found{_reason(exc)}"
         raise NotFoundError(msg, manifest_url) from exc

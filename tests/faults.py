@@ -30,6 +30,7 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 #: S3-style error bodies, so botocore parses the codes it would get from AWS.
 S3_CODES = {
+    301: "PermanentRedirect",
     403: "AccessDenied",
     404: "NoSuchKey",
     412: "PreconditionFailed",
@@ -65,6 +66,8 @@ class Fault:
     etag: str | None = None  # report this ETag (the object seems to have changed)
     #: set these response headers (another version: GCS's ``x-goog-generation``)
     headers: tuple[tuple[str, str], ...] = ()
+    ignore_if_match: bool = False  # drop If-Match: answer whatever version is there now
+    version_id: str | None = None  # report this x-amz-version-id (S3: another version)
     drip: tuple[int, float] | None = None  # (bytes, seconds): send the body this slowly
 
 
@@ -188,6 +191,10 @@ class FaultServer:
                 for key in [k for k in headers if k.lower() == name.lower()]:
                     del headers[key]
                 headers[name] = value
+            if fault.version_id is not None:
+                for key in [k for k in headers if k.lower() == "x-amz-version-id"]:
+                    del headers[key]
+                headers["x-amz-version-id"] = fault.version_id
             with self._lock:
                 self.body_bytes[(request.method, request.path)] += len(body)
             return await _send(request, status, headers, body, fault)
@@ -203,7 +210,7 @@ class FaultServer:
         stat = path.stat()
         etag = f'"{stat.st_ino:x}-{stat.st_size:x}-{stat.st_mtime_ns:x}"'
         if_match = request.headers.get("If-Match")
-        if if_match is not None and if_match not in ("*", etag):
+        if if_match is not None and not fault.ignore_if_match and if_match not in ("*", etag):
             return 412, {}, b""
         headers = {"ETag": etag, "Accept-Ranges": "bytes"}
         if path.suffix == ".html":  # index pages, for listings
@@ -234,6 +241,8 @@ class FaultServer:
         # No body sent for none received: aiohttp would add a Content-Type, which Azure's
         # Shared Key signs.
         body = await request.read()
+        if fault.ignore_if_match:
+            headers = {k: v for k, v in headers.items() if k.lower() != "if-match"}
         async with self._client.request(
             request.method,
             self.upstream + request.path_qs,

@@ -169,6 +169,49 @@ def test_missing_s3_object_says_its_status_once(s3_endpoint: str) -> None:
     assert str(caught.value) == f"not found (HTTP 404): {url}"
 
 
+def test_a_missing_bucket_is_named_when_opening(entry: Entry, s3_endpoint: str) -> None:
+    url = "s3://no-such-bucket/corpus"
+    error = fails(ab.BucketNotFoundError, lambda: entry(url, s3_options(s3_endpoint)), AT_ONCE)
+    assert isinstance(error, ab.NotFoundError)
+    assert "the bucket 'no-such-bucket' does not exist (NoSuchBucket)" in str(error)
+    assert "aws s3 mb s3://no-such-bucket" in str(error) and url in str(error)
+
+
+def test_a_missing_bucket_is_named_when_writing(s3_endpoint: str) -> None:
+    url = "s3://no-such-bucket/corpus"
+    call = lambda: ab.write_tokens(url, TOKENS, storage_options=s3_options(s3_endpoint))  # noqa: E731
+    error = fails(ab.BucketNotFoundError, call, AT_ONCE)
+    assert str(error).startswith("the bucket 'no-such-bucket' does not exist (NoSuchBucket)")
+    assert str(error).endswith(": s3://no-such-bucket/corpus/shard-00000.bin")
+
+
+@pytest.mark.parametrize("call", ["stat", "list", "list_info", "read_tail", "read_ranges"])
+def test_a_missing_bucket_is_named_by_every_call(s3_endpoint: str, call: str) -> None:
+    url = "s3://no-such-bucket/corpus/shard-00000.bin"
+
+    async def main() -> None:
+        store = open_store(url, s3_options(s3_endpoint))
+        try:
+            if call == "read_tail":
+                await store.read_tail(url, 8)
+            elif call == "read_ranges":
+                buffer = memoryview(bytearray(8))
+                await store.read_ranges(url, starts=[0], ends=[8], buffers=[buffer])
+            else:
+                await getattr(store, call)(url)
+        finally:
+            await store.close()
+
+    with pytest.raises(ab.BucketNotFoundError, match="the bucket 'no-such-bucket' does not exist"):
+        asyncio.run(main())
+
+
+def test_a_missing_key_in_a_bucket_is_not_called_a_missing_bucket(s3_endpoint: str) -> None:
+    url = f"s3://{BUCKET}/misconfig/no-such-prefix"
+    error = fails(ab.NotFoundError, lambda: ab.open_dataset(url, s3_options(s3_endpoint)), AT_ONCE)
+    assert not isinstance(error, ab.BucketNotFoundError) and "bucket" not in str(error)
+
+
 # -- URLs and options ----------------------------------------------------------------------
 
 
@@ -252,6 +295,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Range
     root = tmp_path_factory.mktemp("tls-root")
     certificate, key = self_signed_certificate(tmp_path_factory.mktemp("tls-certificate"))
     ab.write_tokens(str(root / "tokens"), TOKENS)
+    ab.write_tokens(str(root / "bucket" / "tokens"), TOKENS)  # s3://bucket/tokens, path-style
     with http_server(root, tls=(certificate, key)) as server:
         yield server, certificate
 
@@ -316,3 +360,20 @@ def test_connection_refused_while_a_loader_reads(tmp_path: Path) -> None:
 
     error = fails(ab.RetriesExhaustedError, read, REFUSED_BUDGET)
     assert dataset.url in str(error) and "connection refused" in str(error)
+
+
+@pytest.mark.parametrize("fix", ["client_kwargs", "AWS_CA_BUNDLE"])
+def test_the_named_s3_tls_fixes_work(
+    tls_server: tuple[RangeHTTPServer, Path], monkeypatch: pytest.MonkeyPatch, fix: str
+) -> None:
+    """Both fixes the S3 error names reach the signed GETs as they reach botocore (the Range
+    server stands in for S3: it ignores the signatures)."""
+    server, certificate = tls_server
+    options = s3_options(server.url.replace("http://", "https://"))
+    if fix == "client_kwargs":
+        options["client_kwargs"] = {"verify": str(certificate)}
+    else:
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(certificate))
+    assert ab.open_dataset("s3://bucket/tokens", options).manifest.total_elements == len(TOKENS)
+    batch = through_loader("s3://bucket/tokens", options)
+    assert isinstance(batch, ab.Batch)

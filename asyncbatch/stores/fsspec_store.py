@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import inspect
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,9 @@ class FsspecStore:
         self.is_async = bool(getattr(self._cls, "async_impl", False))
         self._max_inflight = max_inflight
         self._fs: Any = None
+        #: What the async filesystem's ``set_session()`` returned (an aiohttp session, an
+        #: aiobotocore client): closed with the store.
+        self._connection: Any = None
         self._limit: asyncio.Semaphore | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._opening = asyncio.Lock()
@@ -71,11 +75,10 @@ class FsspecStore:
                 skip_instance_cache=True,
                 **self._options,
             )
-            # s3fs and fsspec's HTTP call it set_session; gcsfs _set_session;
-            # adlfs has neither: it connects in __init__.
+            # s3fs and fsspec's HTTP call it set_session, gcsfs _set_session (its async
+            # interface); adlfs has neither: it connects in __init__.
             setup = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
-            if setup is not None:
-                await setup()
+            self._connection = None if setup is None else await setup()
         else:
             fs = self._cls(skip_instance_cache=True, **self._options)
             self._pool = ThreadPoolExecutor(
@@ -148,18 +151,17 @@ class FsspecStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        connection, self._connection = self._connection, None
         if fs is None or not self.is_async:
             return
-        session = getattr(fs, "_session", None)
-        if session is not None and hasattr(session, "close"):
-            await session.close()  # fsspec HTTP: an aiohttp ClientSession
-        s3 = getattr(fs, "_s3", None)
-        if s3 is not None:
-            await s3.__aexit__(None, None, None)  # s3fs: an aiobotocore client
-            fs._s3 = None
-        service = getattr(fs, "service_client", None)
-        if service is not None and hasattr(service, "close"):
-            await service.close()  # adlfs: azure-storage-blob's aio client
+        # fsspec HTTP: an aiohttp session; s3fs: an aiobotocore client; gcsfs: an aiohttp
+        # session; adlfs: azure-storage-blob's aio client, made in __init__.
+        for held in (connection, getattr(fs, "service_client", None)):
+            close = getattr(held, "close", None)
+            if close is not None:
+                closing = close()
+                if inspect.isawaitable(closing):
+                    await closing
 
 
 def fsspec_store(

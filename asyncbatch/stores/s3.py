@@ -4,19 +4,25 @@ Sizes go straight to the aiobotocore client's ``head_object`` with botocore's re
 and s3fs's ``_call_s3`` retries bypassed. Ranges go over aiohttp, signed by
 :mod:`~asyncbatch.stores.s3_signed` with the client's credentials and endpoint (a fraction of
 the CPU per request of botocore's ``get_object``, still used where that module does not
-apply). Every call is one attempt, so the registry's stack (``stack.py``) and its
+apply, with one :class:`~asyncbatch.errors.SlowPathWarning` per reason). Every call is one
+attempt, so the registry's stack (``stack.py``) and its
 :class:`~asyncbatch.stores.retry.RetryPolicy` are the only retry layer (a persistent 503
 costs exactly ``max_attempts`` GETs). It offers :class:`~asyncbatch.stores.base.ResumesRanges`:
 the stack retries each range for its missing tail, pins each key at its first ETag and
-passes the pin in, which this transport sends as ``IfMatch``; every response's
-``ContentRange`` is checked against the range asked. botocore and aiohttp errors are mapped
-to typed errors naming the key and range; none escapes raw.
+passes the pin in, which this transport sends as ``IfMatch``; every response's ETag is
+compared with the pin (a server or proxy may ignore ``IfMatch``) and its ``ContentRange``
+with the range asked, before the body is read. botocore and aiohttp errors are mapped to
+typed errors naming the key and range (a missing bucket: a
+:class:`~asyncbatch.errors.BucketNotFoundError` naming it); none escapes raw.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import inspect
+import threading
+import warnings
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
@@ -24,10 +30,14 @@ from typing import Any
 import aiohttp
 
 from ..errors import (
+    BucketNotFoundError,
     ConfigError,
     CredentialsError,
+    NotFoundError,
     PermissionDeniedError,
+    ShardChangedError,
     ShortReadError,
+    SlowPathWarning,
     StoreError,
     StoreTimeoutError,
 )
@@ -65,6 +75,25 @@ _TLS_HINT = (
     "pass its CA bundle as storage_options client_kwargs={'verify': '/path/to/ca.pem'}"
     " (or set AWS_CA_BUNDLE)"
 )
+
+
+#: Reasons already warned of by :func:`slow_path` in this process.
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def slow_path(reason: str) -> None:
+    """Warn, once per process and ``reason``, that S3 GETs go through botocore."""
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(
+        f"S3 reads go through botocore's get_object, several times the CPU per request of"
+        f" asyncbatch's own signed GETs, because of {reason}",
+        SlowPathWarning,
+        stacklevel=2,
+    )
 
 
 @cache
@@ -158,7 +187,10 @@ class S3Store(FsspecStore):
     async def _client(self) -> tuple[Any, asyncio.Semaphore, Any]:
         fs = await self._filesystem()
         assert self._limit is not None
-        return await fs.set_session(), self._limit, fs
+        # s3fs makes a new client when it finds its client's sessions closed: the store
+        # closes the one it used last.
+        self._connection = client = await fs.set_session()
+        return client, self._limit, fs
 
     def _error(
         self, exc: BaseException, endpoint: str, url: str, start: int | None, end: int | None
@@ -194,6 +226,8 @@ class S3Store(FsspecStore):
                 return fail(CredentialsError, detail, url, start, end)
             if code == "InvalidBucketName":
                 return self._bad_bucket(url)
+            if code == "NoSuchBucket":
+                return fail(BucketNotFoundError, self._no_bucket(url), url, start, end)
             if code in _NOT_FOUND:
                 status = 404
             elif code in _THROTTLED:
@@ -218,12 +252,58 @@ class S3Store(FsspecStore):
             " letters, digits, dots and hyphens"
         )
 
+    def _no_bucket(self, url: str) -> str:
+        bucket = self._fs.split_path(url)[0] if self._fs is not None else "?"
+        return (
+            f"the bucket {bucket!r} does not exist (NoSuchBucket): create it first (aws s3 mb"
+            f" s3://{bucket}, or s3fs's mkdir), or check its name and the endpoint"
+        )
+
+    async def _explain_not_found(self, url: str, error: StoreError) -> None:
+        """Raise a :class:`BucketNotFoundError` naming the bucket if ``url``'s bucket does
+        not exist: a HEAD's 404 has no body, and s3fs's listings and writes bury the code."""
+        from botocore.exceptions import ClientError
+
+        client, _, fs = await self._client()
+        try:
+            async with asyncio.timeout(self.retry.connect_timeout + self.retry.first_byte_timeout):
+                await client.head_bucket(Bucket=fs.split_path(url)[0])
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
+                start, end = error.start, error.end
+                raise fail(BucketNotFoundError, self._no_bucket(url), url, start, end) from error
+        except Exception:  # noqa: BLE001, S110 - only explains an error being raised
+            pass
+
+    async def list(self, url: str) -> builtins.list[str]:
+        try:
+            return await super().list(url)
+        except NotFoundError as error:
+            await self._explain_not_found(url, error)
+            raise
+
+    async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
+        try:
+            return await super().list_info(url)
+        except NotFoundError as error:
+            await self._explain_not_found(url, error)
+            raise
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        try:
+            await super().write(url, data)
+        except NotFoundError as error:
+            await self._explain_not_found(url, error)
+            raise
+
     async def _call_client(
         self, method: str, url: str, start: int | None, end: int | None, **kwargs: Any
     ) -> Any:
         """``client.method(**kwargs)`` under the first-byte timeout; errors mapped."""
-        client, _, _ = await self._client()
-        call = self._sender(client, method)
+        client, _, fs = await self._client()
+        call = self._sender(fs, client, method)
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
             async with asyncio.timeout(wait):
@@ -240,15 +320,22 @@ class S3Store(FsspecStore):
                 raise changed(url, kwargs.get("IfMatch") or "?", now) from exc
             raise error from exc
 
-    def _sender(self, client: Any, method: str) -> Any:
+    def _sender(self, fs: Any, client: Any, method: str) -> Any:
         """``client.method``; for ``get_object``, the signed path's where the client's
         configuration allows it (:func:`~asyncbatch.stores.s3_signed.signed_gets`)."""
         if method != "get_object" or not self.sign_gets:
             return getattr(client, method)
         if self._signed is None:
-            timeout = self.retry.connect_timeout
-            found = signed_gets(client, max_inflight=self._max_inflight, connect_timeout=timeout)
-            self._signed = found or False
+            found = signed_gets(
+                fs,
+                client,
+                max_inflight=self._max_inflight,
+                connect_timeout=self.retry.connect_timeout,
+                slow=slow_path,
+            )
+            if isinstance(found, str):
+                slow_path(found)
+            self._signed = found if isinstance(found, SignedGets) else False
         return (
             self._signed.get_object if isinstance(self._signed, SignedGets) else client.get_object
         )
@@ -284,6 +371,9 @@ class S3Store(FsspecStore):
                 if not isinstance(exc, CredentialsError):
                     await self._explain_forbidden(fs, url)
                 raise
+            except NotFoundError as exc:
+                await self._explain_not_found(url, exc)
+                raise
         etag = head.get("ETag")
         return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
 
@@ -305,14 +395,16 @@ class S3Store(FsspecStore):
         _, limit, fs = await self._client()
         async with limit:
             try:
+                where = self._where(fs, url)
                 response = await self._call_client(
-                    "get_object", url, None, None, Range=f"bytes=-{length}", **self._where(fs, url)
+                    "get_object", url, None, None, Range=f"bytes=-{length}", **where
                 )
             except ShortReadError:  # 416
                 return None
             body = response["Body"]
             try:
                 etag = response.get("ETag")
+                self._check_version_id(url, where.get("VersionId"), response.get("VersionId"))
                 return await receive_tail(
                     lambda: body.read(CHUNK),
                     url,
@@ -376,6 +468,11 @@ class S3Store(FsspecStore):
         body = response["Body"]
         try:
             etag = response.get("ETag")
+            # A server or proxy that ignores If-Match answers from another version: its
+            # bytes must not join those of the pinned one (nor be read at all).
+            if version is not None and etag and etag != version:
+                raise changed(url, version, str(etag))
+            self._check_version_id(url, kwargs.get("VersionId"), response.get("VersionId"))
             progress.version = str(etag) if etag else None
             expected = expected_length(
                 url,
@@ -398,6 +495,14 @@ class S3Store(FsspecStore):
             )
         finally:
             body.close()
+
+    @staticmethod
+    def _check_version_id(url: str, asked: str | None, answered: str | None) -> None:
+        """Raise :class:`ShardChangedError` for an answer from another version than the
+        ``versionId`` the URL pins."""
+        if asked is not None and answered is not None and answered != asked:
+            detail = f"asked for version {asked}, the answer is from version {answered}"
+            raise fail(ShardChangedError, detail, url)
 
     async def close(self) -> None:
         signed, self._signed = self._signed, None
