@@ -539,7 +539,9 @@ def test_wrong_key_is_a_credentials_error_not_retried(
 
 def test_missing_container_says_so(entry: Entry, azurite_endpoint: str) -> None:
     url = "az://no-such-container/tokens"
-    message = fails(NotFoundError, lambda: entry(url, azure_options(azurite_endpoint)), AT_ONCE)
+    message = fails(
+        ab.BucketNotFoundError, lambda: entry(url, azure_options(azurite_endpoint)), AT_ONCE
+    )
     assert "the container 'no-such-container' does not exist" in message and url in message
 
 

@@ -244,7 +244,9 @@ def test_writes_replace_objects_and_refuse_bad_names(gcs_endpoint: str) -> None:
             await store.read_ranges(url, starts=[0], ends=[7], buffers=[memoryview(buffer)])
             with pytest.raises(ConfigError, match="without a name"):
                 await store.write(f"gs://{BUCKET}/", b"x")
-            with pytest.raises(NotFoundError, match="bucket 'no-such-bucket' does not exist"):
+            with pytest.raises(
+                ab.BucketNotFoundError, match="bucket 'no-such-bucket' does not exist"
+            ):
                 await store.write("gs://no-such-bucket/x", b"x")
             tail, _ = await store.read_tail(url, 3)  # type: ignore[attr-defined]
             return bytes(buffer), bytes(tail)

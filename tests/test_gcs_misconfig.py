@@ -141,7 +141,7 @@ def test_invalid_bucket_name_is_a_config_error(entry: Entry, gcs_endpoint: str) 
 
 def test_a_missing_bucket_says_so(entry: Entry, gcs_endpoint: str) -> None:
     url = "gs://no-such-bucket/tokens"
-    error = fails(ab.NotFoundError, lambda: entry(url, gcs_options(gcs_endpoint)), AT_ONCE)
+    error = fails(ab.BucketNotFoundError, lambda: entry(url, gcs_options(gcs_endpoint)), AT_ONCE)
     assert "the bucket 'no-such-bucket' does not exist (HTTP 404)" in str(error)
     assert url in str(error)
 

@@ -39,6 +39,7 @@ import aiohttp
 from yarl import URL
 
 from ..errors import (
+    BucketNotFoundError,
     ConfigError,
     CredentialsError,
     NotFoundError,
@@ -290,7 +291,7 @@ class AzureStore:
                 f"the container {container!r} does not exist in storage account"
                 f" {account.name!r} (HTTP 404 ContainerNotFound)"
             )
-            return fail(NotFoundError, detail, url, start, end)
+            return fail(BucketNotFoundError, detail, url, start, end)
         if code == "ResourceNotFound":
             detail = (
                 f"no storage account {account.name!r} at {account.base} (HTTP 404"

@@ -45,6 +45,7 @@ import aiohttp
 from yarl import URL
 
 from ..errors import (
+    BucketNotFoundError,
     ConfigError,
     CredentialsError,
     NotFoundError,
@@ -296,7 +297,7 @@ class GcsStore:
                 pass  # only decorates an error being raised
         if missing:
             return fail(
-                NotFoundError,
+                BucketNotFoundError,
                 f"the bucket {bucket!r} does not exist (HTTP 404): check the bucket's name",
                 url,
                 start,
