@@ -212,6 +212,7 @@ class Engine:
             per_epoch = self.order.batches_per_epoch
             done = 0  # batches of the run (all workers) in the epochs before this one
             first_size = self.unit
+            first = True
             while True:
                 for batches in self.groups(first_batch, done, history, first_size):
                     await queue.reserve(len(batches))
@@ -230,6 +231,11 @@ class Engine:
                     )
                     tasks.add(previous)
                     previous.add_done_callback(tasks.discard)
+                    if first:
+                        # The first group alone, then the rest: planned and read beside
+                        # the prefetch's later groups, it would wait on their work.
+                        first = False
+                        await asyncio.wait({previous})
                 if not infinite or per_epoch == 0:
                     break
                 done += max(0, per_epoch - first_batch)
