@@ -32,6 +32,8 @@ from asyncbatch.formats.arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 pa = pytest.importorskip("pyarrow")
 
 _names = itertools.count()
+#: A list of int64 with 64-bit offsets.
+LARGE = pa.large_list(pa.int64())
 
 #: ``(rows, rows per record batch, layout, codec)`` of the files :func:`write_files` writes.
 FILES = [
@@ -502,6 +504,35 @@ def test_corrupt_offsets_are_an_error_never_wrong_rows(offsets: str, tmp_path: P
             ab.Loader(dataset, batch_size=20, shuffle=shuffle) as loader,
         ):
             list(loader)
+
+
+def test_offsets_past_int64_are_an_error_never_a_crash(offsets: str, tmp_path: Path) -> None:
+    """A large list's last offset so large that it overflows as a byte count (times the
+    values' 8 bytes) is refused by the bounds check, not passed on to pyarrow."""
+    table = pa.table({"id": pa.array(np.arange(20)), "l": pa.array([[1, 2]] * 20, LARGE)})
+    data = bytearray(ipc_bytes(table, 20, "stream"))
+    at = bytes(data).index(np.arange(0, 42, 2, dtype="<i8").tobytes())
+    data[at + 8 * 20 : at + 8 * 21] = (2**61 + 40).to_bytes(8, "little")  # 8 * it wraps to 320
+    (tmp_path / "a.arrow").write_bytes(bytes(data))
+    dataset = ab.open_dataset(str(tmp_path))
+    for shuffle in [False, True]:
+        with (
+            pytest.raises(FormatError, match=r"a\.arrow: record batch 0 \(body at byte \d+\)"),
+            ab.Loader(dataset, batch_size=20, shuffle=shuffle) as loader,
+        ):
+            list(loader)
+
+
+def test_a_buffer_past_int64_is_an_error_at_open(tmp_path: Path) -> None:
+    """A buffer whose offset plus length overflows int64 lies outside its body too."""
+    table = pa.table({"id": pa.array(np.arange(20)), "l": pa.array([[1, 2]] * 20, LARGE)})
+    data = bytearray(ipc_bytes(table, 20, "stream"))
+    batch_at = 8 + int.from_bytes(data[4:8], "little")  # the schema message's end
+    at = bytes(data).index(np.array([328, 320], dtype="<i8").tobytes(), batch_at)
+    data[at : at + 16] = np.array([2**62, 2**62], dtype="<i8").tobytes()
+    (tmp_path / "a.arrow").write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"a\.arrow: message at byte \d+: a buffer lies outside"):
+        ab.open_dataset(str(tmp_path))
 
 
 def test_nulls_are_an_error_unless_filled(tmp_path: Path) -> None:
