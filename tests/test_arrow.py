@@ -593,6 +593,22 @@ def test_a_mixture_of_two_arrow_datasets(shuffle: Any, tmp_path: Path) -> None:
     assert all(i % 100 < 30 for i in ids)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_mixture_of_datasets_with_columns_in_other_orders(shuffle: Any, tmp_path: Path) -> None:
+    """Each dataset's columns are found by name: the same columns in another order are not
+    read from another column's buffers."""
+    for name, first, order in (("a", 0, ["id", "text"]), ("b", 100, ["text", "id"])):
+        (tmp_path / name).mkdir()
+        table = make_table(first, 30).select(order)
+        (tmp_path / name / "p.arrow").write_bytes(ipc_bytes(table, 7, "stream"))
+    blend = ab.mix([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], samples=40)
+    with ab.Loader(blend, batch_size=8, shuffle=shuffle) as loader:
+        for batch in loader:
+            assert batch["text"].to_pylist() == [
+                f"row {i} " + "é" * (i % 3) for i in batch["id"].tolist()
+            ]
+
+
 def test_inspect_lists_record_batches_and_columns(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
