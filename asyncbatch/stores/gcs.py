@@ -37,7 +37,7 @@ import builtins
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -225,11 +225,14 @@ class GcsStore:
             sent = await self._credentials.headers(url)
         if headers:
             sent = {**sent, **headers}
+        if data is not None:
+            sent = {**sent, "Content-Length": str(len(data))}
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait) as deadline:
+                body = None if data is None else _paced(data, deadline, wait)
                 response = await session.request(
-                    method, target, headers=sent, data=data, allow_redirects=False
+                    method, target, headers=sent, data=body, allow_redirects=False
                 )
         except aiohttp.ConnectionTimeoutError as exc:
             detail = f"no connection within {self.retry.connect_timeout:g} s"
@@ -564,6 +567,17 @@ class GcsStore:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+async def _paced(data: bytes, deadline: asyncio.Timeout, wait: float) -> AsyncIterator[bytes]:
+    """An upload's body in pieces, each one taken moving ``deadline`` to ``wait`` from now:
+    an upload is bounded by its pauses, not its length, and its answer must follow its last
+    byte within ``wait``."""
+    loop = asyncio.get_running_loop()
+    for at in range(0, len(data), CHUNK):
+        deadline.reschedule(loop.time() + wait)
+        yield data[at : at + CHUNK]
+    deadline.reschedule(loop.time() + wait)
 
 
 def _message(body: bytes) -> str:
