@@ -37,7 +37,7 @@ import builtins
 import json
 import os
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -63,6 +63,7 @@ from .ranged import (
     expected_length,
     fail,
     fill,
+    paced,
     parse_retry_after,
     receive_tail,
     status_error,
@@ -230,7 +231,7 @@ class GcsStore:
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
             async with asyncio.timeout(wait) as deadline:
-                body = None if data is None else _paced(data, deadline, wait)
+                body = None if data is None else paced(data, deadline, wait, CHUNK)
                 response = await session.request(
                     method, target, headers=sent, data=body, allow_redirects=False
                 )
@@ -567,17 +568,6 @@ class GcsStore:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-
-
-async def _paced(data: bytes, deadline: asyncio.Timeout, wait: float) -> AsyncIterator[bytes]:
-    """An upload's body in pieces, each one taken moving ``deadline`` to ``wait`` from now:
-    an upload is bounded by its pauses, not its length, and its answer must follow its last
-    byte within ``wait``."""
-    loop = asyncio.get_running_loop()
-    for at in range(0, len(data), CHUNK):
-        deadline.reschedule(loop.time() + wait)
-        yield data[at : at + CHUNK]
-    deadline.reschedule(loop.time() + wait)
 
 
 def _message(body: bytes) -> str:

@@ -20,7 +20,7 @@ import asyncio
 import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -338,6 +338,20 @@ def changed(url: str, pinned: str, now: str | None) -> ShardChangedError:
     )
     assert isinstance(error, ShardChangedError)
     return error
+
+
+async def paced(
+    data: Buffer | bytes, deadline: asyncio.Timeout, wait: float, piece: int = 1 << 20
+) -> AsyncIterator[memoryview]:
+    """An upload's body in pieces of ``piece`` bytes, each one taken moving ``deadline`` to
+    ``wait`` from now: an upload is bounded by its pauses, not its length, and its answer
+    must follow its last byte within ``wait``."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data).cast("B")
+    for at in range(0, len(view), piece):
+        deadline.reschedule(loop.time() + wait)
+        yield view[at : at + piece]
+    deadline.reschedule(loop.time() + wait)
 
 
 async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
