@@ -17,6 +17,7 @@ ignore or misread it; :func:`tail_from` completes what such an answer lacks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import ssl
@@ -347,11 +348,18 @@ async def paced(
     ``wait`` from now: an upload is bounded by its pauses, not its length, and its answer
     must follow its last byte within ``wait``."""
     loop = asyncio.get_running_loop()
+
+    def move() -> None:
+        # aiohttp sends the body from a task of its own, which may still be sending when an
+        # answer came early (an error before the body's end) and the deadline is gone.
+        with contextlib.suppress(RuntimeError):  # "Cannot change state of finished Timeout"
+            deadline.reschedule(loop.time() + wait)
+
     view = memoryview(data).cast("B")
     for at in range(0, len(view), piece):
-        deadline.reschedule(loop.time() + wait)
+        move()
         yield view[at : at + piece]
-    deadline.reschedule(loop.time() + wait)
+    move()
 
 
 async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
