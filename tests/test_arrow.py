@@ -32,6 +32,8 @@ from asyncbatch.formats.arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 pa = pytest.importorskip("pyarrow")
 
 _names = itertools.count()
+#: A list of int64 with 64-bit offsets.
+LARGE = pa.large_list(pa.int64())
 
 #: ``(rows, rows per record batch, layout, codec)`` of the files :func:`write_files` writes.
 FILES = [
@@ -504,6 +506,35 @@ def test_corrupt_offsets_are_an_error_never_wrong_rows(offsets: str, tmp_path: P
             list(loader)
 
 
+def test_offsets_past_int64_are_an_error_never_a_crash(offsets: str, tmp_path: Path) -> None:
+    """A large list's last offset so large that it overflows as a byte count (times the
+    values' 8 bytes) is refused by the bounds check, not passed on to pyarrow."""
+    table = pa.table({"id": pa.array(np.arange(20)), "l": pa.array([[1, 2]] * 20, LARGE)})
+    data = bytearray(ipc_bytes(table, 20, "stream"))
+    at = bytes(data).index(np.arange(0, 42, 2, dtype="<i8").tobytes())
+    data[at + 8 * 20 : at + 8 * 21] = (2**61 + 40).to_bytes(8, "little")  # 8 * it wraps to 320
+    (tmp_path / "a.arrow").write_bytes(bytes(data))
+    dataset = ab.open_dataset(str(tmp_path))
+    for shuffle in [False, True]:
+        with (
+            pytest.raises(FormatError, match=r"a\.arrow: record batch 0 \(body at byte \d+\)"),
+            ab.Loader(dataset, batch_size=20, shuffle=shuffle) as loader,
+        ):
+            list(loader)
+
+
+def test_a_buffer_past_int64_is_an_error_at_open(tmp_path: Path) -> None:
+    """A buffer whose offset plus length overflows int64 lies outside its body too."""
+    table = pa.table({"id": pa.array(np.arange(20)), "l": pa.array([[1, 2]] * 20, LARGE)})
+    data = bytearray(ipc_bytes(table, 20, "stream"))
+    batch_at = 8 + int.from_bytes(data[4:8], "little")  # the schema message's end
+    at = bytes(data).index(np.array([328, 320], dtype="<i8").tobytes(), batch_at)
+    data[at : at + 16] = np.array([2**62, 2**62], dtype="<i8").tobytes()
+    (tmp_path / "a.arrow").write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"a\.arrow: message at byte \d+: a buffer lies outside"):
+        ab.open_dataset(str(tmp_path))
+
+
 def test_nulls_are_an_error_unless_filled(tmp_path: Path) -> None:
     table = pa.table(
         {
@@ -560,6 +591,22 @@ def test_a_mixture_of_two_arrow_datasets(shuffle: Any, tmp_path: Path) -> None:
     assert len(ids) == 40
     assert {i // 100 for i in ids} == {0, 1}  # rows of both
     assert all(i % 100 < 30 for i in ids)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_mixture_of_datasets_with_columns_in_other_orders(shuffle: Any, tmp_path: Path) -> None:
+    """Each dataset's columns are found by name: the same columns in another order are not
+    read from another column's buffers."""
+    for name, first, order in (("a", 0, ["id", "text"]), ("b", 100, ["text", "id"])):
+        (tmp_path / name).mkdir()
+        table = make_table(first, 30).select(order)
+        (tmp_path / name / "p.arrow").write_bytes(ipc_bytes(table, 7, "stream"))
+    blend = ab.mix([str(tmp_path / "a"), str(tmp_path / "b")], [0.5, 0.5], samples=40)
+    with ab.Loader(blend, batch_size=8, shuffle=shuffle) as loader:
+        for batch in loader:
+            assert batch["text"].to_pylist() == [
+                f"row {i} " + "é" * (i % 3) for i in batch["id"].tolist()
+            ]
 
 
 def test_inspect_lists_record_batches_and_columns(

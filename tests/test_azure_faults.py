@@ -336,6 +336,49 @@ def test_writes_are_retried_and_empty_objects_read(
     assert server.count("PUT", path_of(url)) == 3
 
 
+@pytest.mark.timeout(30)
+def test_a_slow_upload_that_keeps_moving_completes() -> None:
+    """An upload is bounded by its pauses, not its length: a 48 MiB Put Blob read by the
+    server at ~10 MiB/s (~5 s, never a pause past 0.1 s) under 1 s timeouts, one attempt."""
+    from aiohttp import web
+
+    from asyncbatch.stores.azure import AzureStore
+
+    received: list[bytes] = []
+    data = DATA * (48 * 2**20 // len(DATA) + 1)
+
+    async def upload(request: web.Request) -> web.Response:
+        while chunk := await request.content.read(1 << 20):
+            received.append(chunk)
+            await asyncio.sleep(0.1)
+        return web.Response(status=201)
+
+    async def main() -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_put("/{path:.*}", upload)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        policy = ab.RetryPolicy(
+            max_attempts=1, connect_timeout=1.0, first_byte_timeout=1.0, idle_timeout=1.0
+        )
+        options = {
+            "account_name": DEV_ACCOUNT,
+            "account_key": DEV_KEY,
+            "endpoint": f"http://127.0.0.1:{port}/{DEV_ACCOUNT}",
+        }
+        store = AzureStore(options, retry=policy)
+        try:
+            await store.write("az://container/blob", data)
+        finally:
+            await store.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert b"".join(received) == data
+
+
 @pytest.mark.timeout(60)
 def test_loader_over_a_faulty_proxy_is_byte_exact(
     azurite_endpoint: str, server: FaultServer

@@ -166,6 +166,43 @@ def test_slow_drip_completes_where_a_stall_of_the_same_length_times_out(
     assert "stalled" in str(caught.value)
 
 
+@pytest.mark.timeout(30)
+def test_a_slow_upload_that_keeps_moving_completes() -> None:
+    """An upload is bounded by its pauses, not its length: 48 MiB read by the server at
+    ~10 MiB/s (~5 s, never a pause past 0.1 s) under 1 s connect and first-byte timeouts."""
+    from aiohttp import web
+
+    from asyncbatch.stores.gcs import GcsStore
+
+    received: list[bytes] = []
+
+    async def upload(request: web.Request) -> web.Response:
+        while chunk := await request.content.read(1 << 20):
+            received.append(chunk)
+            await asyncio.sleep(0.1)
+        return web.json_response({"name": "obj", "generation": "1"})
+
+    async def main() -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post(f"/upload/storage/v1/b/{BUCKET}/o", upload)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        policy = ab.RetryPolicy(connect_timeout=1.0, first_byte_timeout=1.0, idle_timeout=1.0)
+        endpoint = f"http://127.0.0.1:{port}"
+        store = GcsStore("gs", {"endpoint_url": endpoint, "token": "anon"}, retry=policy)
+        try:
+            await store.write(f"gs://{BUCKET}/obj", DATA * 252)
+        finally:
+            await store.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert b"".join(received) == DATA * 252
+
+
 # -- faults that are not -----------------------------------------------------------------
 
 NOT_RETRIED: dict[str, tuple[Fault, type[StoreError]]] = {

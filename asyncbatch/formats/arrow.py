@@ -558,14 +558,23 @@ class ArrowRows:
         def joined(key: str) -> Any:
             return np.concatenate([d.arrays[key] for d in self.datasets])
 
+        # Each dataset's field nodes and buffers in the first one's column order (a mixture's
+        # datasets may hold the same columns in another order).
+        nodes, buffers = [], []
+        for one in self.datasets:
+            own = pa.ipc.read_schema(pa.py_buffer(one.arrays[SCHEMA]))
+            spans = dict(zip(own.names, column_layout(own, one.url), strict=True))
+            ordered = [spans[name] for name in arrow_schema.names]
+            nodes.append(one.arrays[NODES][:, [n for a, b, _, _ in ordered for n in range(a, b)]])
+            buffers.append(one.arrays[BUFFERS][:, [k for *_, a, b in ordered for k in range(a, b)]])
         self.rows = joined(ROWS)
         self.rg_file = np.concatenate(
             [d.arrays[FILE] + b for d, b in zip(self.datasets, file_base.tolist(), strict=True)]
         )
         self.rg_local = joined(LOCAL)
         self.codec = joined(CODEC)
-        self.nodes = joined(NODES)
-        self.buffers = joined(BUFFERS)
+        self.nodes = np.concatenate(nodes)
+        self.buffers = np.concatenate(buffers)
         self.ends = np.cumsum(self.rows)
         self.sizes = np.array([d.manifest.total_elements for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())

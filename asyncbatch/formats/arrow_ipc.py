@@ -152,7 +152,8 @@ def parse_message(data: bytes, start: int, url: str) -> Message:
     codec = NO_CODEC if compression is None else compression.scalar(0, "<b")
     if codec != NO_CODEC and codec not in CODECS:
         raise FormatError(f"{where}: unknown body compression {codec}")
-    if buffers.size and ((buffers < 0).any() or (buffers[:, 0] + buffers[:, 1] > body).any()):
+    # Offset and length each within the body (their sum could overflow int64).
+    if buffers.size and ((buffers < 0).any() or (buffers[:, 1] > body - buffers[:, 0]).any()):
         raise FormatError(f"{where}: a buffer lies outside its body of {body} bytes")
     rows = header.scalar(0, "<q")
     if rows < 0 or (nodes < 0).any():

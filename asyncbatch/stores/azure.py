@@ -58,6 +58,7 @@ from .ranged import (
     fail,
     fill,
     if_match,
+    paced,
     parse_retry_after,
     status_error,
     tail_from,
@@ -227,9 +228,10 @@ class AzureStore:
         target = URL(f"{where.origin}{path}{'?' + text if text else ''}", encoded=True)
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait) as deadline:
+                body = None if data is None else paced(data, deadline, wait, CHUNK)
                 response = await session.request(
-                    method, target, headers=headers, data=data, allow_redirects=False
+                    method, target, headers=headers, data=body, allow_redirects=False
                 )
         except aiohttp.ConnectionTimeoutError as exc:
             detail = f"no connection within {self.retry.connect_timeout:g} s"

@@ -63,6 +63,7 @@ from .ranged import (
     expected_length,
     fail,
     fill,
+    paced,
     parse_retry_after,
     receive_tail,
     status_error,
@@ -225,11 +226,14 @@ class GcsStore:
             sent = await self._credentials.headers(url)
         if headers:
             sent = {**sent, **headers}
+        if data is not None:
+            sent = {**sent, "Content-Length": str(len(data))}
         wait = self.retry.connect_timeout + self.retry.first_byte_timeout
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait) as deadline:
+                body = None if data is None else paced(data, deadline, wait, CHUNK)
                 response = await session.request(
-                    method, target, headers=sent, data=data, allow_redirects=False
+                    method, target, headers=sent, data=body, allow_redirects=False
                 )
         except aiohttp.ConnectionTimeoutError as exc:
             detail = f"no connection within {self.retry.connect_timeout:g} s"

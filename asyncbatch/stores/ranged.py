@@ -17,10 +17,11 @@ ignore or misread it; :func:`tail_from` completes what such an answer lacks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -338,6 +339,27 @@ def changed(url: str, pinned: str, now: str | None) -> ShardChangedError:
     )
     assert isinstance(error, ShardChangedError)
     return error
+
+
+async def paced(
+    data: Buffer | bytes, deadline: asyncio.Timeout, wait: float, piece: int = 1 << 20
+) -> AsyncIterator[memoryview]:
+    """An upload's body in pieces of ``piece`` bytes, each one taken moving ``deadline`` to
+    ``wait`` from now: an upload is bounded by its pauses, not its length, and its answer
+    must follow its last byte within ``wait``."""
+    loop = asyncio.get_running_loop()
+
+    def move() -> None:
+        # aiohttp sends the body from a task of its own, which may still be sending when an
+        # answer came early (an error before the body's end) and the deadline is gone.
+        with contextlib.suppress(RuntimeError):  # "Cannot change state of finished Timeout"
+            deadline.reschedule(loop.time() + wait)
+
+    view = memoryview(data).cast("B")
+    for at in range(0, len(view), piece):
+        move()
+        yield view[at : at + piece]
+    move()
 
 
 async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
