@@ -183,6 +183,17 @@ class Engine:
             # One store per scheme and options (a mixture may read several).
             index: dict[tuple[str, str], int] = {}
             of_dataset = []
+            # Remote data read in place is read at the versions (ETags) its headers were
+            # read from: an object replaced since the dataset was opened is a
+            # ShardChangedError. (A local file's version at open is a digest of its bytes,
+            # not what its store pins.)
+            pins: dict[tuple[str, str], dict[str, str]] = {}
+            for dataset in self.source.datasets:
+                key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
+                versions = dataset.versions
+                if key[0] != "file" and len(versions) == len(dataset.manifest.shards):
+                    found = zip(dataset.shard_urls, versions, strict=True)
+                    pins.setdefault(key, {}).update((u, v) for u, v in found if v is not None)
             for dataset in self.source.datasets:
                 key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
                 if key not in index:
@@ -197,6 +208,7 @@ class Engine:
                             cache=self.cache,
                             seen=self.seen,
                             check=self.fill_check,
+                            pins=pins.get(key),
                         )
                     )
                     self._keep_files(stores[-1], key)

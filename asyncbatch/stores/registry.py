@@ -154,6 +154,7 @@ def open_store(
     cache: DiskCache | None = None,
     seen: dict[str, ObjectInfo] | None = None,
     check: Callable[[str, int, Buffer], str | None] | None = None,
+    pins: Mapping[str, str] | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
@@ -163,7 +164,8 @@ def open_store(
     stores; ``check`` vets the blocks it fetches against checksums), a counter of the
     transport's byte-range reads (with ``counts``), the guards of
     :func:`~asyncbatch.stores.stack.stacked` (exact lengths, pins, typed errors, retries
-    and timeouts under ``retry``), the transport.
+    and timeouts under ``retry``; objects of ``pins`` pinned at those versions from the
+    start), the transport.
     """
     check_url(url, _registry)
     scheme = scheme_of(url)
@@ -174,7 +176,7 @@ def open_store(
         transport = factory(scheme, options, max_inflight=max_inflight, retry=policy)
     else:
         transport = factory(scheme, options, max_inflight=max_inflight)
-    store = stacked(transport, policy)
+    store = stacked(transport, policy, pins)
     if counts is not None:
         store = counting(store, counts)
     return store if cache is None else CachedStore(store, cache, counts, seen, check)

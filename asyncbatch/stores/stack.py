@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -558,17 +558,27 @@ class RetryingWindowsStore(RetryingConvertingStore):
         )
 
 
-def stacked(transport: object, policy: RetryPolicy = DEFAULT_POLICY) -> Store:
+def stacked(
+    transport: object,
+    policy: RetryPolicy = DEFAULT_POLICY,
+    pins: Mapping[str, str] | None = None,
+) -> Store:
     """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts,
-    keeping its ``read_into`` (and ``read_into_converted``, ``read_windows``) if it has them."""
+    keeping its ``read_into`` (and ``read_into_converted``, ``read_windows``) if it has them.
+    ``pins``: versions objects must have from the start (those a dataset was opened from)."""
+    inner: TransportStore
+    retrying: type[RetryingStore]
     if (
         isinstance(transport, ReadsWindows)
         and isinstance(transport, ReadsIntoConverted)
         and isinstance(transport, ReadsInto)
     ):
-        return RetryingWindowsStore(TransportWindowsStore(transport), policy)
-    if isinstance(transport, ReadsIntoConverted) and isinstance(transport, ReadsInto):
-        return RetryingConvertingStore(TransportConvertingStore(transport), policy)
-    if isinstance(transport, ReadsInto):
-        return RetryingBufferStore(TransportBufferStore(transport), policy)
-    return RetryingStore(TransportStore(transport), policy)
+        inner, retrying = TransportWindowsStore(transport), RetryingWindowsStore
+    elif isinstance(transport, ReadsIntoConverted) and isinstance(transport, ReadsInto):
+        inner, retrying = TransportConvertingStore(transport), RetryingConvertingStore
+    elif isinstance(transport, ReadsInto):
+        inner, retrying = TransportBufferStore(transport), RetryingBufferStore
+    else:
+        inner, retrying = TransportStore(transport), RetryingStore
+    inner._pins.update(pins or {})
+    return retrying(inner, policy)
