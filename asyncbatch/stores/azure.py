@@ -54,12 +54,11 @@ from .ranged import (
     TailAnswer,
     changed,
     connection_error,
-    expected_length,
     fail,
-    fill,
     if_match,
     paced,
     parse_retry_after,
+    receive_range,
     status_error,
     tail_from,
 )
@@ -406,32 +405,10 @@ class AzureStore:
             headers["If-Match"] = condition
         async with limit:
             response = await self._request("GET", url, where, headers=headers, start=start, end=end)
-            try:
-                progress.version = response.headers.get("ETag") or None
-                expected = expected_length(
-                    url,
-                    start,
-                    end,
-                    first,
-                    response.status,
-                    response.headers.get("Content-Range"),
-                    response.content_length,
-                )
-                await fill(
-                    lambda: response.content.read(CHUNK),
-                    buffer,
-                    progress,
-                    expected,
-                    self.retry.idle_timeout,
-                    url,
-                    start,
-                    end,
-                )
-            finally:
-                if progress.got < end - start:
-                    response.close()  # a body left unread: its connection cannot be reused
-                else:
-                    response.release()
+            progress.version = response.headers.get("ETag") or None
+            await receive_range(
+                response, buffer, progress, self.retry.idle_timeout, url, start, end, first
+            )
 
     # -- listing ------------------------------------------------------------------------
 

@@ -60,11 +60,11 @@ from .ranged import (
     REMOTE_COALESCE_GAP,
     TailAnswer,
     connection_error,
-    expected_length,
     fail,
     fill,
     paced,
     parse_retry_after,
+    receive_range,
     receive_tail,
     status_error,
     tail_from,
@@ -374,17 +374,9 @@ class GcsStore:
             response = await self._request(
                 "GET", target, url, {"Range": f"bytes={first}-{end - 1}"}, start, end
             )
-            try:
-                progress.version = response.headers.get("x-goog-generation") or None
-                expected = expected_length(
-                    url,
-                    start,
-                    end,
-                    first,
-                    response.status,
-                    response.headers.get("Content-Range"),
-                    response.content_length,
-                )
+            progress.version = response.headers.get("x-goog-generation") or None
+
+            async def receive(expected: int) -> None:
                 if response.content_length == expected:
                     await self._receive(response, buffer, progress, expected, url, start, end)
                 else:
@@ -398,11 +390,10 @@ class GcsStore:
                         start,
                         end,
                     )
-            finally:
-                if progress.got < end - start:
-                    response.close()  # a body left unread: its connection cannot be reused
-                else:
-                    response.release()
+
+            await receive_range(
+                response, buffer, progress, self.retry.idle_timeout, url, start, end, first, receive
+            )
 
     async def _receive(
         self,

@@ -28,11 +28,10 @@ from .ranged import (
     TailAnswer,
     changed,
     connection_error,
-    expected_length,
     fail,
-    fill,
     if_match,
     parse_retry_after,
+    receive_range,
     receive_tail,
     status_error,
     tail_from,
@@ -213,32 +212,10 @@ class HttpStore:
             headers["If-Match"] = condition
         async with limit:
             response = await self._request("GET", url, headers, start, end)
-            try:
-                progress.version = response.headers.get("ETag") or None
-                expected = expected_length(
-                    url,
-                    start,
-                    end,
-                    first,
-                    response.status,
-                    response.headers.get("Content-Range"),
-                    response.content_length,
-                )
-                await fill(
-                    lambda: response.content.read(CHUNK),
-                    buffer,
-                    progress,
-                    expected,
-                    self.retry.idle_timeout,
-                    url,
-                    start,
-                    end,
-                )
-            finally:
-                if progress.got < end - start:
-                    response.close()  # a body left unread: its connection cannot be reused
-                else:
-                    response.release()
+            progress.version = response.headers.get("ETag") or None
+            await receive_range(
+                response, buffer, progress, self.retry.idle_timeout, url, start, end, first
+            )
 
     async def close(self) -> None:
         session, self._session = self._session, None

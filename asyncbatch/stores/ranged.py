@@ -41,6 +41,9 @@ from ..errors import (
 from .base import Buffer, ObjectInfo, Progress, ResumesRanges, Versioned, check_length
 from .retry import refused
 
+#: Bytes asked of a body at a time.
+CHUNK = 1 << 20
+
 #: Gap below which neighbouring ranges are merged. With tens of requests in flight, one more
 #: request costs about RTT / in-flight ≈ 10 ms / 64 ≈ 150 µs ≈ 150 KB at 1 GB/s: merging
 #: across larger gaps moves more bytes than the request it saves.
@@ -378,6 +381,71 @@ async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
         error = task.exception() if task in done and not task.cancelled() else None
         if error is not None:
             raise error
+
+
+class Body(Protocol):
+    """What :func:`receive_range` needs of an answer (an ``aiohttp.ClientResponse``)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Any: ...
+
+    @property
+    def content(self) -> Any: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+    def release(self) -> Any: ...
+
+
+async def receive_range(
+    response: Body,
+    buffer: Buffer,
+    progress: Progress,
+    idle_timeout: float,
+    url: str,
+    start: int,
+    end: int,
+    first: int,
+    receive: Callable[[int], Awaitable[None]] | None = None,
+) -> None:
+    """The body of a ranged GET from ``first`` on into ``buffer``: its length checked
+    against the status and ``Content-Range``, read by :func:`fill` (or ``receive(expected)``
+    when given), the connection released when the range came whole, closed otherwise (a
+    body left unread cannot be reused)."""
+    try:
+        expected = expected_length(
+            url,
+            start,
+            end,
+            first,
+            response.status,
+            response.headers.get("Content-Range"),
+            response.content_length,
+        )
+        if receive is not None:
+            await receive(expected)
+        else:
+            await fill(
+                lambda: response.content.read(CHUNK),
+                buffer,
+                progress,
+                expected,
+                idle_timeout,
+                url,
+                start,
+                end,
+            )
+    finally:
+        if progress.got < end - start:
+            response.close()
+        else:
+            response.release()
 
 
 async def fill(
