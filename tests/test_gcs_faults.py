@@ -396,3 +396,41 @@ def test_an_object_replaced_mid_epoch_stays_refused(gcs_endpoint: str) -> None:
             gcs_put(gcs_endpoint, shard, bytes(1000))
 
     _changed_data_stays_refused(url, options, replace_shards, shuffle=True)
+
+
+def test_a_listing_item_without_its_size_is_a_store_error_naming_the_url() -> None:
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Listing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps({"items": [{"name": "data/a.parquet", "generation": "1"}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = "gs://bucket/data"
+        options = gcs_options(f"http://127.0.0.1:{server.server_port}")
+
+        async def main() -> None:
+            store = open_store(url, options, retry=FAST)
+            try:
+                await store.list_info(url)  # type: ignore[attr-defined]
+            finally:
+                await store.close()
+
+        with pytest.raises(ab.StoreError, match="unreadable listing item .*a.parquet") as e:
+            asyncio.run(main())
+        assert e.value.url == url
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -500,11 +500,13 @@ class GcsStore:
                 query["pageToken"] = token
             page = await self._list_page(bucket, query, url)
             for item in page.get("items") or []:
-                name = str(item["name"])
-                if name == prefix:  # a folder's own placeholder object
-                    continue
-                info = ObjectInfo(int(item["size"]), str(item["generation"]))
-                found.append((base + name, info))
+                try:
+                    name = str(item["name"])
+                    info = ObjectInfo(int(item["size"]), str(item["generation"]))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise fail(StoreError, f"unreadable listing item {item!r:.200}", url) from exc
+                if name != prefix:  # else a folder's own placeholder object
+                    found.append((base + name, info))
             found.extend((base + str(p).rstrip("/"), None) for p in page.get("prefixes") or [])
             token = page.get("nextPageToken")
             if not token:
