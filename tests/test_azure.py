@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,23 @@ def test_bearer_tokens_are_kept_until_near_expiry_and_failures_typed() -> None:
         failing = BearerToken(_Credential(fail=True), owned=False)
         with pytest.raises(ab.CredentialsError, match="az login.*failed to retrieve a token"):
             await failing.header()
+
+    asyncio.run(main())
+
+
+def test_a_credential_that_never_answers_is_a_timeout() -> None:
+    class Silent:
+        async def get_token(self, *scopes: str) -> _Token:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+    async def main() -> None:
+        bearer = BearerToken(Silent(), owned=False)
+        bearer.TIMEOUT = 0.2
+        began = time.monotonic()
+        with pytest.raises(ab.StoreTimeoutError, match="no token from the Azure credential"):
+            await bearer.header()
+        assert time.monotonic() - began < 5
 
     asyncio.run(main())
 

@@ -41,7 +41,7 @@ from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import ConfigError, CredentialsError
+from ..errors import ConfigError, CredentialsError, StoreTimeoutError
 
 #: The Blob service REST version every request asks for (Put Blob up to 5000 MiB, bearer
 #: tokens, ``x-ms-range``).
@@ -150,6 +150,18 @@ class SharedKey:
 #: or one service principal), kept across stores: a loader makes a store per run, and asking
 #: ``az login`` or a metadata service again every epoch costs a second or more.
 _TOKENS: dict[tuple[str, ...], tuple[str, float]] = {}
+#: The environment variables azure-identity's DefaultAzureCredential reads.
+_IDENTITY_VARIABLES = (
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_CLIENT_CERTIFICATE_PATH",
+    "AZURE_USERNAME",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_AUTHORITY_HOST",
+    "IDENTITY_ENDPOINT",
+    "MSI_ENDPOINT",
+)
 
 
 class BearerToken:
@@ -160,6 +172,9 @@ class BearerToken:
 
     #: Seconds before expiry a token is renewed.
     MARGIN = 300.0
+    #: Seconds a credential may take to give a token (``DefaultAzureCredential`` tries
+    #: several sources in turn: the environment, workload and managed identity, ``az``).
+    TIMEOUT = 60.0
 
     def __init__(
         self, credential: Any, *, owned: bool, shared: tuple[str, ...] | None = None
@@ -188,10 +203,16 @@ class BearerToken:
     async def _renew(self) -> None:
         get_token = self._credential.get_token
         try:
-            if inspect.iscoroutinefunction(get_token):
-                token = await get_token(STORAGE_SCOPE)
-            else:  # a sync credential: its HTTP calls must not block the loop
-                token = await asyncio.to_thread(get_token, STORAGE_SCOPE)
+            async with asyncio.timeout(self.TIMEOUT):
+                if inspect.iscoroutinefunction(get_token):
+                    token = await get_token(STORAGE_SCOPE)
+                else:  # a sync credential: its HTTP calls must not block the loop
+                    token = await asyncio.to_thread(get_token, STORAGE_SCOPE)
+        except TimeoutError as exc:
+            raise StoreTimeoutError(
+                f"no token from the Azure credential within {self.TIMEOUT:g} s"
+                f" ({type(self._credential).__name__})"
+            ) from exc
         except Exception as exc:  # azure-identity's ClientAuthenticationError and kin
             said = " ".join(str(exc).split())
             if len(said) > 600:
@@ -372,7 +393,9 @@ class AccountFinder:
             shared: tuple[str, ...] = ("service principal", digest)
         else:
             credential = aio.DefaultAzureCredential()
-            shared = ("default",)
+            # Keyed by what DefaultAzureCredential reads first: other variables, other tokens.
+            found = "\0".join(os.environ.get(name, "") for name in _IDENTITY_VARIABLES)
+            shared = ("default", hashlib.sha256(found.encode()).hexdigest())
         self._bearer = BearerToken(credential, owned=True, shared=shared)
         return self._bearer
 
