@@ -463,6 +463,8 @@ def test_corrupt_metadata_is_a_format_error(
         stream["meta"][5] = count + 3
         replace_object(store, source.shard_urls[0], stream.tobytes(), options, request)
         match = f"{source.shard_urls[0]}: element 5 has metadata id {count + 3}"
+    # Opened again: a remote object replaced since open is a ShardChangedError, not its bytes.
+    dataset = ab.open_dataset(url, options)
     with (
         ab.Loader(dataset, batch_size=4, seq_len=20, shuffle=False) as loader,
         pytest.raises(FormatError, match=match),
