@@ -49,6 +49,7 @@ from ..errors import (
 )
 from .azure_auth import API_VERSION, OPTION_NAMES, Account, AccountFinder, request_date
 from .base import Buffer, ObjectInfo, Progress
+from .http import TLS_HINT, send_request
 from .ranged import (
     REMOTE_COALESCE_GAP,
     TailAnswer,
@@ -56,7 +57,6 @@ from .ranged import (
     connection_error,
     fail,
     if_match,
-    paced,
     parse_retry_after,
     receive_range,
     status_error,
@@ -65,8 +65,6 @@ from .ranged import (
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 from .validate import check_options
 
-#: Bytes asked of the socket per read of a body.
-CHUNK = 1 << 20
 #: Objects up to this size are written with one Put Blob; larger ones in blocks of
 #: :data:`BLOCK_SIZE` (Put Block, then Put Block List).
 PUT_LIMIT = 256 << 20
@@ -76,7 +74,6 @@ _ERROR_BODY = 64 * 1024
 #: Entries per List Blobs page (the service's maximum).
 _PAGE = 5000
 
-_TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 #: Container names: 3-63 lower-case letters, digits and single hyphens (``$root`` and the
 #: other ``$`` containers too).
 _CONTAINER = re.compile(r"(\$[a-z]+|[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9])$")
@@ -225,21 +222,18 @@ class AzureStore:
         if auth.sas is not None:
             text = f"{text}&{auth.sas}" if text else auth.sas
         target = URL(f"{where.origin}{path}{'?' + text if text else ''}", encoded=True)
-        wait = self.retry.connect_timeout + self.retry.first_byte_timeout
-        try:
-            async with asyncio.timeout(wait) as deadline:
-                body = None if data is None else paced(data, deadline, wait, CHUNK)
-                response = await session.request(
-                    method, target, headers=headers, data=body, allow_redirects=False
-                )
-        except aiohttp.ConnectionTimeoutError as exc:
-            detail = f"no connection within {self.retry.connect_timeout:g} s"
-            raise fail(StoreTimeoutError, detail, url, start, end) from exc
-        except TimeoutError as exc:
-            detail = f"no response headers within {wait:g} s"
-            raise fail(StoreTimeoutError, detail, url, start, end) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise self._connection_error(exc, where, url, start, end) from exc
+        response = await send_request(
+            session,
+            method,
+            target,
+            headers,
+            self.retry,
+            lambda exc: self._connection_error(exc, where, url, start, end),
+            url,
+            start,
+            end,
+            data,
+        )
         if response.status >= 300:
             raise await self._status_error(response, method, where, url, headers, start, end)
         return response
@@ -248,7 +242,7 @@ class AzureStore:
         self, exc: BaseException, where: BlobPath, url: str, start: int | None, end: int | None
     ) -> StoreError:
         endpoint = urlsplit(where.account.base).netloc
-        error = connection_error(exc, endpoint, url, start, end, tls_hint=_TLS_HINT)
+        error = connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
         if "does not resolve" in str(error):
             detail = (
                 f"the Blob service of storage account {where.account.name!r} ({endpoint}) does"

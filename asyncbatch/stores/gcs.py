@@ -56,13 +56,14 @@ from ..errors import (
 )
 from .base import Buffer, ObjectInfo, Progress
 from .gcs_auth import SCOPES, GcsCredentials, check_token
+from .http import TLS_HINT, send_request
 from .ranged import (
+    CHUNK,
     REMOTE_COALESCE_GAP,
     TailAnswer,
     connection_error,
     fail,
     fill,
-    paced,
     parse_retry_after,
     receive_range,
     receive_tail,
@@ -72,8 +73,6 @@ from .ranged import (
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
-#: Bytes asked of the socket per read of a body.
-CHUNK = 1 << 20
 #: Where GCS is, without an endpoint option or ``STORAGE_EMULATOR_HOST``.
 GOOGLE_ENDPOINT = "https://storage.googleapis.com"
 #: The storage options this store takes.
@@ -86,8 +85,6 @@ _URLS = 16384
 _ERROR_BODY = 64 * 1024
 #: Bucket names: 3-63 characters (222 with dots), lower-case letters, digits, ``-_.``.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-
-_TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -228,22 +225,14 @@ class GcsStore:
             sent = {**sent, **headers}
         if data is not None:
             sent = {**sent, "Content-Length": str(len(data))}
-        wait = self.retry.connect_timeout + self.retry.first_byte_timeout
-        try:
-            async with asyncio.timeout(wait) as deadline:
-                body = None if data is None else paced(data, deadline, wait, CHUNK)
-                response = await session.request(
-                    method, target, headers=sent, data=body, allow_redirects=False
-                )
-        except aiohttp.ConnectionTimeoutError as exc:
-            detail = f"no connection within {self.retry.connect_timeout:g} s"
-            raise fail(StoreTimeoutError, detail, url, start, end) from exc
-        except TimeoutError as exc:
-            detail = f"no response headers within {wait:g} s"
-            raise fail(StoreTimeoutError, detail, url, start, end) from exc
-        except (aiohttp.ClientError, OSError) as exc:
+
+        def broken(exc: BaseException) -> StoreError:
             endpoint = urlsplit(self.endpoint).netloc
-            raise connection_error(exc, endpoint, url, start, end, tls_hint=_TLS_HINT) from exc
+            return connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
+
+        response = await send_request(
+            session, method, target, sent, self.retry, broken, url, start, end, data
+        )
         if response.status >= 400:
             raise await self._error(response, url, start, end)
         return response

@@ -14,22 +14,25 @@ which this transport sends as ``If-Match``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from ..errors import ShortReadError, StoreError, StoreTimeoutError
 from .base import Buffer, ObjectInfo, Progress
 from .fsspec_store import FsspecStore
 from .ranged import (
+    CHUNK,
     REMOTE_COALESCE_GAP,
     TailAnswer,
     changed,
     connection_error,
     fail,
     if_match,
+    paced,
     parse_retry_after,
     receive_range,
     receive_tail,
@@ -39,11 +42,41 @@ from .ranged import (
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .validate import check_options
 
-#: Bytes asked of the socket per read of a body.
-CHUNK = 1 << 20
-
 #: How to trust another certificate: aiohttp verifies against OpenSSL's default paths.
-_TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
+TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    method: str,
+    target: str | URL,
+    headers: Mapping[str, str],
+    retry: RetryPolicy,
+    broken: Callable[[BaseException], StoreError],
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    data: Buffer | bytes | None = None,
+) -> aiohttp.ClientResponse:
+    """Send a request and wait for its headers, within the connect and first-byte timeouts
+    (an upload's body in pieces, each moving the bound on); no connection in time, or no
+    headers, is a :class:`StoreTimeoutError`, a broken connection ``broken(exc)``. Redirects
+    are not followed; the status is the caller's to check."""
+    wait = retry.connect_timeout + retry.first_byte_timeout
+    try:
+        async with asyncio.timeout(wait) as deadline:
+            body = None if data is None else paced(data, deadline, wait, CHUNK)
+            return await session.request(
+                method, target, headers=headers, data=body, allow_redirects=False
+            )
+    except aiohttp.ConnectionTimeoutError as exc:
+        detail = f"no connection within {retry.connect_timeout:g} s"
+        raise fail(StoreTimeoutError, detail, url, start, end) from exc
+    except TimeoutError as exc:
+        detail = f"no response headers within {wait:g} s"
+        raise fail(StoreTimeoutError, detail, url, start, end) from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise broken(exc) from exc
 
 
 class HttpStore:
@@ -96,25 +129,14 @@ class HttpStore:
     ) -> aiohttp.ClientResponse:
         """Send a request and wait for its headers; map the error statuses."""
         session, _ = self._client()
-        wait = self.retry.connect_timeout + self.retry.first_byte_timeout
-        try:
-            async with asyncio.timeout(wait):
-                response = await session.request(method, url, headers=headers)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise fail(
-                StoreTimeoutError,
-                f"no connection within {self.retry.connect_timeout:g} s",
-                url,
-                start,
-                end,
-            ) from exc
-        except TimeoutError as exc:
-            raise fail(
-                StoreTimeoutError, f"no response headers within {wait:g} s", url, start, end
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
+
+        def broken(exc: BaseException) -> StoreError:
             endpoint = urlsplit(url).netloc
-            raise connection_error(exc, endpoint, url, start, end, tls_hint=_TLS_HINT) from exc
+            return connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
+
+        response = await send_request(
+            session, method, url, headers, self.retry, broken, url, start, end
+        )
         if response.status >= 400:
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
             status, reason = response.status, response.reason or ""

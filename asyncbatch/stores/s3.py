@@ -44,6 +44,7 @@ from ..errors import (
 from .base import Buffer, ObjectInfo, Progress
 from .fsspec_store import FsspecStore
 from .ranged import (
+    CHUNK,
     TailAnswer,
     changed,
     connection_error,
@@ -59,9 +60,6 @@ from .ranged import (
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .s3_signed import SignedGets, signed_gets
 from .validate import check_options
-
-#: Bytes asked of the socket per read of a body.
-CHUNK = 1 << 20
 
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion"}
