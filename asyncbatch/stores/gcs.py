@@ -52,7 +52,6 @@ from ..errors import (
     ShardChangedError,
     ShortReadError,
     StoreError,
-    StoreTimeoutError,
 )
 from .base import Buffer, ObjectInfo, Progress
 from .gcs_auth import SCOPES, GcsCredentials, check_token
@@ -63,7 +62,6 @@ from .ranged import (
     TailAnswer,
     connection_error,
     fail,
-    fill,
     parse_retry_after,
     receive_range,
     receive_tail,
@@ -364,62 +362,9 @@ class GcsStore:
                 "GET", target, url, {"Range": f"bytes={first}-{end - 1}"}, start, end
             )
             progress.version = response.headers.get("x-goog-generation") or None
-
-            async def receive(expected: int) -> None:
-                if response.content_length == expected:
-                    await self._receive(response, buffer, progress, expected, url, start, end)
-                else:
-                    await fill(
-                        lambda: response.content.read(CHUNK),
-                        buffer,
-                        progress,
-                        expected,
-                        self.retry.idle_timeout,
-                        url,
-                        start,
-                        end,
-                    )
-
             await receive_range(
-                response, buffer, progress, self.retry.idle_timeout, url, start, end, first, receive
+                response, buffer, progress, self.retry.idle_timeout, url, start, end, first
             )
-
-    async def _receive(
-        self,
-        response: aiohttp.ClientResponse,
-        buffer: Buffer,
-        progress: Progress,
-        expected: int,
-        url: str,
-        start: int,
-        end: int,
-    ) -> None:
-        """:func:`~asyncbatch.stores.ranged.fill` for a body framed by ``Content-Length``
-        (aiohttp stops it there): done at its last byte, without a read of its end; each
-        piece under the idle timeout, a break a retryable ShortReadError."""
-        stop = progress.got + expected
-        content = response.content
-        while progress.got < stop:
-            try:
-                async with asyncio.timeout(self.retry.idle_timeout):
-                    chunk = await content.read(min(CHUNK, stop - progress.got))
-            except TimeoutError as exc:
-                detail = (
-                    f"stalled: no bytes for {self.retry.idle_timeout:g} s after"
-                    f" {progress.got} of {end - start}"
-                )
-                raise fail(StoreTimeoutError, detail, url, start, end) from exc
-            except (aiohttp.ClientError, OSError) as exc:  # the connection broke mid-body
-                detail = (
-                    f"body broke off after {progress.got} of {end - start} bytes"
-                    f" ({type(exc).__name__})"
-                )
-                raise fail(ShortReadError, detail, url, start, end, retryable=True) from exc
-            if not chunk:
-                detail = f"body ended after {progress.got} of {end - start} bytes"
-                raise fail(ShortReadError, detail, url, start, end, retryable=True)
-            buffer[progress.got : progress.got + len(chunk)] = chunk
-            progress.got += len(chunk)
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and generation, from one

@@ -412,12 +412,11 @@ async def receive_range(
     start: int,
     end: int,
     first: int,
-    receive: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
     """The body of a ranged GET from ``first`` on into ``buffer``: its length checked
-    against the status and ``Content-Range``, read by :func:`fill` (or ``receive(expected)``
-    when given), the connection released when the range came whole, closed otherwise (a
-    body left unread cannot be reused)."""
+    against the status and ``Content-Range``, read by :func:`fill` (done at its last byte
+    when ``Content-Length`` frames it), the connection released when the range came whole,
+    closed otherwise (a body left unread cannot be reused)."""
     try:
         expected = expected_length(
             url,
@@ -428,19 +427,17 @@ async def receive_range(
             response.headers.get("Content-Range"),
             response.content_length,
         )
-        if receive is not None:
-            await receive(expected)
-        else:
-            await fill(
-                lambda: response.content.read(CHUNK),
-                buffer,
-                progress,
-                expected,
-                idle_timeout,
-                url,
-                start,
-                end,
-            )
+        await fill(
+            lambda: response.content.read(CHUNK),
+            buffer,
+            progress,
+            expected,
+            idle_timeout,
+            url,
+            start,
+            end,
+            framed=response.content_length == expected,
+        )
     finally:
         if progress.got < end - start:
             response.close()
@@ -457,10 +454,12 @@ async def fill(
     url: str,
     start: int,
     end: int,
+    framed: bool = False,
 ) -> None:
     """Read a body into ``buffer[progress.got:]`` until ``expected`` more bytes arrived.
 
-    ``read()`` returns the next chunk, ``b""`` at the end. A pause longer than
+    ``read()`` returns the next chunk, ``b""`` at the end (``framed``: a body whose length
+    is known ends at its last byte, with no read of its end). A pause longer than
     ``idle_timeout`` is a :class:`StoreTimeoutError`; a body that ends early or breaks off is
     a retryable :class:`ShortReadError`; more bytes than expected, a
     :class:`RangeNotSupportedError`.
@@ -504,6 +503,8 @@ async def fill(
             )
         buffer[progress.got : progress.got + len(chunk)] = chunk
         progress.got += len(chunk)
+        if framed and progress.got == stop:
+            break
     if progress.got < stop:
         raise fail(
             ShortReadError,
