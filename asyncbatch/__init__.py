@@ -69,6 +69,8 @@ if _typing.TYPE_CHECKING:
         write_metadata_stream_async as write_metadata_stream_async,
     )
     from .formats.registry import register_format as register_format
+    from .handoff import LoaderStatistics as LoaderStatistics
+    from .handoff import QueueStatistics as QueueStatistics
     from .loader import AsyncLoader as AsyncLoader
     from .loader import Loader as Loader
     from .mixture import Mixture as Mixture
@@ -98,6 +100,8 @@ _LAZY: dict[str, str] = {
     "write_metadata_stream": "formats.metadata_write",
     "write_metadata_stream_async": "formats.metadata_write",
     "register_format": "formats.registry",
+    "LoaderStatistics": "handoff",
+    "QueueStatistics": "handoff",
     "AsyncLoader": "loader",
     "Loader": "loader",
     "Mixture": "mixture",
@@ -148,11 +152,13 @@ __all__ = [
     "Loader",
     "LoaderClosedError",
     "LoaderDataset",
+    "LoaderStatistics",
     "ManifestError",
     "Mixture",
     "NotFoundError",
     "PermissionDeniedError",
     "PrepareReport",
+    "QueueStatistics",
     "RangeNotSupportedError",
     "RecordError",
     "ResumeStateError",
