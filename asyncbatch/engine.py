@@ -19,7 +19,7 @@ import itertools
 import os
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,18 +27,7 @@ import torch
 
 from .batch import Batch, Jagged
 from .buffers import BufferPool
-from .checks import (
-    BLOCK_SCRATCH_BYTES,
-    DEFAULT_VERIFY,
-    SCAN_CONCURRENCY,
-    ShardChecks,
-    check_blocks,
-    fill_check,
-    plan_blocks,
-    scan_shard,
-    size_error,
-)
-from .errors import ChecksumError
+from .checks import DEFAULT_VERIFY, shard_checks
 from .formats.base import Converts, DescribesFiles, Source
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan, WindowPlan
@@ -46,25 +35,16 @@ from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
 from .sampling.windows import History
 from .stores import open_store
-from .stores.base import (
-    Buffer,
-    Conversion,
-    Discards,
-    KeepsFiles,
-    KeptFiles,
-    ObjectInfo,
-    ReadsInto,
-    ReadsIntoConverted,
-    ReadsWindows,
-    Store,
-)
-from .stores.counting import ReadCounts
-from .stores.disk_cache import DiskCache
-from .stores.local import c_conversion, copy_pieces
-from .stores.ranged import run_all
+from .stores.base import Conversion, KeepsFiles, KeptFiles, ObjectInfo, Store
+from .stores.copying import c_conversion, copy_pieces
+from .stores.ranged import read_by_ranges, run_all
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 from .transform import Transform, apply_transform
+
+if TYPE_CHECKING:
+    from .stores.counting import ReadCounts
+    from .stores.disk_cache import DiskCache
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -75,8 +55,6 @@ MAX_GROUP_BYTES = 16 * 2**20
 GROUPS_IN_QUEUE = 2
 MAX_LOCAL_GROUP = 128
 LOCAL_GROUPS_IN_QUEUE = 4
-
-Positions = Sequence[int] | npt.NDArray[np.int64]
 
 
 def group_size(prefetch: int, batch_bytes: int, want: int = 0, local: bool = False) -> int:
@@ -121,15 +99,18 @@ class Engine:
         #: objects it has stat'ed, kept across runs so later epochs read hits without a HEAD.
         self.cache = cache
         self.seen: dict[str, ObjectInfo] = {}
-        #: What to check of each shard, and which shards passed (kept across runs).
+        #: What the stores check of each shard, and which shards passed (kept across
+        #: runs); None with ``verify="off"``. The cache checks the blocks it fetches
+        #: against the manifests' block checksums, whatever the level but "off".
         files = source.described_files if isinstance(source, DescribesFiles) else None
-        self.checks = ShardChecks(source.datasets, verify, urls=source.shard_urls, files=files)
-        #: What the cache checks before it keeps fetched bytes: the manifests' block
-        #: checksums, whatever the verify level but "off".
-        self.fill_check = None
-        if cache is not None and verify != "off":
-            blocks = ShardChecks(source.datasets, "size", blocks=True, urls=source.shard_urls)
-            self.fill_check = fill_check(blocks)
+        expected = shard_checks(
+            source.datasets,
+            verify,
+            urls=source.shard_urls,
+            files=files,
+            blocks=True if cache is not None and verify != "off" else None,
+        )
+        self.expected = expected if verify != "off" else None
         self.order = order
         self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
@@ -207,7 +188,7 @@ class Engine:
                             counts=self.counts,
                             cache=self.cache,
                             seen=self.seen,
-                            check=self.fill_check,
+                            expected=self.expected,
                             pins=pins.get(key),
                         )
                     )
@@ -217,7 +198,7 @@ class Engine:
             if self._buffers_pid != os.getpid():  # a forked child: slabs of its own
                 keep = self.buffers.keep_bytes
                 self.buffers, self._buffers_pid = BufferPool(keep), os.getpid()
-            reader = Reader(stores, self.source.shard_urls, shard_store, self.checks, self.buffers)
+            reader = Reader(stores, self.source.shard_urls, shard_store, self.buffers)
             gap = min(s.coalesce_gap for s in stores)
             gap = gap if self.coalesce_gap is None else self.coalesce_gap
             previous: asyncio.Task[bool] | None = None
@@ -504,15 +485,14 @@ def scratch_bytes(plan: ReadPlan) -> int:
 
 
 class Reader:
-    """Carries out read plans over shards that may live in several stores, verifying the
-    shards as ``checks.level`` says (see :mod:`asyncbatch.checks`)."""
+    """Carries out read plans over shards that may live in several stores (one per scheme
+    and options), straight into the engine's buffers."""
 
     def __init__(
         self,
         stores: Sequence[Store],
         shard_urls: Sequence[str],
         shard_store: npt.NDArray[np.int64],
-        checks: ShardChecks | None = None,
         buffers: BufferPool | None = None,
     ) -> None:
         self.stores = stores
@@ -520,21 +500,11 @@ class Reader:
         #: Where batch buffers and scratch come from (kept across runs by the engine).
         self.buffers = buffers if buffers is not None else BufferPool()
         self.shard_store = shard_store
-        self.checks = checks
-        #: Shard checks under way or failed in this run, shared by the groups that wait.
-        self._checking: dict[int, asyncio.Future[None]] = {}
-        self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
+        one = stores[0] if len(stores) == 1 else None
         #: Whether reads can convert as they copy: one store, which does.
-        self._converting = len(stores) == 1 and isinstance(stores[0], ReadsIntoConverted)
-        #: The one store, when it copies windows itself and no read is widened to checksum
-        #: blocks (``verify="block"``).
-        self._windows = (
-            stores[0]
-            if len(stores) == 1
-            and isinstance(stores[0], ReadsWindows)
-            and (checks is None or checks.level != "block")
-            else None
-        )
+        self._converting = one is not None and one.supports_convert
+        #: The one store, when it copies windows itself.
+        self._windows = one if one is not None and one.supports_windows else None
 
     @property
     def reads_windows(self) -> bool:
@@ -544,24 +514,24 @@ class Reader:
     async def read_windows(
         self, plan: WindowPlan, convert: Conversion | None = None
     ) -> npt.NDArray[np.uint8] | None:
-        """``plan``'s windows copied by the one store in one call, after the checks of the
-        shards they touch (as :meth:`read_plan` makes them); None where the store cannot
-        (see :class:`~asyncbatch.stores.base.ReadsWindows`): plan byte ranges instead."""
+        """``plan``'s windows copied by the one store in one call; None where the store
+        cannot (see :meth:`~asyncbatch.stores.base.Store.read_windows`): plan byte ranges
+        instead."""
         store = self._windows
         assert store is not None
-        checks = self.checks
-        if checks is not None and checks.level != "off" and not checks.passed.all():
-            ends = plan.layout.ends
-            first = np.searchsorted(ends, plan.starts, side="right")
-            last = np.searchsorted(ends, plan.starts + max(0, plan.length - 1), side="right")
-            touched = np.unique(np.concatenate([first, last]))
-            if (last - first > 1).any():
-                touched = np.arange(int(first.min()), int(last.max()) + 1)
-            await self._check_shards(touched)
         scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
         buffer = self.buffers.empty(plan.nbytes * scale)
-        urls, starts, length = self.shard_urls, plan.starts, plan.length
-        if await store.read_windows(urls, plan.layout, starts, length, buffer, convert):
+        layout = plan.layout
+        if await store.read_windows(
+            self.shard_urls,
+            layout.ends,
+            layout.offsets,
+            layout.itemsize,
+            plan.starts,
+            plan.length,
+            buffer,
+            convert,
+        ):
             return buffer
         return None
 
@@ -574,16 +544,10 @@ class Reader:
         Reads that land in place go straight to their offset in the buffer; merged reads whose
         pieces cannot (overlapping windows, gaps) land in a separate scratch buffer, freed on
         return, and their pieces are copied into place in one call, so the batches of a group
-        keep only their own bytes alive, never the scratch. With ``verify="block"`` every read
-        is widened to whole checksum blocks instead, and no byte is copied out before its block
-        checked. A store that converts as it copies (:class:`ReadsIntoConverted`) writes each
-        value once; otherwise the bytes read are cast afterwards, off the loop.
+        keep only their own bytes alive, never the scratch. A store that converts as it
+        copies (``supports_convert``) writes each value once; otherwise the bytes read are
+        cast afterwards, off the loop.
         """
-        checks = self.checks
-        if checks is not None and checks.level != "off":
-            await self._check_shards(plan.read_shard)
-            if checks.level == "block":
-                return await _cast_off_loop(await self._read_blocks(plan), convert)
         name = None if convert is None else c_conversion(*convert)
         if convert is not None and not (
             self._converting and (name is not None or not plan.piece_read.size)
@@ -623,174 +587,29 @@ class Reader:
         convert: Conversion | None = None,
     ) -> None:
         """Read ``[starts[i], ends[i])`` of shard ``shards[i]`` to ``dest_offsets[i]``
-        (``convert``: converting, through the one store, which converts)."""
+        (``convert``: converting, through the one store, which converts): one group read
+        per store (one ``read_ranges`` per object where a store has no ``read_into``)."""
+        urls = self.shard_urls
         if len(self.stores) == 1:
-            await self._read(self.stores[0], shards, starts, ends, buffer, dest_offsets, convert)
+            store = self.stores[0]
+            if store.supports_read_into:
+                await store.read_into(urls, shards, starts, ends, buffer, dest_offsets, convert)
+            else:
+                await read_by_ranges(store, urls, shards, starts, ends, buffer, dest_offsets)
             return
         store_of_read = self.shard_store[shards]
         picks = [np.flatnonzero(store_of_read == i) for i in range(len(self.stores))]
         await run_all(
-            self._read(store, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+            (
+                store.read_into(urls, shards[p], starts[p], ends[p], buffer, dest_offsets[p])
+                if store.supports_read_into
+                else read_by_ranges(
+                    store, urls, shards[p], starts[p], ends[p], buffer, dest_offsets[p]
+                )
+            )
             for store, p in zip(self.stores, picks, strict=True)
             if p.size
         )
-
-    async def _read(
-        self,
-        store: Store,
-        shards: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        buffer: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-        convert: Conversion | None = None,
-    ) -> None:
-        """Reads from one store."""
-        if convert is not None:
-            assert isinstance(store, ReadsIntoConverted)
-            await store.read_into_converted(
-                self.shard_urls, shards, starts, ends, buffer, dest_offsets, convert
-            )
-        elif isinstance(store, ReadsInto):
-            await store.read_into(self.shard_urls, shards, starts, ends, buffer, dest_offsets)
-        else:
-            await _read_ranges(store, self.shard_urls, shards, starts, ends, buffer, dest_offsets)
-
-    async def _read_blocks(self, plan: ReadPlan) -> npt.NDArray[np.uint8]:
-        """``read_plan`` with every read widened to whole checksum blocks (each read once),
-        checked before any of their bytes is copied into the batch buffer."""
-        assert self.checks is not None
-        direct = np.flatnonzero(plan.read_dest >= 0)
-        piece_read = plan.piece_read
-        blocks = plan_blocks(
-            self.checks,
-            plan.read_shard,
-            plan.read_start,
-            plan.read_end,
-            np.concatenate([direct, piece_read]),
-            np.concatenate([plan.read_start[direct], plan.read_start[piece_read] + plan.piece_src]),
-            np.concatenate([plan.read_dest[direct], plan.piece_dest]),
-            np.concatenate([(plan.read_end - plan.read_start)[direct], plan.piece_length]),
-        )
-        buffer = self.buffers.empty(plan.nbytes)
-        view = memoryview(buffer)  # type: ignore[arg-type]
-        run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
-        # Runs are read, checked and copied out in chunks of about BLOCK_SCRATCH_BYTES.
-        chunk = run_at // BLOCK_SCRATCH_BYTES
-        edges = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), int(run_at.size)]
-        order = np.argsort(blocks.seg_src, kind="stable")
-        seg_src = blocks.seg_src[order]
-        loop = asyncio.get_running_loop()
-        for r0, r1 in itertools.pairwise(edges):
-            base = int(run_at[r0])
-            top = int(run_at[r1 - 1] + run_length[r1 - 1])
-            scratch = self.buffers.empty(top - base)
-            b0, b1 = np.searchsorted(blocks.block_at, [base, top]).tolist()
-            runs = slice(r0, r1)
-            shards, starts, ends = (
-                blocks.run_shard[runs],
-                blocks.run_start[runs],
-                blocks.run_end[runs],
-            )
-            for again in (False, True):
-                await self._read_all(shards, starts, ends, scratch, run_at[runs] - base)
-                try:
-                    await loop.run_in_executor(
-                        None, check_blocks, self.checks, blocks, scratch, b0, b1, base
-                    )
-                    break
-                except ChecksumError:
-                    # Bytes a cache served are not trusted: drop its copies, read once more.
-                    if again or not await self._discard(shards, starts, ends):
-                        raise
-            s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
-            picked = order[s0:s1]
-            source = memoryview(scratch)  # type: ignore[arg-type]
-            for src, dest, length in zip(
-                (blocks.seg_src[picked] - base).tolist(),
-                blocks.seg_dest[picked].tolist(),
-                blocks.seg_length[picked].tolist(),
-                strict=True,
-            ):
-                view[dest : dest + length] = source[src : src + length]
-        return buffer
-
-    async def _discard(self, shards: Positions, starts: Positions, ends: Positions) -> bool:
-        """Drop cached copies of ``[starts[i], ends[i])`` of shard ``shards[i]``; whether any
-        of their stores keeps copies."""
-        found = False
-        for shard, start, end in zip(list(shards), list(starts), list(ends), strict=True):
-            store = self.stores[int(self.shard_store[shard])]
-            if isinstance(store, Discards):
-                await store.discard(self.shard_urls[shard], int(start), int(end))
-                found = True
-        return found
-
-    async def _check_shards(self, shards: npt.NDArray[np.int64]) -> None:
-        """Check the shards of ``shards`` not checked yet (size, or whole checksum for
-        ``full``), each once however many groups wait for it; raises the first failure."""
-        assert self.checks is not None
-        checks = self.checks
-        todo = shards[~checks.passed[shards]]
-        if not todo.size:
-            return
-        loop = asyncio.get_running_loop()
-        mine: list[int] = []
-        waiting: list[asyncio.Future[None]] = []
-        for shard in np.unique(todo).tolist():
-            future = self._checking.get(shard)
-            if future is None:
-                future = self._checking[shard] = loop.create_future()
-                mine.append(shard)
-            waiting.append(future)
-        if mine:
-            try:
-                results = await asyncio.gather(
-                    *(self._check_shard(shard) for shard in mine), return_exceptions=True
-                )
-            except BaseException:
-                for shard in mine:  # cancelled: the groups waiting on these are cancelled too
-                    self._checking.pop(shard).cancel()
-                raise
-            for shard, result in zip(mine, results, strict=True):
-                future = self._checking[shard]
-                if isinstance(result, asyncio.CancelledError):
-                    future.cancel()
-                elif isinstance(result, BaseException):
-                    future.set_exception(result)
-                    future.exception()  # retrieved: it is raised below
-                else:
-                    checks.passed[shard] = True
-                    future.set_result(None)
-        # Waiting never cancels them (other groups wait for them too); the first failure in
-        # shard order is raised.
-        pending = [future for future in waiting if not future.done()]
-        if pending:
-            await asyncio.wait(pending)
-        for future in waiting:
-            future.result()
-
-    async def _check_shard(self, shard: int) -> None:
-        assert self.checks is not None
-        checks = self.checks
-        store = self.stores[int(self.shard_store[shard])]
-        if checks.level == "full":
-            for again in (False, True):
-                async with self._scans:
-                    report = await scan_shard(store, checks, shard)
-                if not report.problems:
-                    return
-                # A mismatch in bytes a cache served: drop its copies, read once more.
-                problem = report.problems[0]
-                if again or not isinstance(problem, ChecksumError):
-                    raise problem
-                if not await self._discard([shard], [0], [int(checks.sizes[shard])]):
-                    raise problem
-            return
-        url, expected = checks.urls[shard], int(checks.sizes[shard])
-        size = await store.size(url)
-        if size != expected:
-            raise size_error(url, expected, size)
 
 
 async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
@@ -822,30 +641,3 @@ async def _cast_off_loop(
     loop = asyncio.get_running_loop()
     cast = await loop.run_in_executor(None, buffer.view(source).astype, target)
     return cast.view(np.uint8)
-
-
-async def _read_ranges(
-    store: Store,
-    shard_urls: Sequence[str],
-    shards: npt.NDArray[np.int64],
-    starts: npt.NDArray[np.int64],
-    ends: npt.NDArray[np.int64],
-    buffer: npt.NDArray[np.uint8],
-    dest_offsets: npt.NDArray[np.int64],
-) -> None:
-    """Reads through the plain protocol: one ``read_ranges`` call per object."""
-    view = memoryview(buffer)  # type: ignore[arg-type]
-    by_shard: dict[int, tuple[list[int], list[int], list[Buffer]]] = {}
-    for shard, start, end, at in zip(
-        shards.tolist(), starts.tolist(), ends.tolist(), dest_offsets.tolist(), strict=True
-    ):
-        entry = by_shard.setdefault(shard, ([], [], []))
-        entry[0].append(start)
-        entry[1].append(end)
-        entry[2].append(view[at : at + end - start])
-    # On the first failure the other reads are cancelled and awaited, never left running
-    # against a buffer nobody wants (or past the loop's end).
-    await run_all(
-        store.read_ranges(shard_urls[shard], starts=s, ends=e, buffers=b)
-        for shard, (s, e, b) in by_shard.items()
-    )

@@ -190,7 +190,7 @@ class WindowPlan:
 
     Window ``i`` is elements ``[starts[i], starts[i] + length)`` of ``layout``'s shards
     (it may cross shard ends), laid out one after another in the buffer. A store that copies
-    windows itself (:class:`~asyncbatch.stores.base.ReadsWindows`: local mapped files) takes
+    windows itself (``supports_windows``: local mapped files) takes
     them as they are, in one call; for any other, :meth:`plan` makes the byte ranges.
     """
 

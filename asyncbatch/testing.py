@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from .errors import NotFoundError, PermissionDeniedError, ShardChangedError, ShortReadError
-from .stores.base import ObjectInfo, ReadsInto, ReadsTail, Store, Versioned
+from .stores.base import ObjectInfo, ReadsTail, Store, Versioned
 from .stores.stack import stacked
 
 __all__ = ["StoreConformance", "StoreKit"]
@@ -224,7 +224,7 @@ class StoreConformance:
         offsets = np.array([0, 10, 1010, 1020], dtype=np.int64)
 
         async def body(store: Store) -> bytes | None:
-            if not isinstance(store, ReadsInto):
+            if not store.supports_read_into:
                 return None
             dest = np.zeros(1021, dtype=np.uint8)
             await store.read_into(urls, which, starts, ends, dest, offsets)

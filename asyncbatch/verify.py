@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import ShardChecks, ShardReport, scan_shard, size_error
+from .checks import ShardReport, scan_shard, shard_checks, size_error
 from .dataset import Dataset
 from .errors import ConfigError, StoreError
 from .formats.documents_index import index_files
@@ -74,7 +74,7 @@ async def verify_dataset_async(
     indexes = index_files(dataset)
     metas = metadata_files(dataset)
     files = {url: (size, checksum) for url, size, checksum in [*indexes, *metas]}
-    checks = ShardChecks(
+    checks = shard_checks(
         [dataset], "size", blocks=True, urls=[*dataset.shard_urls, *files], files=files
     )
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)

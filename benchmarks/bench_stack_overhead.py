@@ -1,11 +1,12 @@
 """What the store stack's layers cost per group read, over a transport that returns at once.
 
 The engine reads a group of ranges with one ``read_into`` call; over the local store that
-call crosses the counter, the retrying layer and the transport layer of
-``stores/stack.py`` before the C copy. This times that call over a ``LocalStore`` whose
-``read_into`` does nothing, bare (counted only, as the engine saw it before the store was
-stacked) and stacked as ``open_store`` stacks it, interleaved; prints the medians and the
-median of the per-round differences.
+call crosses the checks (``verify="size"``, the default), the counter, the retrying layer
+and the transport layer of ``stores/stack.py`` before the C copy. This times that call
+over a ``LocalStore`` whose ``read_into`` does nothing, bare (counted only, as the engine
+saw it before the store was stacked), stacked and counted, and with the checks on top (every
+object passed, as after its first use), as ``open_store`` stacks them, interleaved; prints
+the medians and the median of the per-round differences.
 
     .venv/bin/python benchmarks/bench_stack_overhead.py --rounds 21
 """
@@ -21,14 +22,20 @@ from typing import Any
 import numpy as np
 from common import positive
 
-from asyncbatch.stores.base import ReadsInto, Store
+from asyncbatch.stores.base import Store
+from asyncbatch.stores.checked import CheckedStore, Expected
 from asyncbatch.stores.counting import ReadCounts, counting
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.stores.stack import stacked
 
 
 class InstantStore(LocalStore):
-    """A local store whose group reads return at once: only the layers above are timed."""
+    """A local store whose group reads return at once: only the layers above are timed.
+    Its flags let the counter stand right over it (bare)."""
+
+    supports_read_into = True
+    supports_windows = True
+    supports_discard = False
 
     async def read_into(self, *args: Any) -> None:
         return None
@@ -36,7 +43,7 @@ class InstantStore(LocalStore):
 
 async def per_call(store: Store, calls: int) -> float:
     """Microseconds per ``read_into`` call of one 4 KiB range."""
-    assert isinstance(store, ReadsInto)
+    assert store.supports_read_into
     which, starts = np.zeros(1, np.int64), np.array([4096], np.int64)
     dest, offsets = np.empty(4096, np.uint8), np.zeros(1, np.int64)
     began = time.perf_counter()
@@ -46,20 +53,28 @@ async def per_call(store: Store, calls: int) -> float:
 
 
 async def main(rounds: int, calls: int) -> None:
-    bare = counting(InstantStore(), ReadCounts())
+    bare = counting(InstantStore(), ReadCounts())  # type: ignore[arg-type]
     stack = counting(stacked(InstantStore()), ReadCounts())
-    times: dict[str, list[float]] = {"bare": [], "stacked": []}
+    expected = Expected(["/x"], np.array([8192], np.int64), level="size")
+    expected.passed[:] = True
+    checked = CheckedStore(counting(stacked(InstantStore()), ReadCounts()), expected)
+    stores = {"bare": bare, "stacked": stack, "checked": checked}
+    times: dict[str, list[float]] = {name: [] for name in stores}
     for _ in range(rounds):
-        times["bare"].append(await per_call(bare, calls))
-        times["stacked"].append(await per_call(stack, calls))
-    await bare.close()
-    await stack.close()
-    added = [s - b for b, s in zip(times["bare"], times["stacked"], strict=True)]
+        for name, store in stores.items():
+            times[name].append(await per_call(store, calls))
+    for store in stores.values():
+        await store.close()
+
+    def added(name: str) -> float:
+        return statistics.median(s - b for b, s in zip(times["bare"], times[name], strict=True))
+
     print(
         f"bare {statistics.median(times['bare']):.2f} us/call,"
-        f" stacked {statistics.median(times['stacked']):.2f} us/call;"
-        f" the stack adds {statistics.median(added):.2f} us per group read"
-        " (median of per-round differences)"
+        f" stacked {statistics.median(times['stacked']):.2f} us/call,"
+        f" with checks {statistics.median(times['checked']):.2f} us/call;"
+        f" the stack adds {added('stacked'):.2f} us per group read,"
+        f" {added('checked'):.2f} us with the checks (medians of per-round differences)"
     )
 
 

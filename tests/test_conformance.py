@@ -23,7 +23,7 @@ from servers import RangeHTTPServer
 import asyncbatch as ab
 from asyncbatch.errors import ShortReadError
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsInto, ReadsTail, check_length, fetch_tail
+from asyncbatch.stores.base import ObjectInfo, ReadsTail, check_length, fetch_tail
 from asyncbatch.stores.stack import stacked
 from asyncbatch.testing import StoreConformance, StoreKit
 
@@ -210,7 +210,7 @@ def test_the_engine_reads_an_adapters_buffer_path(
 
     ab.register_store("dirinto", factory, clobber=True)
     ab.write_tokens(str(tmp_path / "ds"), tokens, shard_size=5_000)
-    assert isinstance(open_store(f"dirinto://{tmp_path}"), ReadsInto)  # kept through the stack
+    assert open_store(f"dirinto://{tmp_path}").supports_read_into  # kept through the stack
     with ab.Loader(f"dirinto://{tmp_path}/ds", batch_size=16, seq_len=50) as loader:
         for batch in loader:
             np.testing.assert_array_equal(

@@ -19,11 +19,10 @@ import xxhash
 from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
-from asyncbatch import engine
 from asyncbatch.checksums import block_digests, encode_blocks
 from asyncbatch.cli import main as cli_main
 from asyncbatch.errors import ChecksumError, ConfigError, ManifestError
-from asyncbatch.stores import ObjectInfo, registry
+from asyncbatch.stores import ObjectInfo, checked, registry
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.verify import verify_dataset
 
@@ -223,7 +222,7 @@ def test_block_verification_delivers_exact_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Small scratch chunks: a group's blocks are read, checked and copied in several rounds.
-    monkeypatch.setattr(engine, "BLOCK_SCRATCH_BYTES", 5000)
+    monkeypatch.setattr(checked, "BLOCK_SCRATCH_BYTES", 5000)
     dataset = write(tmp_path, tokens, checksum_block=block)
     seen = 0
     with ab.Loader(

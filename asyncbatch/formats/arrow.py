@@ -45,7 +45,7 @@ from ..dataset import Dataset, join_url
 from ..errors import ConfigError, FormatError, NotFoundError
 from ..layout import ShardMap
 from ..manifest import Manifest, ShardInfo
-from ..stores.base import ObjectInfo, ReadsInto, Store, fetch_tail, tail_by_stat
+from ..stores.base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import arrow_ipc as ipc
 from .arrow_rows import Column, RowPicker
 from .base import Offload, Opener, ReadFn
@@ -167,7 +167,7 @@ class FileHeaders:
 
 class Reads:
     """Reads of several files' headers, issued by their walks at once: on a store that reads
-    a group of ranges into one buffer (:class:`~asyncbatch.stores.base.ReadsInto`: the local
+    a group of ranges into one buffer (``supports_read_into``: the local
     store, one thread job) those waiting together go in one call; elsewhere one call each."""
 
     def __init__(self, store: Store) -> None:
@@ -176,7 +176,7 @@ class Reads:
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def read(self, url: str, start: int, end: int) -> bytes:
-        if not isinstance(self.store, ReadsInto):
+        if not self.store.supports_read_into:
             return await read_range(self.store, url, start, end)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
@@ -192,7 +192,7 @@ class Reads:
         task.add_done_callback(self.tasks.discard)
 
     async def _read(self, group: list[tuple[str, int, int, asyncio.Future[bytes]]]) -> None:
-        assert isinstance(self.store, ReadsInto)
+        assert self.store.supports_read_into
         urls = sorted({g[0] for g in group})
         starts = np.array([g[1] for g in group], dtype=np.int64)
         ends = np.array([g[2] for g in group], dtype=np.int64)

@@ -1,27 +1,25 @@
 """The store protocols: the only contract between the engine and I/O.
 
 Two layers meet here. A *transport* (an adapter: the built-in local, S3, HTTP and fsspec
-ones, or a third party's) implements small capability protocols, obspec style. A read-only
-transport needs two methods: :class:`GetsRanges` (``get_ranges``: bytes of ranges of one
-object) and :class:`Versioned` (``stat``: the object's size and version). Optional
-capabilities are protocols of their own, detected by type (``isinstance``), never looked up
-by name: :class:`ReadsRanges` (into caller-given buffers), :class:`ResumesRanges` (one
-attempt at one range into a buffer, resuming a broken body, sending and reporting versions:
-the stack then retries each range and compares every answer with the pin),
-:class:`GetsVersionedRanges` (``get_ranges`` with the version the bytes came from),
-:class:`ReadsInto` (many ranges of
-many objects into one buffer: the engine's fast path), :class:`ReadsIntoConverted` (the
-same, widening each element to the output dtype as it copies), :class:`Lists`, :class:`Writes`,
-:class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
-as one), :class:`Discards` (a cache forgetting bytes), :class:`KeepsFiles` (open local files
-kept across stores), :class:`Unbounded` (calls the stack does not time),
-:class:`ReadsTail` (an object's last bytes with its size and version, in one request:
-:func:`fetch_tail` uses it, or a ``stat`` and a ranged read without it) and
-:class:`ListsInfo` (a listing with sizes and versions).
+ones, or a third party's) implements a few methods, obspec style. A read-only transport
+needs two: ``get_ranges`` (:class:`GetsRanges`: bytes of ranges of one object) and ``stat``
+(:class:`Versioned`: the object's size and version). It may read in other ways instead
+(:class:`ReadsRanges`: into caller-given buffers; :class:`ResumesRanges`: one attempt at one
+range into a buffer, resuming a broken body, sending and reporting versions, so the stack
+retries each range and compares every answer with the pin; :class:`GetsVersionedRanges`:
+``get_ranges`` telling the version the bytes came from), and offer more: ``read_tail``
+(:class:`ReadsTail`: an object's last bytes with its size and version, in one request),
+``list_info`` (:class:`ListsInfo`: a listing with sizes and versions), ``list``, ``write``,
+``close``, ``coalesce_gap``, ``read_into`` (many ranges of many objects into one buffer:
+the engine's fast path; converting as it copies where it sets ``supports_convert = True``)
+and ``read_windows`` (fixed windows of an element stream, planned and copied by the
+transport). The stack finds which of these a transport has once, when it is built.
 
-The registry stacks wrappers over a transport (``stores/stack.py``: exact lengths, typed
-errors, version pinning, retries and timeouts; then counting and the node-local cache), and
-the engine sees :class:`Store`, which every wrapper implements. Ranges are ``[start, end)``
+The registry stacks layers over a transport (``stores/stack.py``: exact lengths, typed
+errors, version pinning, retries and timeouts; then counting, the node-local cache and the
+checks against what a manifest expects), and the engine sees :class:`Store`, which every
+layer implements whole: its ``supports_*`` flags say which of the optional calls the
+layers below can serve, so the engine tests flags, not types. Ranges are ``[start, end)``
 with exclusive ends. A store never completes a read with fewer bytes than asked for: it
 raises :class:`~asyncbatch.errors.ShortReadError` naming the URL and range instead.
 """
@@ -38,41 +36,9 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from ..layout import ShardMap
-
 Buffer = memoryview
 #: (stored dtype, output dtype) of a converting read.
 Conversion = tuple["np.dtype[Any]", "np.dtype[Any]"]
-
-
-@runtime_checkable
-class Store(Protocol):
-    """An async byte-range store bound to the event loop that created it."""
-
-    #: Gap in bytes below which two ranges of one object are cheaper read as one.
-    coalesce_gap: int
-
-    async def size(self, url: str) -> int:
-        """Size of the object at ``url`` in bytes."""
-        ...
-
-    async def list(self, url: str) -> list[str]:
-        """URLs of the objects directly under the prefix ``url``, sorted."""
-        ...
-
-    async def read_ranges(
-        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
-    ) -> None:
-        """Fill ``buffers[i]`` with bytes ``[starts[i], ends[i])`` of ``url``, all or raise."""
-        ...
-
-    async def write(self, url: str, data: Buffer | bytes) -> None:
-        """Write ``data`` as the whole object at ``url``, creating parents as needed."""
-        ...
-
-    async def close(self) -> None:
-        """Release sessions and file descriptors; idempotent."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +48,100 @@ class ObjectInfo:
 
     size: int
     version: str | None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An async byte-range store bound to the event loop that created it: what every layer
+    of the stack implements, whole. The optional calls work where their flag says so."""
+
+    #: Gap in bytes below which two ranges of one object are cheaper read as one.
+    coalesce_gap: int
+    #: :meth:`read_into` reads a group of ranges of many objects in one call.
+    supports_read_into: bool
+    #: :meth:`read_into` and :meth:`read_windows` take a ``convert``.
+    supports_convert: bool
+    #: :meth:`read_windows` may plan and copy windows itself (it may still decline).
+    supports_windows: bool
+    #: :meth:`discard` forgets copies of bytes (a cache).
+    supports_discard: bool
+
+    async def size(self, url: str) -> int:
+        """Size of the object at ``url`` in bytes."""
+        ...
+
+    async def stat(self, url: str) -> ObjectInfo:
+        """Size and version of ``url``; pins the object at that version."""
+        ...
+
+    async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
+        """``(URL, size and version)`` of the entries directly under the prefix ``url``,
+        sorted; None where the listing does not tell (and for a folder)."""
+        ...
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
+    ) -> None:
+        """Fill ``buffers[i]`` with bytes ``[starts[i], ends[i])`` of ``url``, all or raise."""
+        ...
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        """The last ``min(length, size)`` bytes of ``url``, with its size and version."""
+        ...
+
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
+    ) -> None:
+        """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``,
+        all or raise (``supports_read_into``). ``convert`` (``supports_convert``): the
+        elements of ``convert[0]`` in each range written as ``convert[1]`` (a safe cast),
+        ``starts`` and ``ends`` counting stored bytes, ``dest_offsets`` bytes of ``dest``."""
+        ...
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        ends: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        itemsize: int,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        """Copy elements ``[starts[i], starts[i] + window)`` of the concatenation of the
+        objects ``urls`` to ``dest[i * window * size:]`` (``supports_windows``). Object ``k``
+        holds the elements up to ``ends[k]`` (cumulative counts) of ``itemsize`` bytes from
+        its byte ``offsets[k]`` on; a window may cross object ends. ``size`` is the output
+        element's (``convert``: stored dtype, output dtype, a safe cast made in the copy).
+        False when it cannot here (files it does not map, too many at once, a conversion it
+        lacks): the caller then plans byte ranges for all of them instead."""
+        ...
+
+    async def write(self, url: str, data: Buffer | bytes) -> None:
+        """Write ``data`` as the whole object at ``url``, creating parents as needed."""
+        ...
+
+    async def discard(self, url: str, start: int, end: int) -> None:
+        """Forget any copy of bytes ``[start, end)`` of ``url`` (``supports_discard``); the
+        next read fetches them."""
+        ...
+
+    async def close(self) -> None:
+        """Release sessions and file descriptors; idempotent."""
+        ...
+
+    # Last: within the class, ``list`` names this method from here on.
+    async def list(self, url: str) -> list[str]:
+        """URLs of the objects directly under the prefix ``url``, sorted."""
+        ...
 
 
 @runtime_checkable
@@ -105,41 +165,6 @@ class ReadsRanges(Protocol):
     ) -> None:
         """Fill ``buffers[i]`` with bytes ``[starts[i], ends[i])`` of ``url``, all or raise."""
         ...
-
-
-@runtime_checkable
-class Lists(Protocol):
-    """A transport that lists a prefix."""
-
-    async def list(self, url: str) -> list[str]:
-        """URLs of the objects directly under the prefix ``url``, sorted."""
-        ...
-
-
-@runtime_checkable
-class Writes(Protocol):
-    """A transport that writes whole objects."""
-
-    async def write(self, url: str, data: Buffer | bytes) -> None:
-        """Write ``data`` as the whole object at ``url``, creating parents as needed."""
-        ...
-
-
-@runtime_checkable
-class Closes(Protocol):
-    """A transport holding sessions, threads or descriptors to release."""
-
-    async def close(self) -> None:
-        """Release what the transport holds; idempotent."""
-        ...
-
-
-@runtime_checkable
-class Coalesces(Protocol):
-    """A transport that knows its own coalescing gap (the stack picks one otherwise)."""
-
-    #: Gap in bytes below which two ranges of one object are cheaper read as one.
-    coalesce_gap: int
 
 
 @dataclass
@@ -214,7 +239,8 @@ class KeptFiles(Protocol):
 class KeepsFiles(Protocol):
     """A store whose open files (the local store's descriptors, mappings and pins) its owner
     can keep past the store's close, for the next store of the same options: a loader keeps
-    them across its runs. Every layer of the stack offers it and forwards it down."""
+    them across its runs. Every layer of the stack but the cache offers it and forwards it
+    down."""
 
     def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
         """Hand the open files to the caller, who closes them; ``kept``, the files of an
@@ -229,67 +255,6 @@ def keep_files(store: object, kept: KeptFiles | None = None) -> KeptFiles | None
 
 
 @runtime_checkable
-class ReadsInto(Protocol):
-    """A store that reads many ranges of many objects into one caller's buffer at once."""
-
-    async def read_into(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-    ) -> None:
-        """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``,
-        all or raise."""
-        ...
-
-
-@runtime_checkable
-class ReadsIntoConverted(Protocol):
-    """A store that reads into one buffer and converts the elements as it copies them."""
-
-    async def read_into_converted(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-        convert: Conversion,
-    ) -> None:
-        """``read_into``, with the elements of ``convert[0]`` in each range written to
-        ``dest`` as ``convert[1]`` (a safe cast): ``starts`` and ``ends`` count stored bytes,
-        ``dest_offsets`` bytes of ``dest``."""
-        ...
-
-
-@runtime_checkable
-class ReadsWindows(Protocol):
-    """A store that plans and copies fixed windows of a dataset's element stream itself, in
-    one call per group (local mapped files: no per-read arrays, no Python per window)."""
-
-    async def read_windows(
-        self,
-        urls: Sequence[str],
-        layout: ShardMap,
-        starts: npt.NDArray[np.int64],
-        window: int,
-        dest: npt.NDArray[np.uint8],
-        convert: Conversion | None = None,
-    ) -> bool:
-        """Copy elements ``[starts[i], starts[i] + window)`` of the concatenation of the
-        shards ``urls`` (laid out as ``layout`` says; a window may cross shard ends) to
-        ``dest[i * window * size:]``, ``size`` the output element's (``convert``: stored
-        dtype, output dtype, a safe cast made in the copy). False when it cannot here
-        (files it does not map, too many at once, a conversion it lacks): the caller then
-        plans byte ranges for all of them and reads those into ``dest`` instead."""
-        ...
-
-
-@runtime_checkable
 class Versioned(Protocol):
     """A store that tells an object's version along with its size."""
 
@@ -299,18 +264,11 @@ class Versioned(Protocol):
 
 
 @runtime_checkable
-class Discards(Protocol):
-    """A store that keeps copies of bytes (a cache) and can forget them."""
-
-    async def discard(self, url: str, start: int, end: int) -> None:
-        """Forget any copy of bytes ``[start, end)`` of ``url``; the next read fetches them."""
-        ...
-
-
-@runtime_checkable
 class ReadsTail(Protocol):
     """A store that reads an object's last bytes and learns its size and version at once
-    (one suffix request: S3's and HTTP's ``Range: bytes=-N``, a local ``fstat`` + ``pread``)."""
+    (one suffix request: S3's and HTTP's ``Range: bytes=-N``, a local ``fstat`` + ``pread``).
+    Every store the stack builds offers it (through ``stat`` and a range where the
+    transport has no ``read_tail``)."""
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes of ``url``, with its size and version; pins
@@ -321,7 +279,9 @@ class ReadsTail(Protocol):
 @runtime_checkable
 class ListsInfo(Protocol):
     """A store whose listing tells each object's size and version (S3's does), so that a
-    format reading every object's tail after listing them needs no ``stat`` or suffix."""
+    format reading every object's tail after listing them needs no ``stat`` or suffix.
+    Every store the stack builds offers it (None for every entry where the transport's
+    listing tells nothing)."""
 
     async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
         """``(URL, size and version)`` of the entries directly under the prefix ``url``,
@@ -329,7 +289,14 @@ class ListsInfo(Protocol):
         ...
 
 
-async def list_with_info(store: Store, url: str) -> list[tuple[str, ObjectInfo | None]]:
+def offers(transport: object, name: str) -> bool:
+    """Whether ``transport`` has the optional method or attribute ``name`` (what a
+    ``runtime_checkable`` protocol's ``isinstance`` asks): looked up once per store, when the
+    stack is built, never per call."""
+    return getattr(transport, name, None) is not None
+
+
+async def list_with_info(store: Any, url: str) -> list[tuple[str, ObjectInfo | None]]:
     """The listing of ``url`` with sizes and versions where the store's listing tells them
     (:class:`ListsInfo`), else its plain listing with None for every entry."""
     if isinstance(store, ListsInfo):
@@ -337,7 +304,7 @@ async def list_with_info(store: Store, url: str) -> list[tuple[str, ObjectInfo |
     return [(name, None) for name in await store.list(url)]
 
 
-async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+async def fetch_tail(store: object, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
     """The last ``min(length, size)`` bytes of ``url`` with its size and version: one
     request where the store offers :class:`ReadsTail`, else :func:`tail_by_stat`."""
     if isinstance(store, ReadsTail):
@@ -346,7 +313,7 @@ async def fetch_tail(store: Store, url: str, length: int) -> tuple[bytes | bytea
 
 
 async def tail_by_stat(
-    store: Store, url: str, length: int, info: ObjectInfo | None = None
+    store: Any, url: str, length: int, info: ObjectInfo | None = None
 ) -> tuple[bytearray, ObjectInfo]:
     """What :func:`fetch_tail` returns, in two requests: the size and version (unless given
     as ``info``), then a range."""

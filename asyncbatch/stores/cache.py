@@ -8,20 +8,21 @@ missing blocks. A loader's stores share what they have stat'ed (``seen``), so a 
 (the next epoch) reads its hits without asking the store anything; an object is stat'ed
 again only when a block of it must be fetched, and a version other than the one first seen
 is then a :class:`~asyncbatch.errors.ShardChangedError`: one loader reads one version.
-It offers ``discard`` (:class:`~asyncbatch.stores.base.Discards`), which the engine calls
-when bytes it read fail their checksum, so a corrupt entry is read again.
+It offers ``discard`` (``supports_discard``), which the checks above it call when bytes it
+served fail their checksum, so a corrupt entry is read again.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import ChecksumError, describe_range
-from .base import Buffer, ObjectInfo, Store, Versioned, fetch_tail, list_with_info
+from .base import Buffer, Conversion, ObjectInfo, Store
 from .counting import ReadCounts
 from .disk_cache import DiskCache, Piece
 from .local import LocalStore
@@ -67,6 +68,12 @@ class CachedStore:
         # Merging two reads saves no request here (a miss fetches whole blocks whatever the
         # reads), only calls: as for local files, merge across small gaps only.
         self.coalesce_gap = min(inner.coalesce_gap, LocalStore.coalesce_gap)
+        #: A group of reads in one call (the hits read in one thread job); no conversion,
+        #: no windows: the engine plans byte ranges, and casts after.
+        self.supports_read_into = True
+        self.supports_convert = False
+        self.supports_windows = False
+        self.supports_discard = True
         self._infos: dict[str, asyncio.Future[ObjectInfo]] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Buffer]] = {}
 
@@ -90,9 +97,7 @@ class CachedStore:
             raise
 
     async def _stat(self, url: str) -> ObjectInfo:
-        if isinstance(self.inner, Versioned):
-            return await self.inner.stat(url)
-        return ObjectInfo(await self.inner.size(url), None)
+        return await self.inner.stat(url)
 
     async def size(self, url: str) -> int:
         return (await self.stat(url)).size
@@ -100,14 +105,14 @@ class CachedStore:
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The store's tail read, not cached (one request either way: a footer read at open);
         its size and version join what the loader has seen, and must match it."""
-        tail, info = await fetch_tail(self.inner, url, length)
+        tail, info = await self.inner.read_tail(url, length)
         self._told(url, info)
         return tail, info
 
     async def list_info(self, url: str) -> list[tuple[str, ObjectInfo | None]]:
         """The store's listing; each object's size and version join what the loader has
         seen, and must match it."""
-        found = await list_with_info(self.inner, url)
+        found = await self.inner.list_info(url)
         for name, info in found:
             if info is not None:
                 self._told(name, info)
@@ -181,10 +186,12 @@ class CachedStore:
         ends: npt.NDArray[np.int64],
         dest: npt.NDArray[np.uint8],
         dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
     ) -> None:
         """A whole group's reads (the engine's buffer path): the hits of every object are
         read in one job on a thread, so a group costs one hop however many objects it
         touches; whatever is left goes through :meth:`read_ranges`' path."""
+        assert convert is None, "the cache converts nothing (supports_convert is False)"
         view = memoryview(dest)  # type: ignore[arg-type]
         rows: dict[int, list[int]] = {}
         for row, object_index in enumerate(which.tolist()):
@@ -327,6 +334,10 @@ class CachedStore:
                     future.exception()  # retrieved: waiters see it, nobody else need
                 if self._pending.get((url, block)) is future:
                     del self._pending[url, block]
+
+    async def read_windows(self, *args: Any, **kwargs: Any) -> bool:
+        """Declined (``supports_windows`` is False): the engine plans byte ranges."""
+        return False
 
     # Last: within the class, ``list`` names this method from here on.
     async def list(self, url: str) -> list[str]:

@@ -59,8 +59,9 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from ..layout import ShardMap
 from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Unbounded, check_length
+from .copying import C_CONVERSIONS as C_CONVERSIONS
+from .copying import c_conversion, copy_pieces
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .stack import is_transient, map_error
 from .validate import check_options
@@ -266,6 +267,8 @@ class LocalStore(Unbounded):
     # neighbours further apart than that moves more bytes than it saves in calls. Mapped
     # copies make no call to save; gap 0 measured the same as this gap there (so kept).
     coalesce_gap = 16 * 1024
+    #: ``read_into`` and ``read_windows`` widen integers as they copy (``convert``).
+    supports_convert = True
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
         self._files = LocalFiles(max_open_files, mmap)
@@ -388,27 +391,19 @@ class LocalStore(Unbounded):
         ends: Int64Array,
         dest: npt.NDArray[np.uint8],
         dest_offsets: Int64Array,
+        convert: Conversion | None = None,
     ) -> None:
         """Read ``[starts[i], ends[i])`` of ``urls[which[i]]`` into ``dest[dest_offsets[i]:]``.
 
         Reads of one file should be neighbours: the work is split into contiguous jobs, and
-        each job opens (or looks up) every file it touches once.
+        each job opens (or looks up) every file it touches once. ``convert``: the C helper
+        converts inside its copy loop, so each value is written once; without mapped copies
+        the stored bytes are read into a staging buffer laid out like ``dest`` and cast in
+        one call off the loop.
         """
-        await self._read_jobs(urls, which, starts, ends, dest, dest_offsets, None)
-
-    async def read_into_converted(
-        self,
-        urls: Sequence[str],
-        which: Int64Array,
-        starts: Int64Array,
-        ends: Int64Array,
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: Int64Array,
-        convert: Conversion,
-    ) -> None:
-        """:meth:`read_into`, converting: the C helper converts inside its copy loop, so
-        each value is written once; without mapped copies the stored bytes are read into a
-        staging buffer laid out like ``dest`` and cast in one call off the loop."""
+        if convert is None:
+            await self._read_jobs(urls, which, starts, ends, dest, dest_offsets, None)
+            return
         source, target = convert
         name = c_conversion(source, target)
         if name is not None and self._files.mmap:
@@ -424,7 +419,9 @@ class LocalStore(Unbounded):
     async def read_windows(
         self,
         urls: Sequence[str],
-        layout: ShardMap,
+        ends: Int64Array,
+        offsets: Int64Array,
+        itemsize: int,
         starts: Int64Array,
         window: int,
         dest: npt.NDArray[np.uint8],
@@ -432,9 +429,9 @@ class LocalStore(Unbounded):
     ) -> bool:
         """The group's windows planned and copied out of the files' mappings in one GIL-free
         call of the C helper (it finds each window's shard by binary search over the
-        cumulative counts), with the conversion in the copy, in parallel parts for groups
-        that write more than ``GATHER_JOB_BYTES``; False without mappings or the conversion,
-        or when a part touches more files than may be open at once."""
+        cumulative counts ``ends``), with the conversion in the copy, in parallel parts for
+        groups that write more than ``GATHER_JOB_BYTES``; False without mappings or the
+        conversion, or when a part touches more files than may be open at once."""
         name = None if convert is None else c_conversion(*convert)
         if not self._files.mmap or (convert is not None and name is None):
             return False
@@ -446,6 +443,7 @@ class LocalStore(Unbounded):
         cuts = [count * j // jobs for j in range(jobs + 1)]
         width = window * (dest.size // max(1, count * window))  # destination bytes per window
         loop = asyncio.get_running_loop()
+        layout = (ends, offsets, itemsize)
         done = await asyncio.gather(
             *(
                 loop.run_in_executor(
@@ -466,15 +464,16 @@ class LocalStore(Unbounded):
     def _gather(
         self,
         urls: Sequence[str],
-        layout: ShardMap,
+        layout: tuple[Int64Array, Int64Array, int],
         starts: Int64Array,
         window: int,
         dest: npt.NDArray[np.uint8],
         convert: str | None,
     ) -> bool:
-        count = layout.ends.size
-        first = np.searchsorted(layout.ends, starts, side="right")
-        last = np.searchsorted(layout.ends, starts + max(0, window - 1), side="right")
+        ends, offsets, itemsize = layout
+        count = ends.size
+        first = np.searchsorted(ends, starts, side="right")
+        last = np.searchsorted(ends, starts + max(0, window - 1), side="right")
         if (last - first > 1).any():  # windows longer than a shard: every shard between too
             spans = np.bincount(first, minlength=count + 1)
             spans -= np.bincount(last + 1, minlength=count + 1)
@@ -501,9 +500,9 @@ class LocalStore(Unbounded):
             done, shard, start, end, error = _preadv.gather(
                 bases,
                 limits,
-                layout.ends,
-                layout.offsets,
-                layout.itemsize,
+                ends,
+                offsets,
+                itemsize,
                 starts,
                 window,
                 dest,
@@ -762,58 +761,6 @@ def _read_many_python(
         if got < length:
             return index, got, 0
     return len(fds), 0, 0
-
-
-def c_conversion(source: np.dtype[Any], target: np.dtype[Any]) -> str | None:
-    """The C helper's name for converting ``source`` to ``target`` ("u2>i8"), or None when it
-    has no such conversion (or is absent): native-order integers to wider integers or floats."""
-    if _preadv is None or not (source.isnative and target.isnative):
-        return None
-    name = f"{source.kind}{source.itemsize}>{target.kind}{target.itemsize}"
-    return name if name in C_CONVERSIONS else None
-
-
-#: The conversions ``_preadv.copy_many`` makes (every one a safe cast).
-C_CONVERSIONS = frozenset(
-    f"{a}>{b}"
-    for a, bs in {
-        "u1": "i2 i4 i8 u2 u4 u8 f4 f8",
-        "u2": "i4 i8 u4 u8 f4 f8",
-        "u4": "i8 u8 f8",
-        "i1": "i2 i4 i8 f4 f8",
-        "i2": "i4 i8 f4 f8",
-        "i4": "i8 f8",
-    }.items()
-    for b in bs.split()
-)
-
-
-def copy_pieces(
-    source: npt.NDArray[np.uint8],
-    source_offsets: Int64Array,
-    lengths: Int64Array,
-    dest: npt.NDArray[np.uint8],
-    dest_offsets: Int64Array,
-    convert: str | None = None,
-) -> None:
-    """Copy ``source[source_offsets[i]:][:lengths[i]]`` to ``dest[dest_offsets[i]:]``, in one
-    GIL-free call of the C helper when it is there (``convert``: one of its conversions,
-    ``lengths`` then counting source bytes)."""
-    if _preadv is not None and source.size:
-        count = source_offsets.size
-        bases = np.full(count, source.ctypes.data, dtype=np.int64)
-        limits = np.full(count, source.size, dtype=np.int64)
-        extra = () if convert is None else (convert,)
-        done, _, _ = _preadv.copy_many(
-            bases, limits, source_offsets, lengths, dest, dest_offsets, *extra
-        )
-        assert done == count, "pieces lie inside their source"
-        return
-    assert convert is None, "conversions need the C helper"
-    into, out = memoryview(dest), memoryview(source)  # type: ignore[arg-type]
-    rows = zip(source_offsets.tolist(), dest_offsets.tolist(), lengths.tolist(), strict=True)
-    for src, at, length in rows:
-        into[at : at + length] = out[src : src + length]
 
 
 def _cast(

@@ -21,9 +21,9 @@ import contextlib
 import re
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     CredentialsError,
@@ -38,8 +38,13 @@ from ..errors import (
     ThrottledError,
     describe_range,
 )
-from .base import Buffer, ObjectInfo, Progress, ResumesRanges, Versioned, check_length
+from .base import Buffer, ObjectInfo, Progress, ResumesRanges, Store, Versioned, check_length
 from .retry import refused
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from aiohttp import ClientResponse as Body
 
 #: Bytes asked of a body at a time.
 CHUNK = 1 << 20
@@ -293,18 +298,16 @@ async def receive_tail(
     return TailAnswer(body, size, etag)
 
 
-class RangeTransport(ResumesRanges, Versioned, Protocol):
-    """A transport that resumes ranges and tells sizes and versions (S3's, HTTP's)."""
-
-
 async def tail_from(
-    transport: RangeTransport, url: str, length: int, answer: TailAnswer | None
+    transport: ResumesRanges, url: str, length: int, answer: TailAnswer | None
 ) -> tuple[bytearray, ObjectInfo]:
     """The tail ``answer`` holds; else one ranged read (after a stat, unless the answer told
-    the size) of ``transport``: one attempt each, the stack retries the whole."""
+    the size) of ``transport`` (S3's, HTTP's: it resumes ranges and tells sizes and
+    versions): one attempt each, the stack retries the whole."""
     if answer is not None and answer.tail is not None and answer.size is not None:
         return answer.tail, ObjectInfo(answer.size, answer.etag)
     if answer is None or answer.size is None:
+        assert isinstance(transport, Versioned)
         info = await transport.stat(url)
     else:
         info = ObjectInfo(answer.size, answer.etag)
@@ -381,26 +384,6 @@ async def run_all(reads: Iterable[Awaitable[Any]]) -> None:
         error = task.exception() if task in done and not task.cancelled() else None
         if error is not None:
             raise error
-
-
-class Body(Protocol):
-    """What :func:`receive_range` needs of an answer (an ``aiohttp.ClientResponse``)."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def headers(self) -> Any: ...
-
-    @property
-    def content(self) -> Any: ...
-
-    @property
-    def content_length(self) -> int | None: ...
-
-    def close(self) -> None: ...
-
-    def release(self) -> Any: ...
 
 
 async def receive_range(
@@ -514,3 +497,30 @@ async def fill(
             end,
             retryable=True,
         )
+
+
+async def read_by_ranges(
+    store: Store,
+    urls: Sequence[str],
+    which: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    ends: npt.NDArray[np.int64],
+    dest: npt.NDArray[np.uint8],
+    dest_offsets: npt.NDArray[np.int64],
+) -> None:
+    """``Store.read_into`` through the plain protocol: one ``read_ranges`` call per object, run
+    together; on the first failure the others are cancelled and awaited, never left running
+    against a buffer nobody wants (or past the loop's end)."""
+    view = memoryview(dest)  # type: ignore[arg-type]
+    by_object: dict[int, tuple[list[int], list[int], list[Buffer]]] = {}
+    for index, start, end, at in zip(
+        which.tolist(), starts.tolist(), ends.tolist(), dest_offsets.tolist(), strict=True
+    ):
+        entry = by_object.setdefault(index, ([], [], []))
+        entry[0].append(start)
+        entry[1].append(end)
+        entry[2].append(view[at : at + end - start])
+    await run_all(
+        store.read_ranges(urls[index], starts=s, ends=e, buffers=b)
+        for index, (s, e, b) in by_object.items()
+    )

@@ -28,8 +28,9 @@ from urllib.parse import urlsplit
 import fsspec
 
 from ..errors import ConfigError, UnknownSchemeError
-from .base import Buffer, ObjectInfo, Store
+from .base import ObjectInfo, Store
 from .cache import CachedStore
+from .checked import CheckedStore, Expected
 from .counting import ReadCounts, counting
 from .disk_cache import DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
@@ -153,16 +154,18 @@ def open_store(
     counts: ReadCounts | None = None,
     cache: DiskCache | None = None,
     seen: dict[str, ObjectInfo] | None = None,
-    check: Callable[[str, int, Buffer], str | None] | None = None,
+    expected: Expected | None = None,
     pins: Mapping[str, str] | None = None,
 ) -> Store:
     """A new store for ``url``'s scheme, to be used (and closed) in the current event loop.
 
     Every URL a dataset, loader or writer opens passes here, so this is where a malformed
     one (``S3://b/k``, ``s3:/b/k``) is refused, before any request. The stack, from the
-    top: the node-local ``cache`` (if any; ``seen`` keeps what it stat'ed across a loader's
-    stores; ``check`` vets the blocks it fetches against checksums), a counter of the
-    transport's byte-range reads (with ``counts``), the guards of
+    top: the checks against what is ``expected`` of each object (if given: sizes, block or
+    whole checksums, see :mod:`~asyncbatch.stores.checked`), the node-local ``cache`` (if
+    any; ``seen`` keeps what it stat'ed across a loader's stores; it vets the blocks it
+    fetches against the ``expected`` block checksums), a counter of the transport's
+    byte-range reads (with ``counts``), the guards of
     :func:`~asyncbatch.stores.stack.stacked` (exact lengths, pins, typed errors, retries
     and timeouts under ``retry``; objects of ``pins`` pinned at those versions from the
     start), the transport.
@@ -179,4 +182,7 @@ def open_store(
     store = stacked(transport, policy, pins)
     if counts is not None:
         store = counting(store, counts)
-    return store if cache is None else CachedStore(store, cache, counts, seen, check)
+    if cache is not None:
+        check = None if expected is None else expected.fill_check()
+        store = CachedStore(store, cache, counts, seen, check)
+    return store if expected is None else CheckedStore(store, expected)

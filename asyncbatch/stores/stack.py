@@ -21,15 +21,15 @@ attempts so that only its missing tail is asked again, the pin passed in as a pr
 and the version of every answer compared with it. Such a transport times each phase of its
 request itself, so no bound cuts a slow body that keeps moving.
 
-Both layers offer :class:`~asyncbatch.stores.base.ReadsTail` (the transport's own, pinned
-and length-checked, or a ``stat`` and a ranged read) and
-:class:`~asyncbatch.stores.base.ListsInfo` (the transport's own, pinned, or a plain listing
-that tells nothing). A transport that offers :class:`~asyncbatch.stores.base.ReadsInto`
-(and :class:`~asyncbatch.stores.base.ReadsIntoConverted`) keeps it through both layers: one
-call per group, no Python per range, so the engine's fast path stays fast (its contract is
-all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it). Both layers
-forward :class:`~asyncbatch.stores.base.KeepsFiles`, so a loader keeps the local store's
-open files across runs whatever sits above it.
+Each layer is one class that states, in its ``supports_*`` flags, what the transport
+below can do: a transport's ``read_into`` (converting too where it sets
+``supports_convert``) and ``read_windows`` pass through both layers as one call per group,
+no Python per range, so the engine's fast path stays fast (their contract is all or raise;
+:mod:`asyncbatch.testing` checks that a transport keeps it). Both layers offer ``read_tail``
+(the transport's own, pinned and length-checked, or a ``stat`` and a ranged read) and
+``list_info`` (the transport's own, pinned, or a plain listing that tells nothing), and
+forward ``keep_files``, so a loader keeps the local store's open files across runs
+whatever sits above it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -52,33 +52,24 @@ from ..errors import (
     StoreTimeoutError,
     describe_range,
 )
-from ..layout import ShardMap
 from .base import (
     Buffer,
-    Closes,
-    Coalesces,
     Conversion,
     GetsRanges,
     GetsVersionedRanges,
     KeptFiles,
-    Lists,
     ListsInfo,
     ObjectInfo,
     Progress,
-    ReadsInto,
-    ReadsIntoConverted,
     ReadsRanges,
     ReadsTail,
-    ReadsWindows,
     ResumesRanges,
     Store,
     Unbounded,
     Versioned,
-    Writes,
     check_length,
-    fetch_tail,
     keep_files,
-    list_with_info,
+    offers,
     tail_by_stat,
 )
 from .ranged import REMOTE_COALESCE_GAP, fail, run_all
@@ -126,19 +117,23 @@ def _unsupported(url: str, what: str, capability: str) -> StoreError:
 
 
 class TransportStore:
-    """The :class:`Store` protocol over a transport: lengths checked, versions pinned."""
+    """The :class:`Store` over a transport: lengths checked, versions pinned, and the
+    transport's optional calls found once (its ``supports_*`` flags)."""
 
     def __init__(self, transport: object) -> None:
         reads = GetsRanges | ReadsRanges | ResumesRanges | GetsVersionedRanges
-        if not isinstance(transport, reads) or not isinstance(transport, Versioned | Store):
+        if not isinstance(transport, reads) or not (
+            isinstance(transport, Versioned) or offers(transport, "size")
+        ):
             raise ConfigError(
                 f"{type(transport).__name__} is not a store transport: it needs get_ranges"
                 " (or read_ranges, read_range, get_versioned_ranges) and stat; see"
                 " docs/adapters.md"
             )
         self.transport = transport
-        #: The transport as :class:`Versioned`, if it is (checked once: a protocol
-        #: ``isinstance`` costs microseconds, and a run stats every shard).
+        #: The transport's optional calls, found once here (a protocol ``isinstance`` costs
+        #: microseconds, and a run stats every shard); the engine's fast paths cross the
+        #: stack as one call per group.
         self._versioned: Versioned | None = transport if isinstance(transport, Versioned) else None
         #: The transport as :class:`ResumesRanges`, if it is (checked once: not per range).
         self._resumer: ResumesRanges | None = (
@@ -146,19 +141,32 @@ class TransportStore:
         )
         #: Whether the transport resumes ranges: the retrying layer then retries each one.
         self.resumes = self._resumer is not None
-        self.coalesce_gap = (
-            transport.coalesce_gap if isinstance(transport, Coalesces) else REMOTE_COALESCE_GAP
-        )
+        #: The transport as a :class:`Store` for its optional calls, each behind its flag.
+        below: Any = transport
+        self._below = below
+        self.supports_read_into = _can(transport, "read_into", "supports_read_into")
+        self.supports_convert = self.supports_read_into and _flag(transport, "supports_convert")
+        self.supports_windows = _can(transport, "read_windows", "supports_windows")
+        self.supports_discard = _can(transport, "discard", "supports_discard")
+        self._lists = offers(transport, "list")
+        self._writes = offers(transport, "write")
+        self._closes = offers(transport, "close")
+        if self.supports_convert:
+            # The transport's own group reads, called straight (no frame of this layer on
+            # the engine's fast path): they take what these methods take.
+            self.read_into = below.read_into  # type: ignore[method-assign]
+        if self.supports_windows:
+            self.read_windows = below.read_windows  # type: ignore[method-assign]
+        gap = getattr(transport, "coalesce_gap", None)
+        self.coalesce_gap: int = REMOTE_COALESCE_GAP if gap is None else gap
         self._pins: dict[str, str] = {}
 
     async def stat(self, url: str) -> ObjectInfo:
         """Size and version; pins ``url`` at the first version seen."""
         if self._versioned is not None:
             info = await self._versioned.stat(url)
-        else:  # a Store written before stat existed: size only, nothing to pin
-            transport = self.transport
-            assert isinstance(transport, Store)
-            info = ObjectInfo(await transport.size(url), None)
+        else:  # a store written before stat existed: size only, nothing to pin
+            info = ObjectInfo(await self._below.size(url), None)
         self._pin(url, info.version)
         return info
 
@@ -247,10 +255,49 @@ class TransportStore:
         self._pin(url, progress.version)
         check_length(url, start, end, progress.got)
 
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
+    ) -> None:
+        """The transport's own group read (``supports_read_into``); its contract is all or
+        raise, which :mod:`asyncbatch.testing` checks."""
+        if not self.supports_read_into or (convert is not None and not self.supports_convert):
+            raise _unsupported(urls[0] if urls else "", "read into one buffer", "read_into()")
+        if convert is None:  # a third party's read_into may take no conversion
+            await self._below.read_into(urls, which, starts, ends, dest, dest_offsets)
+        else:
+            await self._below.read_into(urls, which, starts, ends, dest, dest_offsets, convert)
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        ends: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        itemsize: int,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        if not self.supports_windows:
+            return False
+        return bool(
+            await self._below.read_windows(
+                urls, ends, offsets, itemsize, starts, window, dest, convert
+            )
+        )
+
     async def list(self, url: str) -> list[str]:
-        if not isinstance(self.transport, Lists):
+        if not self._lists:
             raise _unsupported(url, "list", "list()")
-        return await self.transport.list(url)
+        names: builtins.list[str] = await self._below.list(url)
+        return names
 
     async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
         """The transport's listing with sizes and versions, each object pinned; without
@@ -265,81 +312,32 @@ class TransportStore:
         return found
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
-        if not isinstance(self.transport, Writes):
+        if not self._writes:
             raise _unsupported(url, "write", "write()")
-        await self.transport.write(url, data)
+        await self._below.write(url, data)
         self._pins.pop(url, None)  # our own write: the next stat pins the new version
 
+    async def discard(self, url: str, start: int, end: int) -> None:
+        if self.supports_discard:
+            await self._below.discard(url, start, end)
+
     async def close(self) -> None:
-        if isinstance(self.transport, Closes):
-            await self.transport.close()
+        if self._closes:
+            await self._below.close()
 
     def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
         return keep_files(self.transport, kept)
 
 
-class TransportBufferStore(TransportStore):
-    """A :class:`TransportStore` over a transport that reads into one caller's buffer."""
-
-    def __init__(self, transport: ReadsInto) -> None:
-        super().__init__(transport)
-        # Checked once here, not per group: a runtime protocol check costs microseconds.
-        self._into = transport
-
-    async def read_into(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-    ) -> None:
-        await self._into.read_into(urls, which, starts, ends, dest, dest_offsets)
+def _flag(transport: object, name: str) -> bool:
+    """A ``supports_*`` flag the transport sets itself (False where it sets none)."""
+    return getattr(transport, name, False) is True
 
 
-class TransportConvertingStore(TransportBufferStore):
-    """A :class:`TransportBufferStore` over a transport that also converts as it copies."""
-
-    def __init__(self, transport: ReadsInto) -> None:
-        super().__init__(transport)
-        assert isinstance(transport, ReadsIntoConverted)
-        self._converts = transport
-
-    async def read_into_converted(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-        convert: Conversion,
-    ) -> None:
-        await self._converts.read_into_converted(
-            urls, which, starts, ends, dest, dest_offsets, convert
-        )
-
-
-class TransportWindowsStore(TransportConvertingStore):
-    """A :class:`TransportConvertingStore` over a transport that also plans and copies
-    windows of an element stream itself."""
-
-    def __init__(self, transport: ReadsInto) -> None:
-        super().__init__(transport)
-        assert isinstance(transport, ReadsWindows)
-        self._windows = transport
-
-    async def read_windows(
-        self,
-        urls: Sequence[str],
-        layout: ShardMap,
-        starts: npt.NDArray[np.int64],
-        window: int,
-        dest: npt.NDArray[np.uint8],
-        convert: Conversion | None = None,
-    ) -> bool:
-        return await self._windows.read_windows(urls, layout, starts, window, dest, convert)
+def _can(transport: object, method: str, flag: str) -> bool:
+    """Whether ``transport`` has ``method``, unless it says otherwise in ``flag`` (a store
+    the stack built, stacked again, has every method and says which work)."""
+    return offers(transport, method) and getattr(transport, flag, True) is not False
 
 
 class RetryingStore:
@@ -349,15 +347,19 @@ class RetryingStore:
     transport's call is opaque, so one bound covers its whole request; not over an
     :class:`Unbounded` transport (local files: no timeout stops a thread's read). Over a
     :class:`TransportStore` whose transport resumes ranges, each range is retried on its own
-    for its missing tail, without that bound (the transport times each phase itself).
+    for its missing tail, without that bound (the transport times each phase itself). A
+    group read (``read_into``, ``read_windows``) is one call under the policy.
     """
 
     def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
         self.inner = inner
-        self._versioned: Versioned | None = inner if isinstance(inner, Versioned) else None
         self._resuming = inner if isinstance(inner, TransportStore) and inner.resumes else None
         self.policy = policy
         self.coalesce_gap = inner.coalesce_gap
+        self.supports_read_into = inner.supports_read_into
+        self.supports_convert = inner.supports_convert
+        self.supports_windows = inner.supports_windows
+        self.supports_discard = inner.supports_discard
         unbounded = isinstance(inner, TransportStore) and isinstance(inner.transport, Unbounded)
         self._timeout: float | None = (
             None
@@ -365,14 +367,17 @@ class RetryingStore:
             else policy.connect_timeout + policy.first_byte_timeout + policy.idle_timeout
         )
 
-    async def _run(
+    def _attempt(
         self,
-        call: Callable[[], Awaitable[T]],
-        what: str,
+        call: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
         url: str,
         start: int | None = None,
         end: int | None = None,
-    ) -> T:
+    ) -> Callable[[], Awaitable[T]]:
+        """One attempt at ``call(*args)``, for :func:`with_retries`: bounded by the policy's
+        timeout, a built-in exception mapped to its typed error. Built before the call (no
+        frame of its own on the way to the transport)."""
         timeout = self._timeout
 
         async def attempt() -> T:
@@ -380,9 +385,9 @@ class RetryingStore:
             bound = None if timeout is None else asyncio.timeout(timeout)
             try:
                 if bound is None:
-                    return await call()
+                    return await call(*args)
                 async with bound:
-                    return await call()
+                    return await call(*args)
             except Exception as exc:
                 if bound is not None and bound.expired():
                     detail = f"no answer within {timeout:g} s"
@@ -392,16 +397,26 @@ class RetryingStore:
                     raise
                 raise error from exc
 
+        return attempt
+
+    async def _run(
+        self,
+        call: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        what: str,
+        url: str,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> T:
+        attempt = self._attempt(call, args, url, start, end)
         return await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
 
     async def stat(self, url: str) -> ObjectInfo:
-        inner = self._versioned
-        if inner is not None:
-            return await self._run(lambda: inner.stat(url), f"stat of {url}", url)
-        return ObjectInfo(await self.size(url), None)
+        inner = self.inner
+        return await self._run(inner.stat, (url,), f"stat of {url}", url)
 
     async def size(self, url: str) -> int:
-        return await self._run(lambda: self.inner.size(url), f"size of {url}", url)
+        return await self._run(self.inner.size, (url,), f"size of {url}", url)
 
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
@@ -419,6 +434,7 @@ class RetryingStore:
         low, high = min(starts), max(ends)
         await self._run(
             lambda: self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers),
+            (),
             f"read of {describe_range(url, low, high)}"
             + (f" ({len(starts)} ranges)" if len(starts) > 1 else ""),
             url,
@@ -444,18 +460,53 @@ class RetryingStore:
         what = f"read of {describe_range(url, start, end)}"
         await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
 
+    async def read_into(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+        convert: Conversion | None = None,
+    ) -> None:
+        first = urls[int(which[0])] if which.size else ""
+        what = f"read of {int(which.size)} ranges of {len(urls)} objects ({first}, ...)"
+        args = (urls, which, starts, ends, dest, dest_offsets, convert)
+        # The attempt calls the store below itself: no frame of this layer's own between.
+        attempt = self._attempt(self.inner.read_into, args, first)
+        await with_retries(self.policy, attempt, what=what, url=first)
+
+    async def read_windows(
+        self,
+        urls: Sequence[str],
+        ends: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        itemsize: int,
+        starts: npt.NDArray[np.int64],
+        window: int,
+        dest: npt.NDArray[np.uint8],
+        convert: Conversion | None = None,
+    ) -> bool:
+        first = urls[0] if urls else ""
+        what = f"read of {int(starts.size)} windows of {len(urls)} objects ({first}, ...)"
+        args = (urls, ends, offsets, itemsize, starts, window, dest, convert)
+        attempt = self._attempt(self.inner.read_windows, args, first)
+        return await with_retries(self.policy, attempt, what=what, url=first)
+
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         return await self._run(
-            lambda: fetch_tail(self.inner, url, length),
+            self.inner.read_tail,
+            (url, length),
             f"read of the last {length} bytes of {url}",
             url,
         )
 
     async def list(self, url: str) -> builtins.list[str]:
-        return await self._run(lambda: self.inner.list(url), f"list of {url}", url)
+        return await self._run(self.inner.list, (url,), f"list of {url}", url)
 
     async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
-        return await self._run(lambda: list_with_info(self.inner, url), f"list of {url}", url)
+        return await self._run(self.inner.list_info, (url,), f"list of {url}", url)
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         # A write is not retried: the transport may have half-applied it.
@@ -467,95 +518,14 @@ class RetryingStore:
                 raise
             raise error from exc
 
+    async def discard(self, url: str, start: int, end: int) -> None:
+        await self.inner.discard(url, start, end)
+
     async def close(self) -> None:
         await self.inner.close()
 
     def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
         return keep_files(self.inner, kept)
-
-
-class RetryingBufferStore(RetryingStore):
-    """A :class:`RetryingStore` over a store that reads into one caller's buffer."""
-
-    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
-        super().__init__(inner, policy)
-        assert isinstance(inner, ReadsInto)
-        self._into = inner  # checked once, not per group
-
-    async def read_into(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-    ) -> None:
-        inner = self._into
-        await self._group(
-            lambda: inner.read_into(urls, which, starts, ends, dest, dest_offsets), urls, which
-        )
-
-    async def _group(
-        self, call: Callable[[], Awaitable[None]], urls: Sequence[str], which: npt.NDArray[np.int64]
-    ) -> None:
-        """``call``, a read of a group of ranges ``which`` names, under the policy."""
-        first = urls[int(which[0])] if which.size else ""
-        what = f"read of {int(which.size)} ranges of {len(urls)} objects ({first}, ...)"
-        await self._run(call, what, first)
-
-
-class RetryingConvertingStore(RetryingBufferStore):
-    """A :class:`RetryingBufferStore` over a store that also converts as it copies."""
-
-    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
-        super().__init__(inner, policy)
-        assert isinstance(inner, ReadsIntoConverted)
-        self._converts = inner
-
-    async def read_into_converted(
-        self,
-        urls: Sequence[str],
-        which: npt.NDArray[np.int64],
-        starts: npt.NDArray[np.int64],
-        ends: npt.NDArray[np.int64],
-        dest: npt.NDArray[np.uint8],
-        dest_offsets: npt.NDArray[np.int64],
-        convert: Conversion,
-    ) -> None:
-        inner = self._converts
-        await self._group(
-            lambda: inner.read_into_converted(
-                urls, which, starts, ends, dest, dest_offsets, convert
-            ),
-            urls,
-            which,
-        )
-
-
-class RetryingWindowsStore(RetryingConvertingStore):
-    """A :class:`RetryingConvertingStore` over a store that also copies windows itself."""
-
-    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
-        super().__init__(inner, policy)
-        assert isinstance(inner, ReadsWindows)
-        self._windows = inner
-
-    async def read_windows(
-        self,
-        urls: Sequence[str],
-        layout: ShardMap,
-        starts: npt.NDArray[np.int64],
-        window: int,
-        dest: npt.NDArray[np.uint8],
-        convert: Conversion | None = None,
-    ) -> bool:
-        inner = self._windows
-        first = urls[0] if urls else ""
-        what = f"read of {int(starts.size)} windows of {len(urls)} objects ({first}, ...)"
-        return await self._run(
-            lambda: inner.read_windows(urls, layout, starts, window, dest, convert), what, first
-        )
 
 
 def stacked(
@@ -564,21 +534,8 @@ def stacked(
     pins: Mapping[str, str] | None = None,
 ) -> Store:
     """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts,
-    keeping its ``read_into`` (and ``read_into_converted``, ``read_windows``) if it has them.
+    keeping its ``read_into`` (converting or not) and ``read_windows`` if it has them.
     ``pins``: versions objects must have from the start (those a dataset was opened from)."""
-    inner: TransportStore
-    retrying: type[RetryingStore]
-    if (
-        isinstance(transport, ReadsWindows)
-        and isinstance(transport, ReadsIntoConverted)
-        and isinstance(transport, ReadsInto)
-    ):
-        inner, retrying = TransportWindowsStore(transport), RetryingWindowsStore
-    elif isinstance(transport, ReadsIntoConverted) and isinstance(transport, ReadsInto):
-        inner, retrying = TransportConvertingStore(transport), RetryingConvertingStore
-    elif isinstance(transport, ReadsInto):
-        inner, retrying = TransportBufferStore(transport), RetryingBufferStore
-    else:
-        inner, retrying = TransportStore(transport), RetryingStore
+    inner = TransportStore(transport)
     inner._pins.update(pins or {})
-    return retrying(inner, policy)
+    return RetryingStore(inner, policy)
