@@ -446,12 +446,13 @@ class Engine:
             scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
             if isinstance(plan, WindowPlan):
                 if reader.reads_windows:
-                    _hold(queue, held, plan.nbytes * scale)
+                    nbytes = plan.nbytes
+                    _hold(queue, held, nbytes * scale)
                     copied = await reader.read_windows(plan, convert)
                     if copied is not None:
-                        planned[0] += plan.nbytes
+                        planned[0] += nbytes
                         return copied
-                    _hold(queue, held, -plan.nbytes * scale)
+                    _hold(queue, held, -nbytes * scale)
                 plan = plan.plan()
             planned[0] += plan.nbytes
             scratch = scratch_bytes(plan)
