@@ -15,10 +15,12 @@ Requests in flight are bounded by the store. Any error ends the run with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import os
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +30,16 @@ import torch
 from .batch import Batch, Jagged
 from .buffers import BufferPool
 from .checks import DEFAULT_VERIFY, shard_checks
-from .formats.base import Converts, DescribesFiles, Source
+from .formats.base import (
+    Converts,
+    DescribesFiles,
+    OffLoop,
+    PlannedSource,
+    Read,
+    Source,
+    Step,
+    Wait,
+)
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan, WindowPlan
 from .sampling.batches import BatchOrder
@@ -90,6 +101,14 @@ class Engine:
         keep_bytes: int = 0,
     ) -> None:
         self.source = source
+        #: The source, when it is a :class:`PlannedSource` with its own ``fetch`` (one read,
+        #: one decode), which the engine then carries out without a generator.
+        kind: type[Any] = type(source)
+        self._planned = (
+            source
+            if isinstance(source, PlannedSource) and kind.fetch is PlannedSource.fetch
+            else None
+        )
         #: Applied to every batch before it is queued (None: delivered as decoded).
         self.transform = transform
         self.retry = retry
@@ -408,12 +427,13 @@ class Engine:
             scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
             if isinstance(plan, WindowPlan):
                 if reader.reads_windows:
-                    _hold(queue, held, plan.nbytes * scale)
+                    nbytes = plan.nbytes
+                    _hold(queue, held, nbytes * scale)
                     copied = await reader.read_windows(plan, convert)
                     if copied is not None:
-                        planned[0] += plan.nbytes
+                        planned[0] += nbytes
                         return copied
-                    _hold(queue, held, -plan.nbytes * scale)
+                    _hold(queue, held, -nbytes * scale)
                 plan = plan.plan()
             planned[0] += plan.nbytes
             scratch = scratch_bytes(plan)
@@ -422,8 +442,17 @@ class Engine:
             _hold(queue, held, -scratch)
             return buffer
 
-        fields = await self.source.fetch(ids, read, gap, offload)
-        schema = self.source.schema
+        source = self.source
+        simple = self._planned
+        if simple is not None:  # its two steps, carried out here: no generator in between
+            buffer = await read(simple.reads(ids, gap), simple.convert)
+            if simple.converts:
+                fields = await offload(functools.partial(simple.decode, buffer, ids))
+            else:
+                fields = simple.decode(buffer, ids)
+        else:
+            fields = await run_fetch(source.fetch(ids, gap), read, offload)
+        schema = source.schema
         names = list(fields)
         columns = [split_rows(fields[name], lengths) for name in names]
         cuts = list(itertools.accumulate(lengths, initial=0))
@@ -641,3 +670,67 @@ async def _cast_off_loop(
     loop = asyncio.get_running_loop()
     cast = await loop.run_in_executor(None, buffer.view(source).astype, target)
     return cast.view(np.uint8)
+
+
+_Read = Callable[[ReadPlan | WindowPlan, Conversion | None], Awaitable[npt.NDArray[np.uint8]]]
+_Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+async def run_fetch(fetch: Generator[Step, Any, Any], read: _Read, offload: _Offload) -> Any:
+    """Carry out the steps a source's ``fetch`` yields (see :mod:`asyncbatch.formats.base`),
+    sending each one's result back and throwing its error in; returns what ``fetch`` returns.
+    The generator is closed however this ends."""
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                step = fetch.send(result) if error is None else fetch.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                result = await _run_step(step, read, offload)
+            except GeneratorExit:  # this coroutine closed: ``close`` below ends the fetch too
+                raise
+            except BaseException as exc:  # noqa: BLE001 - thrown into the fetch, which decides
+                error, result = exc, None
+    finally:
+        fetch.close()
+
+
+async def _run_step(step: Step, read: _Read, offload: _Offload) -> Any:
+    if isinstance(step, Read):
+        return await read(step.plan, step.convert)
+    if isinstance(step, OffLoop):
+        return await offload(step.work)
+    if isinstance(step, tuple):  # concurrently; on the first failure the others are cancelled
+        tasks = [asyncio.ensure_future(_run_step(s, read, offload)) for s in step]
+        await run_all(tasks)
+        return [task.result() for task in tasks]
+    if isinstance(step, Generator):
+        return await run_fetch(step, read, offload)
+    if isinstance(step, Wait):
+        await _settled(step.futures)
+        return None
+    raise TypeError(f"a source's fetch yielded {step!r}, not a step (asyncbatch.formats.base)")
+
+
+async def _settled(futures: Sequence[Future[Any]]) -> None:
+    """Wait until ``futures`` are done, never cancelling them (others wait for them too)."""
+    loop = asyncio.get_running_loop()
+    for future in futures:
+        if not future.done():
+            waiter = loop.create_future()
+            future.add_done_callback(functools.partial(_wake, loop, waiter))
+            await waiter
+
+
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None], _: Future[Any]) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits any more
+        loop.call_soon_threadsafe(_set_done, waiter)
+
+
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

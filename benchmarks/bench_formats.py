@@ -92,11 +92,13 @@ class ReadCounter:
         self.reads = self.fetched = self.useful = self.batches = 0
         read_plan, read_group = Reader.read_plan, Engine._read_group
 
-        async def counted_plan(reader: Reader, plan: ReadPlan) -> npt.NDArray[np.uint8]:
+        async def counted_plan(
+            reader: Reader, plan: ReadPlan, convert: Any = None
+        ) -> npt.NDArray[np.uint8]:
             self.reads += plan.num_reads
             self.fetched += int((plan.read_end - plan.read_start).sum())
             self.useful += plan.nbytes
-            return await read_plan(reader, plan)
+            return await read_plan(reader, plan, convert)
 
         async def counted_group(engine: Engine, *args: Any) -> Any:
             # The group's batches are its one range argument, wherever the signature puts it.

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncbatch as ab
-from asyncbatch.engine import Reader
+from asyncbatch.engine import Reader, run_fetch
 from asyncbatch.errors import ConfigError, FormatError, ManifestError
 from asyncbatch.formats.metadata import MetadataWindows
 from asyncbatch.formats.registry import make_source
-from asyncbatch.layout import ReadPlan
+from asyncbatch.layout import ReadPlan, WindowPlan
 from asyncbatch.stores import open_store
 
 Span = tuple[npt.NDArray[Any], Any]
@@ -195,15 +195,16 @@ async def _fetch_plans(
     reader = Reader([store], source.shard_urls, np.zeros(len(source.shard_urls), dtype=np.int64))
     plans: list[ReadPlan] = []
 
-    async def read(plan: ReadPlan) -> npt.NDArray[np.uint8]:
+    async def read(plan: ReadPlan | WindowPlan, convert: Any = None) -> npt.NDArray[np.uint8]:
+        assert isinstance(plan, ReadPlan)
         plans.append(plan)
-        return await reader.read_plan(plan)
+        return await reader.read_plan(plan, convert)
 
     async def offload(work: Callable[[], Any]) -> Any:
         return work()
 
     try:
-        fields = await source.fetch(ids, read, gap, offload)
+        fields = await run_fetch(source.fetch(ids, gap), read, offload)
     finally:
         await store.close()
     return plans, fields

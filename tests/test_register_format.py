@@ -4,18 +4,22 @@ registry refuses silent replacements."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from conftest import expected_windows
 
 import asyncbatch as ab
 from asyncbatch.formats import registry
-from asyncbatch.formats.base import Opener, Source
+from asyncbatch.formats.base import Fetch, OffLoop, Opener, Read, Source, Step, Wait
 from asyncbatch.formats.tokens import token_windows
 from asyncbatch.open import open_dataset_async
 
@@ -128,3 +132,109 @@ def test_the_built_in_formats_are_registered() -> None:
     assert names == ["megatron", "npy", "raw", "llmbatch", "parquet", "arrow"]
     with pytest.raises(TypeError):
         registry.FORMATS["x"] = token_windows  # type: ignore[index]
+
+
+class HalvesSource:
+    """A source written as a generator of steps, as a third party would: each window's
+    first half and (after the group before it read its own) its second half are read
+    concurrently, then decoded off the loop. ``fail``: a step that goes wrong."""
+
+    def __init__(self, datasets: Sequence[ab.Dataset], seq_len: int, fail: str = "") -> None:
+        self.inner = token_windows(datasets, seq_len=seq_len, next_token=False, dtype=None)
+        inner = self.inner
+        self.datasets, self.shard_urls = inner.datasets, inner.shard_urls
+        self.shard_dataset, self.sizes = inner.shard_dataset, inner.sizes
+        self.num_samples, self.schema = inner.num_samples, inner.schema
+        self.sample_bytes = inner.sample_bytes
+        self.fail = fail
+        self.last: Future[None] | None = None
+        self.second_reads: list[int] = []  # the first id of each group, as its second half came
+        self.threads: set[str] = set()
+        self.waited = 0  # groups that found the group before them still reading
+
+    def fetch(self, ids: npt.NDArray[np.int64], gap: int) -> Fetch:
+        half = self.inner.seq_len // 2
+        starts = ids * self.inner.seq_len
+        first_plan = self.inner.shard_map.plan(starts, half, gap)
+        if self.fail == "step":
+            yield 42  # type: ignore[misc]
+        second = self.second_half(ids, starts + half, gap)
+        first, rest = yield (Read(first_plan), second)
+
+        def decode() -> dict[str, Any]:
+            self.threads.add(threading.current_thread().name)
+            halves = [first.view(np.uint16).reshape(ids.size, -1), rest.reshape(ids.size, -1)]
+            return {"tokens": torch.from_numpy(np.concatenate(halves, axis=1))}
+
+        fields: dict[str, Any] = yield OffLoop(decode)
+        return fields
+
+    def second_half(
+        self, ids: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], gap: int
+    ) -> Generator[Step, Any, npt.NDArray[np.uint16]]:
+        previous, mine = self.last, Future[None]()
+        self.last = mine
+        try:
+            if previous is not None:
+                self.waited += not previous.done()
+                yield Wait((previous,))
+            length = self.inner.seq_len - self.inner.seq_len // 2
+            plan = self.inner.shard_map.plan(starts, length, gap)
+            if self.fail == "read":  # from the last shard, which is missing
+                last = np.full_like(plan.read_shard, len(self.shard_urls) - 1)
+                plan = replace(plan, read_shard=last)
+            try:
+                buffer = yield Read(plan)
+            except ab.NotFoundError as exc:
+                raise ab.FormatError(f"no shard for the second halves of {ids[:2]}") from exc
+            self.second_reads.append(int(ids[0]))
+            return np.asarray(buffer).view(np.uint16)
+        finally:
+            if not mine.done():
+                mine.set_result(None)
+
+
+@pytest.mark.usefixtures("restore_registry")
+def test_a_source_of_steps_reads_concurrently_waits_and_decodes_off_the_loop(
+    tmp_path: Path,
+) -> None:
+    tokens = np.arange(50_000, dtype=np.uint16)
+    dataset = ab.write_tokens(str(tmp_path / "data"), tokens, shard_size=6000)
+    made: list[HalvesSource] = []
+
+    def halves(
+        datasets: Sequence[ab.Dataset],
+        *,
+        seq_len: int | None,
+        next_token: bool,
+        dtype: Any,
+        **options: Any,
+    ) -> Source:
+        assert seq_len is not None
+        made.append(HalvesSource(datasets, seq_len, options.get("fail", "")))
+        return made[-1]
+
+    raw = json.loads(Path(dataset.url, "manifest.json").read_text())
+    raw["format"] = "halves"
+    Path(dataset.url, "manifest.json").write_text(json.dumps(raw))
+    ab.register_format("halves", source=halves)
+    data = str(tmp_path / "data")
+    with ab.Loader(data, batch_size=4, seq_len=33, shuffle=False, prefetch=16) as loader:
+        batches = list(loader)
+    assert len(batches) == len(loader) > 8
+    for batch in batches:
+        expected = expected_windows(tokens, batch.global_indexes, 33)
+        np.testing.assert_array_equal(batch["tokens"].numpy(), expected)
+    source = made[-1]
+    assert source.second_reads == sorted(source.second_reads)  # each waited for the one before
+    assert source.waited > 0
+    assert {name.split("_")[0] for name in source.threads} == {"asyncbatch-decode"}
+    Path(dataset.shard_urls[-1]).unlink()
+    for fail, error in [("step", TypeError), ("read", ab.FormatError)]:
+        options: dict[str, Any] = {"format_options": {"fail": fail}, "shuffle": False}
+        match = "not a step" if fail == "step" else "second halves"
+        with (
+            ab.Loader(data, batch_size=4, seq_len=33, **options) as loader,
+            pytest.raises(error, match=match),
+        ):
+            next(iter(loader))

@@ -43,12 +43,12 @@ from ..batch import FieldSchema
 from ..checksums import digest, format_digest
 from ..dataset import Dataset, join_url
 from ..errors import ConfigError, FormatError, NotFoundError
-from ..layout import ShardMap
+from ..layout import ReadPlan, ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import arrow_ipc as ipc
 from .arrow_rows import Column, RowPicker
-from .base import Offload, Opener, ReadFn
+from .base import Fetch, OffLoop, Opener, Read
 from .npy import gather_limited, may_list, read_range
 from .parquet import (
     NULLS,
@@ -615,9 +615,7 @@ class ArrowRows:
             f" byte {body})"
         )
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         batches = np.searchsorted(self.ends, ids, side="right")
         in_batch = ids - (self.ends - self.rows)[batches]
         single = self.picker.readable[batches] if self.scattered else np.zeros(ids.size, dtype=bool)
@@ -629,12 +627,12 @@ class ArrowRows:
             picks = self.picker.first(batches[single], in_batch[single])
             starts = np.concatenate([starts, picks.starts])
             lengths = np.concatenate([lengths, picks.lengths])
-        buffer = await read(self.file_map.plan(starts, lengths, gap))
+        buffer = yield Read(self.file_map.plan(starts, lengths, gap))
         second = None
         if picks is not None:
             picked = buffer[whole_bytes:]
             second_plan = self.picker.second(picks, picked)
-            second = await read(self.file_map.plan(*second_plan, gap))
+            second = yield Read(self.file_map.plan(*second_plan, gap))
 
         def decode() -> dict[str, Any]:
             pa, _ = pyarrow_modules()
@@ -658,7 +656,7 @@ class ArrowRows:
             fill = self.nulls == "fill"
             return {name: _to_field(columns[name], fill, pa) for name in self.columns}
 
-        fields: dict[str, Any] = await offload(decode)
+        fields: dict[str, Any] = yield OffLoop(decode)
         return fields
 
     def region_ranges(self, needed: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
@@ -668,13 +666,11 @@ class ArrowRows:
         starts = (spans[..., 0] + self.body[needed][:, None]).ravel()
         return spans, starts, (spans[..., 1] - spans[..., 0]).ravel()
 
-    async def read_groups(
-        self, needed: Int64Array, read: ReadFn, gap: int
-    ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
+    def plan_groups(self, needed: Int64Array, gap: int) -> tuple[ReadPlan, Int64Array]:
         """The selected columns of record batches ``needed`` (ascending), one read plan;
-        returns the buffer and their ``[batch, column, (start, end)]`` byte ranges."""
+        and their ``[batch, column, (start, end)]`` byte ranges."""
         spans, starts, lengths = self.region_ranges(needed)
-        return await read(self.file_map.plan(starts, lengths, gap)), spans
+        return self.file_map.plan(starts, lengths, gap), spans
 
     def decode_groups(
         self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array

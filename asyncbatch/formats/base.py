@@ -1,9 +1,17 @@
 """What a format gives the engine: a :class:`Source`, and how datasets of it are opened.
 
-A source maps sample ids to reads and turns the bytes read into fields. Most formats are a
-:class:`PlannedSource`: one read plan per group of batches, then a decode. A format whose
-later reads depend on earlier bytes (metadata streams: tokens, then the metadata index, then
-the metadata) overrides :meth:`Source.fetch` and reads as many plans as it needs.
+A source is pure: it turns sample ids into what to read, and bytes into fields; it never
+calls the engine back. Its :meth:`Source.fetch` returns a generator of *steps* (sans I/O):
+each step it yields says what the engine should do next — :class:`Read` a plan,
+:class:`OffLoop` some work that touches every byte, :class:`Wait` for a fetch another group
+started, or several of these at once (a tuple) — and the engine sends back what came of it
+(the bytes read, the work's result). What the generator returns are the fields. The engine
+does every read and every hop to a thread.
+
+Most formats are a :class:`PlannedSource`: one read per group of batches, then a decode
+(the engine carries these out directly, without a generator). A format whose later reads
+depend on earlier bytes (metadata streams: tokens, then the metadata index, then the
+metadata) writes its own ``fetch`` and yields as many reads as it needs.
 
 Sources are built per loader from the datasets' ``manifest.format`` by the factory
 registered for it (:mod:`asyncbatch.formats.registry`); datasets without a manifest are
@@ -12,9 +20,10 @@ opened by the registered :class:`Opener` of their layout.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -30,19 +39,47 @@ if TYPE_CHECKING:
 Int64Array = npt.NDArray[np.int64]
 
 
-class ReadFn(Protocol):
-    """Carries out a read plan (or windows, planned only where the store cannot copy them
-    itself); returns the ``plan.nbytes`` bytes it describes, or with ``convert`` (stored
-    dtype, output dtype) its elements as the output dtype, converted while they are copied
-    where the store can."""
+@dataclass(frozen=True, slots=True)
+class Read:
+    """A step: carry out ``plan``. The engine sends back the ``plan.nbytes`` bytes it
+    describes, packed in order, or with ``convert`` (stored dtype, output dtype) its elements
+    as the output dtype, converted while they are copied where the store can."""
 
-    def __call__(
-        self, plan: ReadPlan | WindowPlan, convert: Conversion | None = None
-    ) -> Awaitable[npt.NDArray[np.uint8]]: ...
+    plan: ReadPlan | WindowPlan
+    convert: Conversion | None = None
 
 
-#: Runs CPU-heavy work (a conversion touching every byte) off the event loop.
-Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+@dataclass(frozen=True, slots=True)
+class OffLoop:
+    """A step: call ``work()`` off the event loop, in the engine's decode thread (inline
+    when the source says it :class:`Converts` nothing); the engine sends back its result.
+    For work that touches every byte (numpy and pyarrow drop the GIL)."""
+
+    work: Callable[[], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A step: wait until every future of ``futures`` is done; the engine sends back None.
+
+    The futures (:class:`concurrent.futures.Future`, which belong to no event loop) are
+    settled by the source itself, in the fetch of another group: a shard index that group
+    is reading, say, shared rather than read twice. Waiting never cancels them. A fetch that
+    settles futures settles them however it ends (cancelled: ``future.cancel()``), or its
+    waiters would wait forever."""
+
+    futures: tuple[Future[Any], ...]
+
+
+#: What a fetch yields: a :class:`Read`, an :class:`OffLoop`, a :class:`Wait`, a generator
+#: of steps (a fetch of its own, run beside its siblings; its result is what it returns), or
+#: a tuple of steps, run concurrently (the result: the list of theirs, in order; on the
+#: first failure the others are cancelled and that failure is thrown into the fetch).
+Step: TypeAlias = "Read | OffLoop | Wait | Generator[Step, Any, Any] | tuple[Step, ...]"
+#: A source's :meth:`Source.fetch`: steps out, their results in, the fields returned. An
+#: error of a step (a read's :class:`~asyncbatch.errors.NotFoundError`, a cancellation) is
+#: thrown into the generator where it yielded that step.
+Fetch: TypeAlias = Generator[Step, Any, dict[str, Any]]
 
 
 @runtime_checkable
@@ -61,10 +98,9 @@ class Source(Protocol):
     #: Bytes one sample occupies in a batch, on average (sizes the prefetch and the groups).
     sample_bytes: int
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
-        """Fields of samples ``ids``, in order; each value is sliced per batch along axis 0."""
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
+        """The steps that bring the fields of samples ``ids``, in order (each value is sliced
+        per batch along axis 0); ``gap``: the store's request cost in bytes, for merging."""
         ...
 
 
@@ -118,25 +154,35 @@ class DescribesFiles(Protocol):
 
 
 class PlannedSource:
-    """A source whose samples come from one read plan and one decode."""
+    """A source whose samples come from one read and one decode.
+
+    The engine carries out these two steps itself (as :meth:`fetch` says, with no generator
+    in between) unless a subclass overrides :meth:`fetch`.
+    """
 
     #: Whether decoding touches every byte (then it runs off the loop; numpy drops the GIL).
     converts: bool = False
+    #: (stored dtype, output dtype) the read converts the elements between as it copies
+    #: them, so that :meth:`decode` gets them converted; None: the bytes as stored.
+    convert: Conversion | None = None
 
     def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
         """The reads that bring the bytes of samples ``ids``, packed in order."""
         raise NotImplementedError
 
+    def reads(self, ids: Int64Array, gap: int) -> ReadPlan | WindowPlan:
+        """What the engine reads for samples ``ids``: :meth:`plan`, or windows a local store
+        copies itself (planned only for another store)."""
+        return self.plan(ids, gap)
+
     def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
-        """Fields of samples ``ids`` from the bytes ``plan`` described."""
+        """Fields of samples ``ids`` from the bytes :meth:`reads` described."""
         raise NotImplementedError
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
-        buffer = await read(self.plan(ids, gap))
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
+        buffer = yield Read(self.reads(ids, gap), self.convert)
         if self.converts:
-            fields: dict[str, Any] = await offload(lambda: self.decode(buffer, ids))
+            fields: dict[str, Any] = yield OffLoop(lambda: self.decode(buffer, ids))
             return fields
         return self.decode(buffer, ids)
 

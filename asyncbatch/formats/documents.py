@@ -33,9 +33,9 @@ numbers their samples. Its datasets keep metadata all or none (else a ConfigErro
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,8 +47,7 @@ from ..dataset import Dataset, join_url, read_object
 from ..errors import ConfigError, ManifestError, NotFoundError
 from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME
-from ..stores.ranged import run_all
-from .base import Offload, PlannedSource, ReadFn, Source
+from .base import Fetch, OffLoop, PlannedSource, Read, Source, Step
 from .documents_index import (
     DEFAULT_INDEX_CACHE_BYTES,
     SHARD_DOCUMENTS,
@@ -367,24 +366,23 @@ class DocumentSamples(PlannedSource):
             np.minimum(lengths, self.max_len, out=lengths)
         return starts, lengths
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         """The documents ``ids``; with per-shard indexes, after fetching those of the shards
         they lie in that are not cached yet (or, when not all fit the cache, the documents'
         own offsets, by range)."""
         if self.index is None:
-            return await super().fetch(ids, read, gap, offload)
+            return (yield from super().fetch(ids, gap))
         index = self.index
-        turn = await index.turns.wait()
+        wait, turn = index.turns.take()
         try:
-            tokens = asyncio.ensure_future(self._read_documents(ids, read, gap, turn))
+            if wait is not None:
+                yield wait
+            tokens = self._read_documents(ids, gap, turn)
             if self.metadata is None:
-                buffer, lengths = await tokens
+                buffer, lengths = yield from tokens
             else:  # the metadata's reads go with the index reads, in this batch's turn
-                meta = asyncio.ensure_future(self.metadata.of_documents(ids, index, read, gap))
-                await run_all((tokens, meta))
-                buffer, lengths = tokens.result()
+                meta = self.metadata.of_documents(ids, index, gap)
+                (buffer, lengths), fetched = yield (tokens, meta)
         finally:  # set by then, unless the reads were stopped before they began
             if not turn.done():
                 turn.set_result(None)
@@ -393,33 +391,34 @@ class DocumentSamples(PlannedSource):
         def decode() -> dict[str, Any]:
             fields = self._decode(buffer, ids.size, lengths)
             if metadata is not None:
-                fields[METADATA_FIELD] = metadata.values.decode(meta.result())
+                fields[METADATA_FIELD] = metadata.values.decode(fetched)
             return fields
 
         if self.converts or metadata is not None:
-            fields: dict[str, Any] = await offload(decode)
+            fields: dict[str, Any] = yield OffLoop(decode)
             return fields
         return decode()
 
-    async def _read_documents(
-        self, ids: Int64Array, read: ReadFn, gap: int, turn: asyncio.Future[None]
-    ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
+    def _read_documents(
+        self, ids: Int64Array, gap: int, turn: Future[None]
+    ) -> Generator[Step, Any, tuple[npt.NDArray[np.uint8], Int64Array]]:
         """The bytes of documents ``ids`` and their lengths: their offsets first (lets the
-        next batch take its ``turn`` once the token reads are issued)."""
+        next batch take its ``turn`` as the token reads are issued)."""
         index = self.index
         assert index is not None
         try:
             if index.ranged:
-                starts, ends = await index.read_spans(ids, read, gap)
+                starts, ends = yield from index.read_spans(ids, gap)
             else:
-                table = await index.load(np.unique(index.segments_of_documents(ids)), read)
+                table = yield from index.load(np.unique(index.segments_of_documents(ids)))
                 starts, ends = index.spans(ids, table)
             starts, lengths = self._cut(starts, ends - starts)
-            reading = asyncio.ensure_future(read(self._plan(starts, lengths, gap)))
+            plan = self._plan(starts, lengths, gap)
         finally:
             if not turn.done():
                 turn.set_result(None)
-        return await reading, lengths
+        buffer = yield Read(plan)
+        return buffer, lengths
 
     def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
         return self._plan(*self._spans(ids), gap)
@@ -538,21 +537,16 @@ class PackedDocuments(TokenWindows):
         starts: Int64Array = self._element_base[which] + local * self.seq_len
         return starts
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         """The windows ``ids``; with per-shard indexes, the indexes of the shards they touch
         that are not cached yet are fetched while the tokens are read."""
         if self.index is None:
-            return await super().fetch(ids, read, gap, offload)
+            return (yield from super().fetch(ids, gap))
         index = self.index
         starts = self.window_starts(ids)
         segments = index.segments_of_windows(starts, self.window)
-        loading = asyncio.ensure_future(self._offsets(ids, starts, segments, read, gap))
-        reading = asyncio.ensure_future(read(self.windows(ids, gap)))
-        await run_all((loading, reading))
-        offsets, numbers, meta = loading.result()
-        buffer = reading.result()
+        loading = self._offsets(ids, starts, segments, gap)
+        (offsets, numbers, meta), buffer = yield (loading, Read(self.windows(ids, gap)))
 
         def decode() -> dict[str, Any]:
             fields = TokenWindows.decode(self, buffer, ids)
@@ -564,23 +558,23 @@ class PackedDocuments(TokenWindows):
             return fields
 
         if self.converts or meta is not None:
-            fields: dict[str, Any] = await offload(decode)
+            fields: dict[str, Any] = yield OffLoop(decode)
             return fields
         return decode()
 
-    async def _offsets(
-        self, ids: Int64Array, starts: Int64Array, segments: Int64Array, read: ReadFn, gap: int
-    ) -> tuple[Int64Array, Int64Array, Callable[[], dict[str, Any]] | None]:
+    def _offsets(
+        self, ids: Int64Array, starts: Int64Array, segments: Int64Array, gap: int
+    ) -> Generator[Step, Any, tuple[Int64Array, Int64Array, Callable[[], dict[str, Any]] | None]]:
         """The offsets around the windows (see :meth:`DocumentIndex.window_offsets`), and with
         metadata, once its values are fetched, what makes its columns."""
         index = self.index
         assert index is not None
-        offsets, numbers = index.window_offsets(segments, await index.load(segments, read))
+        offsets, numbers = index.window_offsets(segments, (yield from index.load(segments)))
         metadata = self.metadata
         if metadata is None:
             return offsets, numbers, None
         runs = document_runs(offsets, numbers, starts, self.window)
-        fetched, item_of_run = await metadata.of_runs(runs, index, read, gap)
+        fetched, item_of_run = yield from metadata.of_runs(runs, index, gap)
 
         def columns() -> dict[str, Any]:
             values = take_values(metadata.values.decode(fetched), item_of_run)

@@ -20,9 +20,10 @@ cache holds then costs 16 bytes of index per document, not a whole index per sha
 
 from __future__ import annotations
 
-import asyncio
+import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +35,10 @@ from ..dataset import join_url
 from ..errors import ConfigError, FormatError, ManifestError, NotFoundError
 from ..layout import ReadPlan, ShardMap
 from ..manifest import MANIFEST_NAME
+from .base import Read, Step, Wait
 
 if TYPE_CHECKING:
     from ..dataset import Dataset
-    from .base import ReadFn
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -286,16 +287,19 @@ class DocumentIndex:
         self.ranged = int(self.nbytes.sum()) > budget
         self._cache: OrderedDict[int, Int64Array] = OrderedDict()
         self._cached_bytes = 0
-        self._loading: dict[int, asyncio.Future[Int64Array]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Fetches of shard indexes under way, settled by the batch that fetches them.
+        self._loading: dict[int, Future[Int64Array]] = {}
+        self._pid = os.getpid()
         self.turns = Turns()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into a worker process: the cache and fetches under way stay behind.
         state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={}, _loop=None)
-        state.update(turns=Turns())
+        state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={}, turns=Turns())
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pid=os.getpid())
 
     def segments_of_documents(self, ids: Int64Array) -> Int64Array:
         return np.searchsorted(self.document_ends, ids, side="right").astype(np.int64)
@@ -311,17 +315,15 @@ class DocumentIndex:
             first = np.repeat(first, count) + step
         return np.unique(first).astype(np.int64)
 
-    async def load(self, segments: Int64Array, read: ReadFn) -> dict[int, Int64Array]:
+    def load(self, segments: Int64Array) -> Generator[Step, Any, dict[int, Int64Array]]:
         """The local offsets of ``segments`` (unique), fetching those not cached; a fetch
         another batch started is waited for, not repeated."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # futures belong to one loop
-            self._loading, self._loop = {}, loop
+        self._forked()
         table: dict[int, Int64Array] = {}
         todo = segments.tolist()
         while todo:
             missing: list[int] = []
-            waiting: dict[int, asyncio.Future[Int64Array]] = {}
+            waiting: dict[int, Future[Int64Array]] = {}
             for s in todo:
                 offsets = self._fixed.get(s)
                 if offsets is None:
@@ -335,9 +337,9 @@ class DocumentIndex:
                 else:
                     missing.append(s)
             if missing:
-                table.update(await self._fetch(missing, read, loop))
+                table.update((yield from self._fetch(missing)))
             if waiting:
-                await asyncio.wait(waiting.values())
+                yield Wait(tuple(waiting.values()))
             todo = []
             for s, future in waiting.items():
                 if future.cancelled():  # the batch fetching it was stopped: fetch it here
@@ -349,10 +351,8 @@ class DocumentIndex:
                 table[s] = future.result()
         return table
 
-    async def _fetch(
-        self, segments: list[int], read: ReadFn, loop: asyncio.AbstractEventLoop
-    ) -> dict[int, Int64Array]:
-        futures = {s: loop.create_future() for s in segments}
+    def _fetch(self, segments: list[int]) -> Generator[Step, Any, dict[int, Int64Array]]:
+        futures: dict[int, Future[Int64Array]] = {s: Future() for s in segments}
         self._loading.update(futures)
         try:
             chosen = np.array(segments, dtype=np.int64)
@@ -364,7 +364,7 @@ class DocumentIndex:
                 int(sizes.sum()),
             )  # fmt: skip
             try:
-                buffer = await read(plan)
+                buffer = yield Read(plan)
             except NotFoundError as exc:
                 raise FormatError(
                     f"{exc.url or ', '.join(self.urls[s] for s in segments)}: a document index"
@@ -384,13 +384,13 @@ class DocumentIndex:
                 check_local(offsets, int(self.elements[s]), self.urls[s])
                 got[s] = offsets
         except BaseException as exc:
+            # Stopped (cancelled, or the generator closed): the waiters fetch it themselves.
             for s, future in futures.items():
                 del self._loading[s]
-                if isinstance(exc, asyncio.CancelledError):
-                    future.cancel()
-                else:
+                if isinstance(exc, Exception):
                     future.set_exception(exc)
-                    future.exception()  # retrieved: the waiters raise it
+                else:
+                    future.cancel()
             raise
         for s, offsets in got.items():
             del self._loading[s]
@@ -402,9 +402,15 @@ class DocumentIndex:
             self._cached_bytes -= dropped.nbytes
         return got
 
-    async def read_spans(
-        self, ids: Int64Array, read: ReadFn, gap: int
-    ) -> tuple[Int64Array, Int64Array]:
+    def _forked(self) -> None:
+        """In a forked child, drop the fetches under way in the parent: no one there settles
+        their futures."""
+        if self._pid != os.getpid():
+            self._loading, self._pid = {}, os.getpid()
+
+    def read_spans(
+        self, ids: Int64Array, gap: int
+    ) -> Generator[Step, Any, tuple[Int64Array, Int64Array]]:
         """Global element start and end of documents ``ids``, their two offsets each read by
         range (merged as ``gap`` says), none cached."""
         segments = self.segments_of_documents(ids)
@@ -423,7 +429,7 @@ class DocumentIndex:
         plan = self.entries.plan(self.entry_base[seg] + at, 2, gap, extra_waste_bytes=max(0, gap))
         plan = replace(plan, read_shard=plan.read_shard + self.first_file)
         try:
-            buffer = await read(plan)
+            buffer = yield Read(plan)
         except NotFoundError as exc:
             raise FormatError(f"{exc.url}: a document index the manifest names is missing") from exc
         pairs = buffer.view(INDEX_DTYPE).astype(np.int64).reshape(-1, 2)
@@ -498,21 +504,17 @@ class Turns:
     the first batch waits for its own reads only, not for those of the batches read ahead."""
 
     def __init__(self) -> None:
-        self._last: asyncio.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last: Future[None] | None = None
+        self._pid = os.getpid()
 
-    async def wait(self) -> asyncio.Future[None]:
-        """Wait for this batch's turn; set the result returned once its token reads are
-        issued (or it failed), which lets the next batch go."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._last, self._loop = None, loop
-        previous, mine = self._last, loop.create_future()
+    def take(self) -> tuple[Wait | None, Future[None]]:
+        """This batch's turn: what to wait for first (None: nothing), and the future to set
+        once its token reads are issued (or it failed, or was stopped), which lets the next
+        batch go."""
+        if self._pid != os.getpid():  # a forked child: the parent's batches are not here
+            self._last, self._pid = None, os.getpid()
+        previous, mine = self._last, Future[None]()
         self._last = mine
-        if previous is not None and not previous.done():
-            try:
-                await asyncio.wait([previous])
-            except BaseException:
-                mine.set_result(None)
-                raise
-        return mine
+        if previous is None or previous.done():
+            return None, mine
+        return Wait((previous,)), mine

@@ -22,7 +22,7 @@ document with tokens in the window, cut at the window's edges.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from ..checksums import parse_digest
 from ..dataset import join_url
 from ..errors import ConfigError, FormatError, ManifestError, NotFoundError
 from ..manifest import MANIFEST_NAME
-from .base import ReadFn
+from .base import Step
 from .documents_index import SHARD_DOCUMENTS, is_per_shard
 from .metadata_codecs import make_codec
 from .metadata_values import INDEX_DTYPE, Fetched, ValueFiles
@@ -232,28 +232,28 @@ class DocumentMetadata:
         #: Bytes one document's value costs in a batch, on average.
         self.value_bytes = int(self.values.data_bytes.sum()) // max(1, documents) + OBJECT_BYTES
 
-    async def _fetch(
-        self, file: Int64Array, lo: Int64Array, count: Int64Array, read: ReadFn, gap: int
-    ) -> Fetched:
+    def _fetch(
+        self, file: Int64Array, lo: Int64Array, count: Int64Array, gap: int
+    ) -> Generator[Step, Any, Fetched]:
         try:
-            return await self.values.fetch(self.values.groups(file, lo, count, gap), read)
+            return (yield from self.values.fetch(self.values.groups(file, lo, count, gap)))
         except NotFoundError as exc:
             raise FormatError(
                 f"{exc.url}: a document metadata file the manifest names is missing"
             ) from exc
 
-    async def of_documents(
-        self, ids: Int64Array, index: DocumentIndex, read: ReadFn, gap: int
-    ) -> Fetched:
+    def of_documents(
+        self, ids: Int64Array, index: DocumentIndex, gap: int
+    ) -> Generator[Step, Any, Fetched]:
         """The values of documents ``ids`` (global numbers), one group each, in order: each
         document's two index entries and its bytes, neighbours' merged."""
         segments = index.segments_of_documents(ids)
         local = ids - index.document_starts[segments]
-        return await self._fetch(segments, local, np.ones_like(local), read, gap)
+        return (yield from self._fetch(segments, local, np.ones_like(local), gap))
 
-    async def of_runs(
-        self, runs: Runs, index: DocumentIndex, read: ReadFn, gap: int
-    ) -> tuple[Fetched, Int64Array]:
+    def of_runs(
+        self, runs: Runs, index: DocumentIndex, gap: int
+    ) -> Generator[Step, Any, tuple[Fetched, Int64Array]]:
         """The values of ``runs``' documents, one group per window and shard (documents
         ``lo .. hi``, neighbours in the shard); and the value of each run among them."""
         segments = index.segments_of_documents(runs.document)
@@ -265,6 +265,6 @@ class DocumentMetadata:
         group_of_run = np.cumsum(new) - 1
         lo = local[heads]
         hi = np.maximum.reduceat(local, heads) if heads.size else heads
-        fetched = await self._fetch(segments[heads], lo, hi - lo + 1, read, gap)
+        fetched = yield from self._fetch(segments[heads], lo, hi - lo + 1, gap)
         item_of_run = (fetched.groups.first_item - lo)[group_of_run] + local
         return fetched, item_of_run

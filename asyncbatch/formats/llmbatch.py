@@ -44,7 +44,7 @@ from ..errors import ConfigError, FormatError
 from ..layout import ReadPlan, ShardMap, WindowPlan
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import Store
-from .base import Offload, Opener, PlannedSource, ReadFn
+from .base import Opener, PlannedSource
 from .npy import object_infos
 from .tokens import TOKENS_FIELD, output_dtype
 
@@ -283,9 +283,13 @@ class LLMBatchRecords(PlannedSource):
         self.slot_rows = first.batch_size if len(self.datasets) == 1 else None
         self._rows = np.arange(first.batch_size, dtype=np.int64)
         self.out_dtype = output_dtype(dtype, first.dtype, self.datasets[0].url)
-        self.converts = self.out_dtype is not None and self.out_dtype != first.dtype
-        out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
+        converts = self.out_dtype is not None and self.out_dtype != first.dtype
+        out_itemsize = self.out_dtype.itemsize if converts and self.out_dtype else 0
         self.sample_bytes = self.seq_len * (itemsize + out_itemsize)
+        #: A dtype conversion happens in the read's copy; decoding touches no byte.
+        self.converts = False
+        if converts and self.out_dtype is not None:
+            self.convert = (first.dtype, self.out_dtype)
         self.schema = {
             TOKENS_FIELD: FieldSchema(
                 dtype=str(self.out_dtype or first.dtype), shape=(self.seq_len,)
@@ -303,28 +307,19 @@ class LLMBatchRecords(PlannedSource):
         )
         return starts
 
-    async def fetch(
-        self, ids: npt.NDArray[np.int64], read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def reads(self, ids: npt.NDArray[np.int64], gap: int) -> WindowPlan:
         """The records ``ids`` as windows of the element stream (whole slots, or records),
         which a local store copies in one call, converting as it copies; planned as
         :meth:`plan` does for any other store."""
         slots = self.whole_slots(ids)
         if slots is None:
             starts = self.element_starts(ids)
-            windows = WindowPlan(
+            return WindowPlan(
                 self.shard_map, starts, self.seq_len, gap, lambda: self.plan(ids, gap)
             )
-        else:
-            raw = int(self._batch[0]) * self.seq_len
-            starts = slots * int(self._slot[0])
-            windows = WindowPlan(self.shard_map, starts, raw, gap, lambda: self.plan(ids, gap))
-        if not self.converts:
-            return self.decode(await read(windows), ids)
-        assert self.out_dtype is not None
-        buffer = await read(windows, (self.stored_dtype, self.out_dtype))
-        array = buffer.view(self.out_dtype).reshape(ids.size, self.seq_len)
-        return {TOKENS_FIELD: torch.from_numpy(array)}
+        raw = int(self._batch[0]) * self.seq_len
+        starts = slots * int(self._slot[0])
+        return WindowPlan(self.shard_map, starts, raw, gap, lambda: self.plan(ids, gap))
 
     def plan(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan:
         slots = self.whole_slots(ids)
@@ -410,10 +405,10 @@ class LLMBatchRecords(PlannedSource):
         return slots
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
-        array = buffer.view(self.stored_dtype).reshape(ids.size, self.seq_len)
-        if self.out_dtype is not None and self.out_dtype != self.stored_dtype:
-            array = array.astype(self.out_dtype)
-        return {TOKENS_FIELD: torch.from_numpy(array)}
+        """The records ``ids`` from the bytes :meth:`reads` described (converted as they were
+        read with ``dtype=``)."""
+        kind = self.stored_dtype if self.convert is None else self.convert[1]
+        return {TOKENS_FIELD: torch.from_numpy(buffer.view(kind).reshape(ids.size, self.seq_len))}
 
 
 def llmbatch_records(

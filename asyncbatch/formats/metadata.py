@@ -31,7 +31,7 @@ from ..batch import FieldSchema, Jagged
 from ..dataset import Dataset, join_url
 from ..errors import ConfigError, FormatError, ManifestError
 from ..manifest import MANIFEST_NAME
-from .base import Offload, ReadFn
+from .base import Fetch, OffLoop, Read
 from .metadata_codecs import _CODECS as _CODECS
 from .metadata_codecs import BytesCodec as BytesCodec
 from .metadata_codecs import Codec as Codec
@@ -230,17 +230,15 @@ class MetadataWindows(TokenWindows):
         starts: Int64Array = self._element_base[which] + local * self.seq_len
         return starts
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         """Tokens, then one index read and one data read per metadata file touched."""
-        buffer = await read(self.plan(ids, gap))
+        buffer = yield Read(self.plan(ids, gap))
         stream = buffer.view(self.stored_dtype).reshape(ids.size, self.window)
-        spans: Spans = await offload(lambda: self.spans(stream, ids))
+        spans: Spans = yield OffLoop(lambda: self.spans(stream, ids))
         groups, group_of_span = self.groups(spans, gap)
-        fetched = await self.values.fetch(groups, read)
+        fetched = yield from self.values.fetch(groups)
         item_of_span = (groups.first_item - groups.lo)[group_of_span] + spans.meta_id
-        fields: dict[str, Any] = await offload(
+        fields: dict[str, Any] = yield OffLoop(
             lambda: self.fields(stream, spans, fetched, item_of_span)
         )
         return fields

@@ -13,7 +13,7 @@ the store's gap). Nothing is read whole unless that is what the ranges merge to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 
 from ..errors import FormatError
 from ..layout import ReadPlan, ShardMap
-from .base import ReadFn
+from .base import Read, Step
 from .metadata_codecs import decode_values
 
 #: Byte offsets in a metadata index file: little-endian int64.
@@ -168,14 +168,14 @@ class ValueFiles:
         plan = replace(plan, read_shard=plan.read_shard + self.first_data_file)
         return plan, offsets, file_offsets
 
-    async def fetch(self, groups: Groups, read: ReadFn) -> Fetched:
+    def fetch(self, groups: Groups) -> Generator[Step, Any, Fetched]:
         """The bytes of the values of ``groups``: their index entries read, checked, then
         their data (two rounds of reads; none for no group)."""
         empty = np.zeros(0, dtype=np.uint8)
         index_plan = self.index_plan(groups)
-        index = await read(index_plan) if index_plan.nbytes else empty
+        index = (yield Read(index_plan)) if index_plan.nbytes else empty
         data_plan, offsets, file_offsets = self.data_plan(index.view(INDEX_DTYPE), groups)
-        data = await read(data_plan) if data_plan.num_reads else empty
+        data = (yield Read(data_plan)) if data_plan.num_reads else empty
         return Fetched(groups, data, offsets, file_offsets)
 
     def decode(self, fetched: Fetched) -> Any:

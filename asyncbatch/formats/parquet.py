@@ -45,10 +45,10 @@ from ..batch import FieldSchema, Jagged, Strings
 from ..checksums import digest, format_digest
 from ..dataset import Dataset
 from ..errors import ConfigError, FormatError, NotFoundError
-from ..layout import ShardMap
+from ..layout import ReadPlan, ShardMap
 from ..manifest import Manifest, ShardInfo
 from ..stores.base import ListsInfo, ObjectInfo, Store, fetch_tail, tail_by_stat
-from .base import Offload, Opener, ReadFn, natural_key
+from .base import Fetch, OffLoop, Opener, Read, natural_key
 from .documents import boundaries
 from .npy import gather_limited, may_list, parent_and_name, read_range
 from .parquet_pages import PageReader
@@ -466,9 +466,7 @@ class ParquetRows:
             meta = self._metadata[file] = parse_footer(self.footer(file), self.shard_urls[file])
         return meta
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         groups = np.searchsorted(self.ends, ids, side="right")
         in_group = ids - (self.ends - self.rows)[groups]
         paged = np.zeros(ids.size, dtype=bool)
@@ -476,7 +474,7 @@ class ParquetRows:
         if self.scattered:
             # Rows of row groups whose every selected chunk has an offset index: by page.
             unique, at = np.unique(groups, return_inverse=True)
-            chunks, footers = await self.pages.chunk_pages(unique, read, offload)
+            chunks, footers = yield from self.pages.chunk_pages(unique)
             indexed = [
                 all(chunks[g, j] is not None for j in range(self.leaves.size))
                 for g in unique.tolist()
@@ -490,7 +488,7 @@ class ParquetRows:
         if selection is not None:
             starts = np.concatenate([starts, selection.starts])
             lengths = np.concatenate([lengths, selection.lengths])
-        buffer = await read(self.file_map.plan(starts, lengths, gap))
+        buffer = yield Read(self.file_map.plan(starts, lengths, gap))
 
         def decode() -> dict[str, Any]:
             pa, _ = pyarrow_modules()
@@ -515,16 +513,14 @@ class ParquetRows:
                 }
             return {name: _to_field(columns[name], fill, pa) for name in self.columns}
 
-        fields: dict[str, Any] = await offload(decode)
+        fields: dict[str, Any] = yield OffLoop(decode)
         return fields
 
-    async def read_groups(
-        self, needed: Int64Array, read: ReadFn, gap: int
-    ) -> tuple[npt.NDArray[np.uint8], Int64Array]:
+    def plan_groups(self, needed: Int64Array, gap: int) -> tuple[ReadPlan, Int64Array]:
         """The selected column chunks of row groups ``needed`` (ascending), one read plan;
-        returns the buffer and the chunks' ``[row group, leaf, (start, end)]`` byte ranges."""
+        and the chunks' ``[row group, leaf, (start, end)]`` byte ranges."""
         spans, starts, lengths = self.chunk_ranges(needed)
-        return await read(self.file_map.plan(starts, lengths, gap)), spans
+        return self.file_map.plan(starts, lengths, gap), spans
 
     def chunk_ranges(self, needed: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The selected column chunks of row groups ``needed``: their ``[row group, leaf,
@@ -694,9 +690,7 @@ class RowGroups(Protocol):
     #: The column's leaf (its index among the format's leaves).
     leaves: Int64Array
 
-    async def read_groups(
-        self, needed: Int64Array, read: ReadFn, gap: int
-    ) -> tuple[npt.NDArray[np.uint8], Int64Array]: ...
+    def plan_groups(self, needed: Int64Array, gap: int) -> tuple[ReadPlan, Int64Array]: ...
 
     def decode_groups(
         self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array
@@ -812,9 +806,7 @@ class PackedParquet:
         starts: Int64Array = self._token_base[which] + local * self.seq_len
         return starts
 
-    async def fetch(
-        self, ids: Int64Array, read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         starts = self.window_starts(ids)
         first = np.searchsorted(self.token_ends, starts, side="right")
         last = np.searchsorted(self.token_ends, starts + self.window - 1, side="right")
@@ -825,8 +817,9 @@ class PackedParquet:
             + np.arange(int(spans.sum()))
             - np.repeat(np.cumsum(spans) - spans, spans)
         )
-        buffer, chunk_spans = await self.rows.read_groups(needed, read, gap)
-        fields: dict[str, Any] = await offload(
+        plan, chunk_spans = self.rows.plan_groups(needed, gap)
+        buffer = yield Read(plan)
+        fields: dict[str, Any] = yield OffLoop(
             lambda: self._decode(buffer, chunk_spans, needed, starts)
         )
         return fields

@@ -21,7 +21,7 @@ as in the whole file.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +31,7 @@ import numpy.typing as npt
 from ..errors import FormatError
 from ..layout import ShardMap
 from . import thrift
-from .base import Offload, ReadFn
+from .base import OffLoop, Read, Step
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -127,9 +127,9 @@ class PageReader:
         #: ``(row group, selected leaf)`` → its pages, or None when it has no offset index.
         self._chunks: OrderedDict[tuple[int, int], ChunkPages | None] = OrderedDict()
 
-    async def chunk_pages(
-        self, groups: Int64Array, read: ReadFn, offload: Offload
-    ) -> tuple[dict[tuple[int, int], ChunkPages | None], dict[int, Footer]]:
+    def chunk_pages(
+        self, groups: Int64Array
+    ) -> Generator[Step, Any, tuple[dict[tuple[int, int], ChunkPages | None], dict[int, Footer]]]:
         """The pages of every selected column chunk of row groups ``groups`` (unique), and
         the parsed footers of their files; reads the offset indexes not in the cache."""
         rows = self.rows
@@ -142,7 +142,7 @@ class PageReader:
         footers = {f: self._footers[f] for f in files if f in self._footers}
         unparsed = [f for f in files if f not in footers]
         if unparsed:
-            parsed = await offload(lambda: [self._parse_footer(f) for f in unparsed])
+            parsed = yield OffLoop(lambda: [self._parse_footer(f) for f in unparsed])
             footers.update(zip(unparsed, parsed, strict=True))
             _keep(self._footers, dict(zip(unparsed, parsed, strict=True)), FOOTER_CACHE)
         for f in files:
@@ -161,7 +161,7 @@ class PageReader:
         if located:
             starts = np.array([at for _, at, _ in located], dtype=np.int64)
             lengths = np.array([n for _, _, n in located], dtype=np.int64)
-            buffer = await read(rows.file_map.plan(starts, lengths, 0))
+            buffer: npt.NDArray[np.uint8] = yield Read(rows.file_map.plan(starts, lengths, 0))
             cuts = np.cumsum(lengths) - lengths
 
             def parse_all() -> list[ChunkPages]:
@@ -171,7 +171,7 @@ class PageReader:
                     for (key, at, n), c in zip(located, cuts.tolist(), strict=True)
                 ]
 
-            parsed_pages = await offload(parse_all)
+            parsed_pages = yield OffLoop(parse_all)
             found.update(zip((key for key, _, _ in located), parsed_pages, strict=True))
         _keep(self._chunks, {key: found[key] for key in missing}, OFFSET_INDEX_CACHE)
         return found, footers

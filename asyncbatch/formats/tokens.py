@@ -23,7 +23,7 @@ from ..batch import FieldSchema
 from ..dataset import Dataset
 from ..errors import ConfigError
 from ..layout import ReadPlan, ShardMap, WindowPlan
-from .base import Offload, PlannedSource, ReadFn
+from .base import PlannedSource
 
 TOKENS_FIELD = "tokens"
 
@@ -77,6 +77,18 @@ class TokenWindows(PlannedSource):
         self.converts = self.out_dtype is not None and self.out_dtype != stored
         out_itemsize = self.out_dtype.itemsize if self.converts and self.out_dtype else 0
         self.sample_bytes = self.window * (stored.itemsize + out_itemsize)
+        if (
+            self.converts
+            and self.out_dtype is not None
+            and type(self).decode is TokenWindows.decode
+        ):
+            # A dtype conversion happens in the read's copy, and decoding touches no byte
+            # (formats built on this one that decode more than the tokens convert in their
+            # decode).
+            self.convert = (stored, self.out_dtype)
+            self.converts = False
+        if type(self).plan is not TokenWindows.plan:  # a format that plans its own reads
+            self.reads = self.plan  # type: ignore[method-assign,assignment]
         self.schema = {
             name: FieldSchema(
                 dtype=str(self.out_dtype or (stored[name] if stored.names else stored)),
@@ -88,36 +100,26 @@ class TokenWindows(PlannedSource):
     def plan(self, sample_ids: npt.NDArray[np.int64], gap_bytes: int) -> ReadPlan:
         return self.windows(sample_ids, gap_bytes).plan()
 
-    def windows(self, sample_ids: npt.NDArray[np.int64], gap_bytes: int) -> WindowPlan:
-        """The windows of ``sample_ids``, unplanned (a local store copies them in one call)."""
+    def windows(self, ids: npt.NDArray[np.int64], gap: int) -> WindowPlan:
+        """The windows of ``ids``, unplanned (a local store copies them in one call)."""
         if len(self.datasets) == 1:
-            starts = sample_ids * self.seq_len
+            starts = ids * self.seq_len
         else:
-            which = np.searchsorted(self._id_ends, sample_ids, side="right")
-            local = sample_ids - (self._id_ends - self.sizes)[which]
+            which = np.searchsorted(self._id_ends, ids, side="right")
+            local = ids - (self._id_ends - self.sizes)[which]
             starts = self._element_base[which] + local * self.seq_len
-        return WindowPlan(self.shard_map, starts, self.window, gap_bytes)
+        return WindowPlan(self.shard_map, starts, self.window, gap)
 
-    async def fetch(
-        self, ids: npt.NDArray[np.int64], read: ReadFn, gap: int, offload: Offload
-    ) -> dict[str, Any]:
-        """The windows ``ids``; a ``dtype`` conversion happens in the read's copy (formats
-        built on this one that decode more than the tokens convert in their decode)."""
-        if type(self).plan is not TokenWindows.plan:  # a format that plans its own reads
-            return await super().fetch(ids, read, gap, offload)
-        if self.converts and type(self).decode is TokenWindows.decode:
-            assert self.out_dtype is not None
-            buffer = await read(self.windows(ids, gap), (self.stored_dtype, self.out_dtype))
-            array = buffer.view(self.out_dtype).reshape(ids.size, self.window)
-            return {TOKENS_FIELD: torch.from_numpy(array)}
-        buffer = await read(self.windows(ids, gap))
-        if self.converts:
-            fields: dict[str, Any] = await offload(lambda: self.decode(buffer, ids))
-            return fields
-        return self.decode(buffer, ids)
+    def reads(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan | WindowPlan:
+        """The windows, unplanned (see :meth:`windows`)."""
+        return self.windows(ids, gap)
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""
+        if self.convert is not None:  # converted as they were read
+            assert self.out_dtype is not None
+            converted = buffer.view(self.out_dtype).reshape(ids.size, self.window)
+            return {TOKENS_FIELD: torch.from_numpy(converted)}
         stored = self.stored_dtype
         array = buffer.view(stored).reshape(ids.size, self.window)
         if stored.names:
