@@ -13,8 +13,8 @@ the stack then retries each range and compares every answer with the pin),
 many objects into one buffer: the engine's fast path), :class:`ReadsIntoConverted` (the
 same, widening each element to the output dtype as it copies), :class:`Lists`, :class:`Writes`,
 :class:`Closes`, :class:`Coalesces` (a gap below which neighbouring ranges are cheaper read
-as one), :class:`Discards` (a cache forgetting bytes), :class:`KeepsFiles` (open local files
-kept across stores), :class:`Unbounded` (calls the stack does not time),
+as one), :class:`Discards` (a cache forgetting bytes), :class:`Unbounded` (calls the stack
+does not time),
 :class:`ReadsTail` (an object's last bytes with its size and version, in one request:
 :func:`fetch_tail` uses it, or a ``stat`` and a ranged read without it) and
 :class:`ListsInfo` (a listing with sizes and versions).
@@ -199,33 +199,6 @@ class Unbounded:
     """Base of a transport whose calls the stack runs with no time bound (the local store):
     they run in threads that no timeout can stop, and a large group read from a slow
     filesystem is slow, not stalled."""
-
-
-class KeptFiles(Protocol):
-    """Open files a store hands over to its owner to keep (the local store's
-    :class:`~asyncbatch.stores.local.LocalFiles`), who closes them."""
-
-    def close(self) -> None:
-        """Close every file no read holds now; the others as their reads end."""
-        ...
-
-
-@runtime_checkable
-class KeepsFiles(Protocol):
-    """A store whose open files (the local store's descriptors, mappings and pins) its owner
-    can keep past the store's close, for the next store of the same options: a loader keeps
-    them across its runs. Every layer of the stack offers it and forwards it down."""
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        """Hand the open files to the caller, who closes them; ``kept``, the files of an
-        earlier store opened with the same options, replaces this store's own. None when no
-        layer below holds files."""
-        ...
-
-
-def keep_files(store: object, kept: KeptFiles | None = None) -> KeptFiles | None:
-    """``store.keep_files(kept)`` where the store offers :class:`KeepsFiles`, else None."""
-    return store.keep_files(kept) if isinstance(store, KeepsFiles) else None
 
 
 @runtime_checkable

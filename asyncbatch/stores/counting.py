@@ -18,7 +18,6 @@ from ..layout import ShardMap
 from .base import (
     Buffer,
     Conversion,
-    KeptFiles,
     ObjectInfo,
     ReadsInto,
     ReadsIntoConverted,
@@ -26,7 +25,6 @@ from .base import (
     Store,
     Versioned,
     fetch_tail,
-    keep_files,
     list_with_info,
 )
 
@@ -86,9 +84,6 @@ class CountingStore:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.inner, kept)
 
 
 class CountingBufferStore(CountingStore):

@@ -27,9 +27,7 @@ and length-checked, or a ``stat`` and a ranged read) and
 that tells nothing). A transport that offers :class:`~asyncbatch.stores.base.ReadsInto`
 (and :class:`~asyncbatch.stores.base.ReadsIntoConverted`) keeps it through both layers: one
 call per group, no Python per range, so the engine's fast path stays fast (its contract is
-all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it). Both layers
-forward :class:`~asyncbatch.stores.base.KeepsFiles`, so a loader keeps the local store's
-open files across runs whatever sits above it.
+all or raise; :mod:`asyncbatch.testing` checks that a transport keeps it).
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ from .base import (
     Conversion,
     GetsRanges,
     GetsVersionedRanges,
-    KeptFiles,
     Lists,
     ListsInfo,
     ObjectInfo,
@@ -77,7 +74,6 @@ from .base import (
     Writes,
     check_length,
     fetch_tail,
-    keep_files,
     list_with_info,
     tail_by_stat,
 )
@@ -274,9 +270,6 @@ class TransportStore:
         if isinstance(self.transport, Closes):
             await self.transport.close()
 
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.transport, kept)
-
 
 class TransportBufferStore(TransportStore):
     """A :class:`TransportStore` over a transport that reads into one caller's buffer."""
@@ -469,9 +462,6 @@ class RetryingStore:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.inner, kept)
 
 
 class RetryingBufferStore(RetryingStore):
