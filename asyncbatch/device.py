@@ -36,7 +36,7 @@ from .transform import Transform, as_batch
 READY = "device_ready"
 
 #: The stream the current thread was last switched to by a :class:`ToDevice` (thread-local:
-#: each run's transform thread is new, and starts on its default stream).
+#: each loader's transform thread, kept across its runs, starts on its default stream).
 _switched = threading.local()
 
 

@@ -10,6 +10,12 @@ A ``transform`` runs on a thread of its own, group after group in batch order, b
 group's reads and its delivery (see :mod:`asyncbatch.transform`).
 Requests in flight are bounded by the store. Any error ends the run with a
 :class:`~asyncbatch.handoff.Final` item carrying it, after the batches before it.
+
+What a run reads through, its stores and the threads that decode and transform, is opened
+by the first run in a loop and kept for the next runs in that loop (epochs, ``for`` loops,
+resumes: a new epoch opens nothing and starts no thread), until :meth:`Engine.aclose`.
+A task of that loop holds them (see :mod:`asyncbatch.resources`), so they are closed in
+their own loop also when the loop ends under them.
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import os
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -42,15 +47,15 @@ from .formats.base import (
 )
 from .handoff import BatchQueue, Final
 from .layout import ReadPlan, WindowPlan
+from .resources import Resources, to_the_end
 from .sampling.batches import BatchOrder
 from .sampling.order import EpochOrder
 from .sampling.windows import History
-from .stores import open_store
-from .stores.base import Conversion, KeepsFiles, KeptFiles, ObjectInfo, Store
+from .stores.base import Conversion, ObjectInfo, Store
 from .stores.copying import c_conversion, copy_pieces
 from .stores.ranged import read_by_ranges, run_all
-from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
+from .stores.runs import begin_run
 from .transform import Transform, apply_transform
 
 if TYPE_CHECKING:
@@ -141,14 +146,12 @@ class Engine:
         #: (counted from where the run starts), as the DataLoader takes them in turn.
         self.worker = worker
         self.stride = stride
-        #: Open local files (and their mappings) kept across runs, by store key, so a new
-        #: epoch or ``for`` loop neither opens nor maps them again; closed by :meth:`close`.
-        self._files: dict[tuple[str, str], KeptFiles] = {}
-        self._files_pid = os.getpid()
         #: Memory of the batches the consumer is done with, filled again by later groups
         #: and runs (see :mod:`asyncbatch.buffers`): at most ``keep_bytes`` of it kept free.
         self.buffers = BufferPool(keep_bytes)
-        self._buffers_pid = os.getpid()
+        #: The stores and threads runs read through, by the loop they were opened in (one,
+        #: but for an AsyncLoader whose runs moved to another loop); see :meth:`aclose`.
+        self._resources: dict[asyncio.AbstractEventLoop, Resources] = {}
 
     async def run(
         self,
@@ -164,62 +167,19 @@ class Engine:
 
         ``history``: the world sizes ``epoch`` ran on before (the next epochs start afresh).
         """
+        begin_run()  # a store keeping state across runs checks it again (stores.runs)
         tasks: set[asyncio.Task[bool]] = set()
-        stores: list[Store] = []
         final: Final | None = None
-        # A dtype conversion touches every byte: it runs off the loop (numpy drops the GIL).
-        decoder = (
-            ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-decode")
-            if not isinstance(self.source, Converts) or self.source.converts
-            else None
-        )
-        # One thread, so transforms run one at a time, in batch order, as the user wrote them.
-        transformer = (
-            ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-transform")
-            if self.transform is not None
-            else None
-        )
         try:
-            # One store per scheme and options (a mixture may read several).
-            index: dict[tuple[str, str], int] = {}
-            of_dataset = []
-            # Remote data read in place is read at the versions (ETags) its headers were
-            # read from: an object replaced since the dataset was opened is a
-            # ShardChangedError. (A local file's version at open is a digest of its bytes,
-            # not what its store pins.)
-            pins: dict[tuple[str, str], dict[str, str]] = {}
-            for dataset in self.source.datasets:
-                key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
-                versions = dataset.versions
-                if key[0] != "file" and len(versions) == len(dataset.manifest.shards):
-                    found = zip(dataset.shard_urls, versions, strict=True)
-                    pins.setdefault(key, {}).update((u, v) for u, v in found if v is not None)
-            for dataset in self.source.datasets:
-                key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
-                if key not in index:
-                    index[key] = len(stores)
-                    stores.append(
-                        open_store(
-                            dataset.url,
-                            dataset.storage_options,
-                            max_inflight=self.max_inflight,
-                            retry=self.retry,
-                            counts=self.counts,
-                            cache=self.cache,
-                            seen=self.seen,
-                            expected=self.expected,
-                            pins=pins.get(key),
-                        )
-                    )
-                    self._keep_files(stores[-1], key)
-                of_dataset.append(index[key])
-            shard_store = np.asarray(of_dataset, dtype=np.int64)[self.source.shard_dataset]
-            if self._buffers_pid != os.getpid():  # a forked child: slabs of its own
-                keep = self.buffers.keep_bytes
-                self.buffers, self._buffers_pid = BufferPool(keep), os.getpid()
-            reader = Reader(stores, self.source.shard_urls, shard_store, self.buffers)
-            gap = min(s.coalesce_gap for s in stores)
-            gap = gap if self.coalesce_gap is None else self.coalesce_gap
+            opened = self._open(asyncio.get_running_loop())
+            run = asyncio.current_task()
+            if run is not None:
+                opened.runs.add(run)
+                run.add_done_callback(opened.runs.discard)
+            urls = self.source.shard_urls
+            reader = Reader(opened.stores, urls, opened.shard_store, self.buffers)
+            gap = opened.gap if self.coalesce_gap is None else self.coalesce_gap
+            decoder, transformer = opened.decoder, opened.transformer
             previous: asyncio.Task[bool] | None = None
             per_epoch = self.order.batches_per_epoch
             done = 0  # batches of the run (all workers) in the epochs before this one
@@ -259,60 +219,78 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
             final = Final(exc)
         finally:
-            # The loader stops a run by cancelling it, also while the run ends on its own: the
-            # end runs to completion all the same, or a store cut off mid-close would leave
-            # its client session open.
-            await _to_the_end(self._end_run(queue, final, tasks, stores, decoder, transformer))
+            # The loader stops a run by cancelling it, also while the run ends on its own:
+            # the end runs to completion all the same, so no group is left reading.
+            await to_the_end(self._end_run(queue, final, tasks))
 
     @staticmethod
     async def _end_run(
-        queue: BatchQueue,
-        final: Final | None,
-        tasks: set[asyncio.Task[bool]],
-        stores: list[Store],
-        decoder: ThreadPoolExecutor | None,
-        transformer: ThreadPoolExecutor | None,
+        queue: BatchQueue, final: Final | None, tasks: set[asyncio.Task[bool]]
     ) -> None:
-        """Stop the run's groups, close its stores and threads, then queue ``final``."""
+        """Stop the run's groups (and wait for their reads), then queue ``final``."""
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for store in stores:
-            try:
-                await store.close()
-            except Exception as exc:  # a failed close still ends the run, with its error
-                if final is not None and final.error is None:
-                    final = Final(exc)
-        # Both wait for a call under way (a transform cannot be interrupted), so no
-        # thread outlives the run.
-        if decoder is not None:
-            decoder.shutdown(wait=True)
-        if transformer is not None:
-            transformer.shutdown(wait=True)
-        # The terminal item goes last, so a consumer that sees it finds everything closed.
+        # The terminal item goes last, so a consumer that sees it finds no read under way.
         if final is not None:
             queue.put(final)
 
-    def _keep_files(self, store: Store, key: tuple[str, str]) -> None:
-        """A local store (under no cache) reads through the files this engine keeps for
-        ``key``, or hands its own over to be kept."""
-        if not isinstance(store, KeepsFiles):  # a cache above the store
-            return
-        if self._files_pid != os.getpid():
-            # A forked child: the parent's threads may hold those tables' locks. Dropped, they
-            # close the child's copies of the descriptors and mappings when collected.
-            self._files, self._files_pid = {}, os.getpid()
-        kept = store.keep_files(self._files.get(key))
-        if kept is not None:
-            self._files[key] = kept
+    def _open(self, loop: asyncio.AbstractEventLoop) -> Resources:
+        """What this loop's runs read through, opened by the first of them."""
+        opened = self._resources.get(loop)
+        if opened is None:
+            # An AsyncLoader's runs moved to another loop (a second asyncio.run): what the
+            # first loop opened is bound to it, and closes there (or closed as it ended).
+            for other in list(self._resources):
+                self._resources.pop(other).release()
+            opened = self._resources[loop] = Resources(
+                loop,
+                self.source.datasets,
+                self.source.shard_dataset,
+                max_inflight=self.max_inflight,
+                retry=self.retry,
+                counts=self.counts,
+                cache=self.cache,
+                seen=self.seen,
+                expected=self.expected,
+                # A dtype conversion touches every byte: it runs off the loop.
+                decodes=not isinstance(self.source, Converts) or self.source.converts,
+                transforms=self.transform is not None,
+            )
+        return opened
+
+    async def stop_runs(self) -> None:
+        """Cancel the runs of the running loop and wait until they have ended."""
+        opened = self._resources.get(asyncio.get_running_loop())
+        if opened is not None:
+            await opened.stop_runs()
+
+    async def aclose(self) -> None:
+        """Stop the runs of the running loop, then close what they read through (its
+        stores, to the end; the decode and transform threads); a later run opens them
+        again. Raises the first error a store's close raised."""
+        opened = self._resources.pop(asyncio.get_running_loop(), None)
+        if opened is not None:
+            await opened.aclose()
+
+    def release(self) -> None:
+        """From any thread: have each loop close what its runs opened (their runs
+        cancelled first), without waiting (an AsyncLoader dropped unclosed)."""
+        opened, self._resources = self._resources, {}
+        for each in opened.values():
+            each.release()
+
+    def forget(self) -> list[object]:
+        """In a child made by ``fork()``: drop what the parent's runs opened, untouched (its
+        threads are not in this process, and its locks may be held); returns it, for the
+        caller to keep referenced, unused, so that none of it is finalized here."""
+        opened, self._resources = self._resources, {}
+        return list(opened.values())
 
     def close(self) -> None:
-        """Close the local files kept across runs (those a run still reads, as it ends),
-        and drop the free batch memory (and the memory of batches as they are dropped)."""
+        """Drop the free batch memory (and the memory of batches as they are dropped); once
+        the runs are over and :meth:`aclose` closed the stores."""
         self.buffers.close()
-        files, self._files = self._files, {}
-        for table in files.values():
-            table.close()
 
     def groups(
         self, first_batch: int, done: int = 0, history: History = (), first_size: int = 0
@@ -639,25 +617,6 @@ class Reader:
             for store, p in zip(self.stores, picks, strict=True)
             if p.size
         )
-
-
-async def _to_the_end(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` in a task of its own and wait for it to finish, even when the caller is
-    cancelled meanwhile (then raise that cancellation once it has)."""
-    try:
-        task = asyncio.get_running_loop().create_task(work)
-    except RuntimeError:  # no loop runs it (a coroutine closed after its loop)
-        work.close()
-        raise
-    cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError as exc:
-            cancelled = cancelled or exc
-    if cancelled is not None:
-        raise cancelled
-    task.result()
 
 
 async def _cast_off_loop(

@@ -1,17 +1,20 @@
 """Loader threads across process events: interpreter exit and ``fork()``.
 
-A :class:`~asyncbatch.Loader` registers itself here while its engine thread runs.
+A :class:`~asyncbatch.Loader` registers itself here while its loop thread runs (from its
+first use, or its construction from a URL, until it is closed).
 
 - As interpreter exit begins, before atexit handlers run, every loader still running is
   closed (its tasks cancelled, its stores closed, its thread joined), so a script that
   never called ``close()`` still ends without "Task was destroyed" or "Unclosed client
   session" noise. Threads a loader gave up waiting
   for (after Ctrl-C) are joined too, for a bounded time.
-- In a child made by ``fork()`` the engine threads do not exist: each running loader forgets
-  its run, so that its next ``next()`` starts a new one in the child, and interpreter exit in
-  the child leaves the parent's run alone. The parent's loop, task and queue stay referenced,
-  unused, so that none of them is finalized in the child (a pending task or an unclosed loop
-  would complain about, or close, what belongs to the parent).
+- In a child made by ``fork()`` the loop threads do not exist: each running loader forgets
+  its loop, run and stores, so that its next ``next()`` opens its own in the child, and
+  interpreter exit in the child leaves the parent's alone. A loader that finds itself in
+  another process (its pid check) does the same. The parent's loop, queue and stores stay
+  referenced, unused (:func:`forsake`), so that none of them is finalized in the child (a
+  pending task, an unclosed loop or a store would complain about, or close, what belongs
+  to the parent).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class Running(Protocol):
     def _close_at_exit(self) -> None: ...
 
     def _forget_after_fork(self) -> list[object]:
-        """Drop the run (its thread is not in this process); return its live objects."""
+        """Drop the loop, run and stores (not in this process); return the live objects."""
         ...
 
 
@@ -45,17 +48,22 @@ _orphans: list[object] = []
 
 
 def track(loader: Running) -> None:
-    """``loader`` has a running engine thread."""
+    """``loader`` has a running loop thread."""
     _running.add(loader)
 
 
 def untrack(loader: Running) -> None:
-    """``loader``'s engine thread is stopping or gone."""
+    """``loader``'s loop thread is stopping or gone."""
     _running.discard(loader)
 
 
+def forsake(objects: list[object]) -> None:
+    """What a loader had in its parent process: kept, never used (see the module docstring)."""
+    _orphans.extend(objects)
+
+
 def stopping(thread: threading.Thread) -> None:
-    """An engine thread asked to stop: joined (bounded) at exit if it is still running."""
+    """A loop thread asked to stop: joined (bounded) at exit if it is still running."""
     _stragglers.add(thread)
 
 
@@ -71,7 +79,7 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     # Only this thread exists now: no lock is needed (and one held at fork time would hang).
     for loader in list(_running):
-        _orphans.extend(loader._forget_after_fork())
+        forsake(loader._forget_after_fork())
     _running.clear()
     _stragglers.clear()
 

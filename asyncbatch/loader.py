@@ -1,8 +1,11 @@
 """The loaders: :class:`Loader` (a synchronous, stateful iterator) and :class:`AsyncLoader`.
 
 Both run the same :class:`~asyncbatch.engine.Engine`. ``Loader`` runs it on one background
-thread with its own event loop, started on first use and stopped by :meth:`Loader.close`;
-``AsyncLoader`` runs it as a task in the caller's loop. Iterating past the end of an epoch
+thread with its own event loop for its whole life: started on first use (at construction
+when given a URL, which it opens there) and stopped by :meth:`Loader.close`; each run
+(epoch, ``for`` loop, resume) is a task on it, reading through the stores and threads the
+first run opened. ``AsyncLoader`` runs it as a task in the caller's loop, its stores kept
+across runs in that loop until :meth:`AsyncLoader.aclose`. Iterating past the end of an epoch
 raises ``StopIteration`` and moves the loader to the next epoch, so each ``for`` loop over a
 loader is one epoch, each with its own order.
 
@@ -12,19 +15,21 @@ would have delivered next.
 
 Lifecycle (docs/reliability.md): Ctrl-C in ``next()`` stops the engine and keeps the
 position; a loader left running is closed at interpreter exit; after ``fork()`` the child
-starts its own engine; a loader pickles as its arguments and position.
+forgets the parent's loop and stores (one pid check) and opens its own; a loader pickles as
+its arguments and position.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping
-from typing import Any, Self
+from collections.abc import Coroutine, Mapping
+from typing import Any, Self, TypeVar
 
 import numpy.typing as npt
 import torch
@@ -45,9 +50,16 @@ from .formats.base import (
     SuggestsBlocks,
 )
 from .formats.registry import make_source
-from .handoff import BatchQueue, DeliveryCounts, Final, LoaderStatistics, QueueStatistics
+from .handoff import (
+    WAIT_SLICE,
+    BatchQueue,
+    DeliveryCounts,
+    Final,
+    LoaderStatistics,
+    QueueStatistics,
+)
 from .mixture import Mixture
-from .open import open_dataset, open_dataset_async
+from .open import open_dataset_async
 from .sampling.batches import BatchOrder
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
@@ -66,6 +78,8 @@ from .stores.disk_cache import DiskCache
 from .stores.registry import scheme_of
 from .stores.retry import RetryPolicy
 from .transform import Transform, check_transform
+
+T = TypeVar("T")
 
 STATE_VERSION = 3
 MAX_DEFAULT_PREFETCH = 128
@@ -305,6 +319,8 @@ class _LoaderBase:
         self._closed = False
         #: Set once a run found the data changed under it: every later run raises it too.
         self._changed: ShardChangedError | None = None
+        #: The process this loader's loop, stores and threads belong to (see _check_pid).
+        self._pid = os.getpid()
 
     def _build(self, data: Dataset | Mixture) -> Engine:
         datasets = data.datasets if isinstance(data, Mixture) else (data,)
@@ -599,6 +615,17 @@ class _LoaderBase:
             closed = LoaderClosedError(f"{type(self).__name__} closed while waiting for a batch")
             self._queue.put(Final(closed))
 
+    def _check_pid(self) -> None:
+        """In a child made by ``fork()``: forget what the parent's runs had (loop, thread,
+        stores, run), so that this process opens its own; kept referenced, unused."""
+        if self._pid != os.getpid():
+            lifecycle.forsake(self._forget_after_fork())
+
+    def _forget_after_fork(self) -> list[object]:
+        """Drop the parent's run, loop and stores (not in this process); return them."""
+        self._pid = os.getpid()
+        return self._engine.forget() if self._engine is not None else []
+
     def _discard_run(self) -> None:
         raise NotImplementedError
 
@@ -707,23 +734,26 @@ class Loader(_LoaderBase):
     ) -> None:
         self._args = given_arguments(locals())  # first: locals() is the arguments yet
         super().__init__(dataset, **self._args)
-        if isinstance(dataset, str):
-            dataset = open_dataset(
-                dataset, self.storage_options, retry=self.retry, cache=self.cache
-            )
-        self._build(dataset)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._pid = os.getpid()
+        if not isinstance(dataset, str):
+            self._build(dataset)
+            return
+        try:  # opened on the loader's own loop, which its runs use next
+            opening = open_dataset_async(
+                dataset, self.storage_options, retry=self.retry, cache=self.cache
+            )
+            self._build(self._call(opening))
+        except BaseException:
+            self._stop(INTERRUPT_JOIN_TIMEOUT)  # nobody will close a loader never made
+            raise
 
     def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> Batch:
         self._check_open()
-        if self._pid != os.getpid():
-            self._forget_run()  # the engine thread stayed in the parent process
+        self._check_pid()
         if self._queue is None:
             self._check_unchanged()
             self._start()
@@ -732,72 +762,115 @@ class Loader(_LoaderBase):
         try:
             item = self._queue.get(self._thread.is_alive)
         except BaseException:
-            # Ctrl-C, or an engine thread that died: stop the engine. The position is still
-            # after the last batch handed over, so a later next() goes on from there.
-            self._discard_run(INTERRUPT_JOIN_TIMEOUT)
+            # Ctrl-C, or an engine thread that died: stop the engine, its loop and thread.
+            # The position is still after the last batch handed over, so a later next()
+            # goes on from there, on a new loop.
+            self._stop(INTERRUPT_JOIN_TIMEOUT)
             raise
         batch = self._take(item)
         if batch is None:
             raise StopIteration
         return batch
 
+    def _start_loop(self) -> asyncio.AbstractEventLoop:
+        """The loader's loop, its thread started on first use."""
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=_run_loop, args=(loop,), name="asyncbatch-loader", daemon=True
+            )
+            thread.start()
+            self._loop, self._thread = loop, thread
+            lifecycle.track(self)
+        return self._loop
+
+    def _call(self, work: Coroutine[Any, Any, T]) -> T:
+        """``work``'s result, run on the loader's loop; waited for in short slices, so that
+        Ctrl-C gets through (it cancels ``work``)."""
+        future = asyncio.run_coroutine_threadsafe(work, self._start_loop())
+        thread = self._thread
+        try:
+            while not concurrent.futures.wait([future], WAIT_SLICE).done:
+                if thread is None or not thread.is_alive():
+                    raise RuntimeError("the asyncbatch loop thread stopped without a result")
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
+
     def _start(self) -> None:
         assert self._engine is not None
-        loop = asyncio.new_event_loop()
+        loop = self._start_loop()
         queue = self._new_queue(loop)
-        task = loop.create_task(
-            self._engine.run(
-                queue, self._epoch, self._position, infinite=self.infinite, history=self._history
-            )
+        run = self._engine.run(
+            queue, self._epoch, self._position, infinite=self.infinite, history=self._history
         )
-        thread = threading.Thread(
-            target=_run_loop, args=(loop, task), name="asyncbatch-loader", daemon=True
-        )
-        self._loop, self._queue, self._task, self._thread = loop, queue, task, thread
-        thread.start()
-        lifecycle.track(self)
+        asyncio.run_coroutine_threadsafe(run, loop)
 
-    def _discard_run(self, timeout: float | None = None) -> None:
-        """Stop the run: cancel its task and wait (up to ``timeout``) for its thread."""
-        loop, task, thread, pid = self._loop, self._task, self._thread, self._pid
-        self._forget_run()
-        if thread is None or pid != os.getpid():  # the thread stayed in the parent process
+    def _discard_run(self) -> None:
+        """Stop the run under way (if any) and wait until it has ended; the loop, its
+        stores and threads stay for the next run."""
+        if self._queue is None:
             return
-        lifecycle.untrack(self)
-        if loop is not None and task is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already finished and closed
-                loop.call_soon_threadsafe(task.cancel)
-        if thread is threading.current_thread():  # garbage collected on its own thread
+        self._drop_queue()
+        self._check_pid()
+        if self._thread is None or self._thread is threading.current_thread():
             return
-        lifecycle.stopping(thread)  # in case the join below times out or is interrupted
-        thread.join(timeout)
+        if not self._thread.is_alive():
+            self._stop()
+            return
+        assert self._engine is not None
+        self._call(self._engine.stop_runs())
 
     def _run_finished(self) -> None:
-        self._discard_run()  # the run put its Final item; the thread is exiting
+        self._drop_queue()  # the run put its Final item: it has ended, or ends now
 
-    def _forget_run(self) -> None:
+    def _stop(self, timeout: float | None = None) -> BaseException | None:
+        """Stop the engine: cancel its run, close its stores and threads, stop the loop and
+        wait (up to ``timeout``) for its thread; the first error closing a store."""
+        loop, thread = self._loop, self._thread
         self._drop_queue()
-        self._loop = self._task = self._thread = None
-        self._pid = os.getpid()
+        self._loop = self._thread = None
+        if loop is None or thread is None:
+            return None
+        lifecycle.untrack(self)
+        closing = _shut_down(self._engine)
+        try:
+            future = asyncio.run_coroutine_threadsafe(closing, loop)
+        except RuntimeError:  # the loop already finished and closed (its thread died)
+            closing.close()
+            return None
+        if thread is threading.current_thread():  # garbage collected on its own thread
+            return None
+        lifecycle.stopping(thread)  # in case the join below times out or is interrupted
+        thread.join(timeout)
+        if future.done() and not future.cancelled():
+            return future.exception()
+        return None
 
     def _forget_after_fork(self) -> list[object]:
-        kept: list[object] = [self._loop, self._queue, self._task, self._thread]
+        kept: list[object] = [self._loop, self._queue, self._thread]
         self._queue = None  # no figures: its lock may have been held by a thread at the fork
-        self._forget_run()
-        return kept
+        self._loop = self._thread = None
+        return kept + super()._forget_after_fork()
 
     def _close_at_exit(self) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop the engine and release its thread, tasks and files; idempotent."""
+        """Stop the engine and release its thread, tasks, stores and files; idempotent.
+
+        Raises the first error a store's close raised (after releasing everything)."""
         if self._closed:
             return
         self._closed = True
         self._wake_consumer()
-        self._discard_run()
+        self._check_pid()
+        error = self._stop()
         if self._engine is not None:
             self._engine.close()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> Self:
         return self
@@ -809,27 +882,43 @@ class Loader(_LoaderBase):
         if getattr(self, "_thread", None) is None or self._closed:
             return
         try:
-            warnings.warn(
-                f"unclosed {self!r}: use 'with Loader(...)' or call close()",
-                ResourceWarning,
-                stacklevel=2,
-                source=self,
-            )
+            if self._queue is not None:  # dropped while a run reads ahead
+                warnings.warn(
+                    f"unclosed {self!r}: use 'with Loader(...)' or call close()",
+                    ResourceWarning,
+                    stacklevel=2,
+                    source=self,
+                )
         finally:  # also when warnings are errors
-            self.close()
+            with contextlib.suppress(Exception):
+                self.close()
 
     def __repr__(self) -> str:
         return f"Loader({self.dataset!r}, batch_size={self.batch_size}, seq_len={self.seq_len})"
 
 
-def _run_loop(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+async def _shut_down(engine: Engine | None) -> None:
+    """On the loader's loop: close what the engine's runs opened, then stop the loop."""
+    try:
+        if engine is not None:
+            await engine.aclose()
+    finally:
+        asyncio.get_running_loop().stop()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The loader's thread: its loop, until stopped; then, as ``asyncio.run`` ends, every
+    task left cancelled and finished, and the loop closed."""
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(task)
-    except asyncio.CancelledError:
-        pass
+        loop.run_forever()
     finally:
         try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
@@ -898,6 +987,7 @@ class AsyncLoader(_LoaderBase):
 
     async def __anext__(self) -> Batch:
         self._check_open()
+        self._check_pid()
         if self._engine is None:
             await self.open()
         queue = self._queue
@@ -933,36 +1023,54 @@ class AsyncLoader(_LoaderBase):
         # A failed group ends the run while the engine may still wait for queue space.
         self._discard_run()
 
+    def _forget_after_fork(self) -> list[object]:
+        kept: list[object] = [self._task, self._queue, *self._stopping]
+        self._task, self._queue, self._stopping = None, None, set()
+        return kept + super()._forget_after_fork()
+
     async def aclose(self) -> None:
-        """Stop the engine task and wait until its stores are closed; idempotent."""
+        """Stop the engine task and wait until its stores are closed; idempotent.
+
+        Raises the first error a store's close raised (after closing everything)."""
         if self._closed:
             return
         self._closed = True
         self._wake_consumer()
+        self._check_pid()
         self._discard_run()
         stopping, self._stopping = self._stopping, set()
         await asyncio.gather(*stopping, return_exceptions=True)
         if self._engine is not None:
-            self._engine.close()
+            try:
+                # The stores of this loop; those of a loop the runs left close in theirs.
+                await self._engine.aclose()
+            finally:
+                self._engine.release()
+                self._engine.close()
 
     async def __aenter__(self) -> Self:
         return await self.open()
 
     def __del__(self) -> None:
-        task = getattr(self, "_task", None)
-        if task is None or task.done() or self._closed:
+        engine = getattr(self, "_engine", None)
+        if engine is None or self._closed or self._pid != os.getpid():
             return
+        task = self._task
         try:
-            warnings.warn(
-                f"unclosed {type(self).__name__}: use 'async with AsyncLoader(...)'"
-                " or await aclose()",
-                ResourceWarning,
-                stacklevel=2,
-                source=self,
-            )
+            if task is not None and not task.done():
+                warnings.warn(
+                    f"unclosed {type(self).__name__}: use 'async with AsyncLoader(...)'"
+                    " or await aclose()",
+                    ResourceWarning,
+                    stacklevel=2,
+                    source=self,
+                )
         finally:  # the engine task stops; its loop (asyncio.run) waits for it at the end
-            with contextlib.suppress(RuntimeError):  # that loop is already closed
-                task.get_loop().call_soon_threadsafe(task.cancel)
+            if task is not None:
+                with contextlib.suppress(RuntimeError):  # that loop is already closed
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+            # The stores close in their loop once its runs have ended (or as it ends).
+            engine.release()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

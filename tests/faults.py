@@ -321,7 +321,8 @@ async def _send(
     """Send ``body`` the way ``fault`` says: stalled, dripped, truncated or reset."""
     response = web.StreamResponse(status=status, headers=headers)
     if request.method == "HEAD":
-        await response.prepare(request)
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await response.prepare(request)  # the client may have closed it meanwhile
         return response
     if fault.chunked:
         response.enable_chunked_encoding()

@@ -657,8 +657,8 @@ def test_a_file_changed_between_runs_is_refused(tmp_path: Path, change: str) -> 
 
 
 def test_an_unclosed_loader_releases_its_kept_files_when_collected(tmp_path: Path) -> None:
-    """A loader whose run ended but was never closed holds no thread and warns of nothing;
-    collected, it closes the files and mappings it kept for its next run."""
+    """A loader whose run ended but was never closed warns of nothing; collected, it
+    closes the files and mappings it kept for its next run (and stops its thread)."""
     import gc
 
     dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
@@ -814,11 +814,9 @@ def test_a_slow_local_read_is_not_cut_by_the_retry_timeouts(
 
 def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
     """Stacked (and counted), the local store still reads groups into one buffer, converts
-    as it copies, copies windows itself, reads tails, lists with sizes and hands its open
-    files over to be kept."""
-    from asyncbatch.stores.base import KeepsFiles, ListsInfo, ReadsTail
+    as it copies, copies windows itself, reads tails and lists with sizes."""
+    from asyncbatch.stores.base import ListsInfo, ReadsTail
     from asyncbatch.stores.counting import ReadCounts
-    from asyncbatch.stores.local import LocalFiles
 
     async def check() -> None:
         for counts in (None, ReadCounts()):
@@ -830,12 +828,8 @@ def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
                 for protocol in (ReadsTail, ListsInfo):
                     assert isinstance(store, protocol), protocol
                 await store.write(str(tmp_path / "written"), b"x")  # it writes
-                assert isinstance(store, KeepsFiles)
-                files = store.keep_files()
-                assert isinstance(files, LocalFiles)
             finally:
                 await store.close()
-            files.close()
 
     asyncio.run(check())
 

@@ -147,8 +147,9 @@ class SharedKey:
 
 
 #: Tokens of the credentials this module made, by how they were made (``DefaultAzureCredential``
-#: or one service principal), kept across stores: a loader makes a store per run, and asking
-#: ``az login`` or a metadata service again every epoch costs a second or more.
+#: or one service principal), kept across stores: every loader and every opening makes a
+#: store of its own, and asking ``az login`` or a metadata service again each time costs a
+#: second or more.
 _TOKENS: dict[tuple[str, ...], tuple[str, float]] = {}
 #: The environment variables azure-identity's DefaultAzureCredential reads.
 _IDENTITY_VARIABLES = (

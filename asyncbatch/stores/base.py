@@ -226,34 +226,6 @@ class Unbounded:
     filesystem is slow, not stalled."""
 
 
-class KeptFiles(Protocol):
-    """Open files a store hands over to its owner to keep (the local store's
-    :class:`~asyncbatch.stores.local.LocalFiles`), who closes them."""
-
-    def close(self) -> None:
-        """Close every file no read holds now; the others as their reads end."""
-        ...
-
-
-@runtime_checkable
-class KeepsFiles(Protocol):
-    """A store whose open files (the local store's descriptors, mappings and pins) its owner
-    can keep past the store's close, for the next store of the same options: a loader keeps
-    them across its runs. Every layer of the stack but the cache offers it and forwards it
-    down."""
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        """Hand the open files to the caller, who closes them; ``kept``, the files of an
-        earlier store opened with the same options, replaces this store's own. None when no
-        layer below holds files."""
-        ...
-
-
-def keep_files(store: object, kept: KeptFiles | None = None) -> KeptFiles | None:
-    """``store.keep_files(kept)`` where the store offers :class:`KeepsFiles`, else None."""
-    return store.keep_files(kept) if isinstance(store, KeepsFiles) else None
-
-
 @runtime_checkable
 class Versioned(Protocol):
     """A store that tells an object's version along with its size."""

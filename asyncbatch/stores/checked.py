@@ -31,7 +31,7 @@ import xxhash
 
 from ..checksums import ALGORITHM, block_digests, format_digest, num_blocks
 from ..errors import ChecksumError, ManifestError, StoreError
-from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Store, keep_files
+from .base import Buffer, Conversion, ObjectInfo, Store
 from .copying import copy_pieces
 from .ranged import read_by_ranges
 
@@ -649,9 +649,6 @@ class CheckedStore:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.inner, kept)
 
     # Last: within the class, ``list`` names this method from here on.
     async def list(self, url: str) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Store, keep_files
+from .base import Buffer, Conversion, ObjectInfo, Store
 
 
 @dataclass
@@ -111,9 +111,6 @@ class CountingStore:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.inner, kept)
 
 
 def counting(store: Store, counts: ReadCounts) -> Store:

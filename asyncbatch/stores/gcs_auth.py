@@ -139,8 +139,8 @@ class GcsCredentials:
 
     def _load(self) -> Any:
         """The google-auth credentials (blocking: run in a thread), shared by every store of
-        the process that names the same ones, so that each new store (each run of a
-        loader) reuses their token."""
+        the process that names the same ones, so that each new store (each loader, each
+        opening) reuses their token."""
         from google.auth import exceptions
 
         token = self._token

@@ -15,8 +15,9 @@ reads with ``pread`` (e.g. on a parallel filesystem that maps poorly), as does a
 cannot be mapped; without the helper (no compiler at install time) a Python loop of
 ``os.preadv`` calls reads, slower. Open files (and their mappings) are kept in a small LRU
 (:class:`LocalFiles`) so that thousands of shards do not exhaust the process's descriptor
-limit; a loader keeps it across its runs (epochs, ``for`` loops), so later epochs neither map
-the files again nor pay first-touch page faults again, and closes it in ``close()``.
+limit; the store lives as long as its loader, across its runs (epochs, ``for`` loops), so
+later epochs neither map the files again nor pay first-touch page faults again, and the
+loader's ``close()`` closes them.
 
 Each file is pinned when it is first opened: its (inode, size, mtime) are recorded, checked
 again whenever it is reopened after leaving the LRU, against its path on its first use in
@@ -59,10 +60,11 @@ from ..errors import (
     StoreError,
     describe_range,
 )
-from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Unbounded, check_length
+from .base import Buffer, Conversion, ObjectInfo, Unbounded, check_length
 from .copying import C_CONVERSIONS as C_CONVERSIONS
 from .copying import c_conversion, copy_pieces
 from .retry import DEFAULT_POLICY, RetryPolicy
+from .runs import current_run
 from .stack import is_transient, map_error
 from .validate import check_options
 
@@ -118,10 +120,10 @@ def local_path(url: str) -> str:
 class LocalFiles:
     """Open local files, their mappings and their pins: a thread-safe LRU of descriptors.
 
-    A :class:`LocalStore` makes its own table, or shares one kept by its owner across
-    stores (see :meth:`LocalStore.keep_files`): a loader keeps its table across runs, so a
-    new epoch neither maps its files again nor pays their first-touch page faults again.
-    Each run of a shared table (:meth:`new_run`) checks every kept file's path once more on
+    Each :class:`LocalStore` has one; it lives as long as the store (a loader's store lives
+    as long as the loader), so a new epoch neither maps its files again nor pays their
+    first-touch page faults again. Each new run of a loader (:meth:`follow`, with
+    :func:`~asyncbatch.stores.runs.current_run`) checks every open file's path once more on
     its first use, so a file replaced or deleted between runs is still refused, not read
     from the old descriptor. A table nobody references releases its files when collected.
     """
@@ -141,10 +143,12 @@ class LocalFiles:
         # after this one would run, and its copies must not lose their mappings first.
         finalizer.atexit = False
 
-    def new_run(self) -> None:
-        """Check each open file's path again on its next use (a new run begins)."""
-        with self._lock:
-            self._run += 1
+    def follow(self, run: int) -> None:
+        """Reads for ``run`` (a loader's run, see :mod:`~asyncbatch.stores.runs`) follow:
+        when it is a new one, each open file's path is checked again on its next use."""
+        if run != self._run:
+            with self._lock:
+                self._run = run
 
     def acquire(self, url: str) -> tuple[int, int, int]:
         """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
@@ -272,25 +276,11 @@ class LocalStore(Unbounded):
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
         self._files = LocalFiles(max_open_files, mmap)
-        #: Whether close() closes the files (False once handed out by keep_files).
-        self._owns_files = True
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
         #: Per loop, the stat calls waiting for this turn's shared job (see :meth:`_stat`).
         self._stats: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[Any]]]] = {}
-
-    def keep_files(self, kept: KeptFiles | None = None) -> LocalFiles:
-        """Hand this store's open files (descriptors, mappings, pins) to the caller, who keeps
-        them open past the store's close and closes them; ``kept``, the files of an earlier
-        store opened with the same options, replaces this store's own (for a new run)."""
-        assert kept is None or isinstance(kept, LocalFiles), "kept by a local store"
-        if kept is not None and kept is not self._files:
-            self._files.close()  # its own, still empty
-            self._files = kept
-            kept.new_run()
-        self._owns_files = False
-        return self._files
 
     async def size(self, url: str) -> int:
         return (await self._stat(url)).st_size
@@ -306,6 +296,7 @@ class LocalStore(Unbounded):
         ``pread`` in one pool job (one thread hop, not two); pins the file as :meth:`stat`."""
         if self._closed:
             raise StoreError(f"store closed before reading {url}", url)
+        self._files.follow(current_run())
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._read_tail, url, length)
 
@@ -438,6 +429,7 @@ class LocalStore(Unbounded):
         count = int(starts.size)
         if not count:
             return True
+        self._files.follow(current_run())
         # Large groups copy in parallel, each part in one call (the GIL is released in it).
         jobs = max(1, min(self._threads, count, int(dest.size) // GATHER_JOB_BYTES))
         cuts = [count * j // jobs for j in range(jobs + 1)]
@@ -537,6 +529,7 @@ class LocalStore(Unbounded):
         count = int(starts.size)
         if count == 0:
             return
+        self._files.follow(current_run())
         loop = asyncio.get_running_loop()
         jobs = max(1, min(self._threads, count // RANGES_PER_JOB))
         bounds = [count * j // jobs for j in range(jobs + 1)]
@@ -661,14 +654,12 @@ class LocalStore(Unbounded):
         self._files.forget(url)  # our own write: the next open pins the new file
 
     async def close(self) -> None:
-        """Stop the reading threads (after the reads under way) and close the files, unless
-        :meth:`keep_files` handed them out."""
+        """Stop the reading threads (after the reads under way) and close the files."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        if self._owns_files:
-            self._files.close()
+        self._files.close()
 
 
 def _read_failed(url: str, start: int, end: int, exc: OSError) -> StoreError:

@@ -27,9 +27,7 @@ below can do: a transport's ``read_into`` (converting too where it sets
 no Python per range, so the engine's fast path stays fast (their contract is all or raise;
 :mod:`asyncbatch.testing` checks that a transport keeps it). Both layers offer ``read_tail``
 (the transport's own, pinned and length-checked, or a ``stat`` and a ranged read) and
-``list_info`` (the transport's own, pinned, or a plain listing that tells nothing), and
-forward ``keep_files``, so a loader keeps the local store's open files across runs
-whatever sits above it.
+``list_info`` (the transport's own, pinned, or a plain listing that tells nothing).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ from .base import (
     Conversion,
     GetsRanges,
     GetsVersionedRanges,
-    KeptFiles,
     ListsInfo,
     ObjectInfo,
     Progress,
@@ -68,7 +65,6 @@ from .base import (
     Unbounded,
     Versioned,
     check_length,
-    keep_files,
     offers,
     tail_by_stat,
 )
@@ -325,9 +321,6 @@ class TransportStore:
         if self._closes:
             await self._below.close()
 
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.transport, kept)
-
 
 def _flag(transport: object, name: str) -> bool:
     """A ``supports_*`` flag the transport sets itself (False where it sets none)."""
@@ -523,9 +516,6 @@ class RetryingStore:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def keep_files(self, kept: KeptFiles | None = None) -> KeptFiles | None:
-        return keep_files(self.inner, kept)
 
 
 def stacked(
