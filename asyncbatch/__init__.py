@@ -9,7 +9,8 @@ has the full table, which tests/test_layers.py checks)::
     stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
                 filesystem; one RetryPolicy for them all; DiskCache, the node-local cache
     manifest    the one file read to open a dataset; dataset: the Dataset it describes
-    checks      verify=off|size|block|full on the read path; writer: shards + manifest
+    checks      verify=off|size|block|full on the read path; writer: shards + manifest;
+                options: the loaders' options, typed and checked once (LoaderConfig)
     formats/    each format's reader and writer; formats.registry: register_format
     open        open_dataset, by the registered formats; verify: verify_dataset; mixture
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
