@@ -76,6 +76,8 @@ if _typing.TYPE_CHECKING:
     from .mixture import mix as mix
     from .open import open_dataset as open_dataset
     from .open import open_dataset_async as open_dataset_async
+    from .options import LoaderConfig as LoaderConfig
+    from .options import LoaderOptions as LoaderOptions
     from .stores import register_store as register_store
     from .stores.disk_cache import DiskCache as DiskCache
     from .stores.retry import RetryPolicy as RetryPolicy
@@ -105,6 +107,8 @@ _LAZY: dict[str, str] = {
     "mix": "mixture",
     "open_dataset": "open",
     "open_dataset_async": "open",
+    "LoaderConfig": "options",
+    "LoaderOptions": "options",
     "PrepareReport": "_prepare.driver",
     "prepare": "_prepare.driver",
     "register_store": "stores",
@@ -148,7 +152,9 @@ __all__ = [
     "Jagged",
     "Loader",
     "LoaderClosedError",
+    "LoaderConfig",
     "LoaderDataset",
+    "LoaderOptions",
     "ManifestError",
     "Mixture",
     "NotFoundError",

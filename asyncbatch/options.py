@@ -73,11 +73,13 @@ class LoaderOptions(TypedDict, total=False):
 class LoaderConfig:
     """A loader's options with their defaults, checked and normalised, frozen.
 
-    Normalised: ``shuffle`` is its name (``True`` is ``"global"``); ``window`` is 8 with
-    ``shuffle="block"`` and None given; ``cache`` a :class:`~asyncbatch.DiskCache` or None;
-    ``device`` a ``torch.device`` or None (the CPU); the mappings are plain dicts; the flags
-    bools. ``rank`` and ``world_size`` stay as given (checked): the loader asks
-    ``torch.distributed`` for what is None when it is built.
+    Built by the loaders from their keyword arguments (``LoaderConfig(**options)`` checks
+    them the same way); a bad value is a ConfigError naming it. Normalised: ``shuffle`` is
+    its name (``True`` is ``"global"``); ``window`` is 8 with ``shuffle="block"`` and None
+    given; ``cache`` a ``DiskCache`` or None; ``device`` a ``torch.device`` or None (the
+    CPU); the mappings are plain dicts; the flags bools. ``rank`` and ``world_size`` stay
+    as given (checked): the loader asks ``torch.distributed`` for what is None when it is
+    built.
     """
 
     batch_size: int
