@@ -12,9 +12,9 @@
 
 A new option is one line in each class, its checks in ``LoaderConfig.__post_init__`` and its
 entry in ``Loader``'s "Args:" docs (tests/test_options.py and tests/test_signatures.py check
-that the three agree). :func:`takes_options` gives each public ``__init__`` a ``__signature__`` listing every option
-with its default, for ``help()`` and ``inspect.signature``; the API reference gets the same
-from scripts/griffe_options.py.
+that the three agree). :func:`takes_options` gives each public ``__init__`` a
+``__signature__`` listing every option with its default, for ``help()`` and
+``inspect.signature``; the API reference gets the same from scripts/griffe_options.py.
 """
 
 from __future__ import annotations
