@@ -9,7 +9,8 @@ has the full table, which tests/test_layers.py checks)::
     stores/     read byte ranges of objects: local files (preadv), S3, HTTP, any fsspec
                 filesystem; one RetryPolicy for them all; DiskCache, the node-local cache
     manifest    the one file read to open a dataset; dataset: the Dataset it describes
-    checks      verify=off|size|block|full on the read path; writer: shards + manifest
+    checks      verify=off|size|block|full on the read path; writer: shards + manifest;
+                options: the loaders' options, typed and checked once (LoaderConfig)
     formats/    each format's reader and writer; formats.registry: register_format
     open        open_dataset, by the registered formats; verify: verify_dataset; mixture
     engine      asyncio: planned reads into one buffer per batch, bounded, in order
@@ -77,6 +78,8 @@ if _typing.TYPE_CHECKING:
     from .mixture import mix as mix
     from .open import open_dataset as open_dataset
     from .open import open_dataset_async as open_dataset_async
+    from .options import LoaderConfig as LoaderConfig
+    from .options import LoaderOptions as LoaderOptions
     from .stores import register_store as register_store
     from .stores.disk_cache import DiskCache as DiskCache
     from .stores.retry import RetryPolicy as RetryPolicy
@@ -108,6 +111,8 @@ _LAZY: dict[str, str] = {
     "mix": "mixture",
     "open_dataset": "open",
     "open_dataset_async": "open",
+    "LoaderConfig": "options",
+    "LoaderOptions": "options",
     "PrepareReport": "_prepare.driver",
     "prepare": "_prepare.driver",
     "register_store": "stores",
@@ -151,7 +156,9 @@ __all__ = [
     "Jagged",
     "Loader",
     "LoaderClosedError",
+    "LoaderConfig",
     "LoaderDataset",
+    "LoaderOptions",
     "LoaderStatistics",
     "ManifestError",
     "Mixture",

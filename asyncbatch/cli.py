@@ -115,7 +115,8 @@ def demo(args: argparse.Namespace) -> int:
     order = "sequential" if args.no_shuffle else "global shuffle"
     print(f"dataset         {url}")
     print(f"batches         {steps} x {args.batch_size} x {args.seq_len} tokens ({order})")
-    print(f"read ahead      {loader.prefetch} batches, {loader.max_inflight} requests in flight")
+    inflight = loader.config.max_inflight
+    print(f"read ahead      {loader.prefetch} batches, {inflight} requests in flight")
     print(f"time to first   {first_batch * 1e3:.1f} ms (including opening the dataset)")
     print(f"throughput      {tokens / elapsed / 1e6:.1f} M tokens/s ({elapsed:.2f} s)")
     return 0

@@ -29,17 +29,15 @@ import os
 import threading
 import warnings
 from collections.abc import Coroutine, Mapping
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
-import numpy.typing as npt
 import torch
 
 from . import lifecycle
 from .batch import Batch
-from .checks import DEFAULT_VERIFY, Verify, check_level
 from .dataset import Dataset
-from .defaults import MAX_INFLIGHT, PREFETCH_BYTES
-from .device import ToDevice, device_of, ready
+from .defaults import PREFETCH_BYTES
+from .device import ToDevice, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats.base import (
@@ -60,24 +58,20 @@ from .handoff import (
 )
 from .mixture import Mixture
 from .open import open_dataset_async
+from .options import LoaderConfig, LoaderOptions, takes_options
 from .sampling.batches import BatchOrder
 from .sampling.mixture import MixtureOrder
 from .sampling.order import (
-    TAILS,
     EpochOrder,
     SampleOrder,
-    Shuffle,
-    Tail,
     derive_key,
     make_sample_order,
-    normalize_shuffle,
 )
 from .sampling.windows import History, Segment, extend_history
 from .stores.counting import ReadCounts
 from .stores.disk_cache import DiskCache
 from .stores.registry import scheme_of
-from .stores.retry import RetryPolicy
-from .transform import Transform, check_transform
+from .transform import Transform
 
 T = TypeVar("T")
 
@@ -89,10 +83,9 @@ MAX_LOCAL_DEFAULT_PREFETCH = 512
 #: goes on stopping by itself; interpreter exit joins it). Stopping takes milliseconds; the
 #: bound is for a machine so loaded that closing connections and pools takes seconds.
 INTERRUPT_JOIN_TIMEOUT = 5.0
-#: With ``shuffle="block"``: the default block holds about this many bytes of samples, and
-#: a window this many blocks.
+#: With ``shuffle="block"``: the default block holds about this many bytes of samples (and
+#: a window ``options.DEFAULT_WINDOW`` blocks).
 BLOCK_BYTES = 2**20
-DEFAULT_WINDOW = 8
 #: The default block grows at most this many times past ``BLOCK_BYTES`` to make a window a
 #: whole number of batches.
 MAX_BLOCK_GROWTH = 4
@@ -111,30 +104,16 @@ MUST_MATCH = (
 )
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """``(rank, world_size)`` as given, else from ``torch.distributed`` when it is
-    initialised, else ``(0, 1)``; a ConfigError for values that do not fit."""
-    if rank is None and world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-    if world_size is None:
-        raise ConfigError(f"rank={rank!r} was given without world_size")
-    world_size = _positive("world_size", world_size)
-    if rank is None:
-        if world_size != 1:
-            raise ConfigError(f"world_size={world_size} was given without rank")
-        rank = 0
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    return rank, world_size
+    """``(rank, world_size)`` of a :class:`LoaderConfig` (checked): as given, rank 0 of a
+    world size given alone, else from ``torch.distributed`` when it is initialised, else
+    ``(0, 1)``."""
+    if world_size is not None:
+        return rank or 0, world_size
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def default_block_size(sample_bytes: int, window: int, global_batch: int, batch_size: int) -> int:
@@ -214,94 +193,32 @@ def _segments(value: Any, global_batch: int, done: int) -> list[Segment] | None:
 
 
 class _LoaderBase:
-    """Arguments, state and the meaning of queue items, shared by both loaders.
+    """Options, state and the meaning of queue items, shared by both loaders.
 
-    The public classes spell out the arguments with their defaults (so ``help()``, mypy and
-    a misspelt name's TypeError all show the public class) and hand them here as given.
+    The public classes take ``(dataset, **options: Unpack[LoaderOptions])`` (so mypy and a
+    misspelt name's TypeError name the public class), check the options into a
+    :class:`LoaderConfig` and build the loader from it in :meth:`_setup`, where a pickle and
+    a DataLoader worker start too.
     """
 
     #: ``(index, count)`` of the DataLoader worker this loader reads for: its batches
-    #: ``index, index + count, ...`` (set before ``__init__`` by :meth:`_for_worker`).
+    #: ``index, index + count, ...`` (set before :meth:`_setup` by :meth:`_for_worker`).
     _worker: tuple[int, int] = (0, 1)
-    #: The public ``__init__``'s keyword arguments as given (a pickle rebuilds from them).
-    _args: dict[str, Any]
+    #: The options, checked and normalised (frozen): ``loader.config.seed``, ...
+    config: LoaderConfig
 
-    def __init__(
-        self,
-        dataset: Dataset | Mixture | str,
-        *,
-        batch_size: int,
-        seq_len: int | None,
-        shuffle: Shuffle,
-        seed: int,
-        prefetch: int | None,
-        max_inflight: int,
-        next_token: bool,
-        dtype: npt.DTypeLike | torch.dtype | None,
-        drop_last: bool,
-        tail: Tail,
-        block_size: int | None,
-        window: int | None,
-        infinite: bool,
-        rank: int | None,
-        world_size: int | None,
-        coalesce_gap: int | None,
-        storage_options: Mapping[str, Any] | None,
-        retry: RetryPolicy | None,
-        format_options: Mapping[str, Any] | None,
-        verify: Verify,
-        cache: DiskCache | str | os.PathLike[str] | None,
-        transform: Transform | None,
-        device: torch.device | str | None,
-    ) -> None:
-        self.batch_size = _positive("batch_size", batch_size)
-        self.seq_len = None if seq_len is None else _positive("seq_len", seq_len)
-        self._prefetch_arg = None if prefetch is None else _positive("prefetch", prefetch)
-        #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
-        self.prefetch = self._prefetch_arg or 0
-        self.max_inflight = _positive("max_inflight", max_inflight)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
-        if coalesce_gap is not None and (
-            isinstance(coalesce_gap, bool) or not isinstance(coalesce_gap, int) or coalesce_gap < 0
-        ):
-            raise ConfigError(f"coalesce_gap must be a non-negative integer, got {coalesce_gap!r}")
+    def _setup(self, dataset: Dataset | Mixture | str, config: LoaderConfig) -> None:
+        """The state of a new loader of ``dataset`` with ``config`` (checked already)."""
         if not isinstance(dataset, Dataset | Mixture | str):
             raise ConfigError(f"dataset must be a Dataset, a Mixture or a URL, got {dataset!r}")
-        self.shuffle = normalize_shuffle(shuffle)
-        if tail not in TAILS:
-            raise ConfigError(f"tail={tail!r}: expected one of {TAILS}")
-        self.tail = tail
-        if self.shuffle != "block" and (block_size is not None or window is not None):
-            raise ConfigError(
-                f"block_size and window apply to shuffle='block', not shuffle={self.shuffle!r}"
-            )
-        self._block_size_arg = None if block_size is None else _positive("block_size", block_size)
-        #: Samples per block and blocks per window of the block shuffle (None without it).
+        self.config = config
+        #: This rank and the world size (asked of ``torch.distributed`` when not given).
+        self.rank, self.world_size = resolve_rank(config.rank, config.world_size)
+        #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
+        self.prefetch = config.prefetch or 0
+        #: Samples per block of the block shuffle (None without it); known once the dataset
+        #: is open.
         self.block_size: int | None = None
-        self.window = None if window is None else _positive("window", window)
-        if self.shuffle == "block" and self.window is None:
-            self.window = DEFAULT_WINDOW
-        self.infinite = bool(infinite)
-        self.seed = seed
-        self.next_token = bool(next_token)
-        self.dtype = dtype
-        self.drop_last = bool(drop_last)
-        self.coalesce_gap = coalesce_gap
-        self.storage_options = dict(storage_options or {})
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {retry!r}")
-        self.retry = retry
-        self.format_options = dict(format_options or {})
-        #: "off" | "size" | "block" | "full": see docs/reliability.md, "Integrity".
-        self.verify = check_level(verify)
-        #: The node-local cache reads go through (None: none); see docs/reliability.md.
-        self.cache = DiskCache.of(cache)
-        #: Called on each batch off the consumer's thread, in order (asyncbatch.transform).
-        self.transform = check_transform(transform)
-        #: Where batches are delivered (None: the CPU); see asyncbatch.device.
-        self.device = device_of(device)
         self._dataset_arg = dataset
         self._engine: Engine | None = None
         self._data: Dataset | Mixture | None = None
@@ -322,48 +239,76 @@ class _LoaderBase:
         #: The process this loader's loop, stores and threads belong to (see _check_pid).
         self._pid = os.getpid()
 
+    @property
+    def infinite(self) -> bool:
+        """Whether the loader goes on to the next epoch without stopping."""
+        return self.config.infinite
+
+    @property
+    def cache(self) -> DiskCache | None:
+        """The node-local cache reads go through (None: none); see docs/reliability.md."""
+        cache = self.config.cache
+        assert cache is None or isinstance(cache, DiskCache)  # LoaderConfig made it one
+        return cache
+
+    @property
+    def transform(self) -> Transform | None:
+        """Called on each batch off the consumer's thread, in order (asyncbatch.transform)."""
+        return self.config.transform
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are delivered (None: the CPU); see asyncbatch.device."""
+        device = self.config.device
+        assert device is None or isinstance(device, torch.device)  # LoaderConfig made it one
+        return device
+
     def _build(self, data: Dataset | Mixture) -> Engine:
+        config = self.config
         datasets = data.datasets if isinstance(data, Mixture) else (data,)
         source = make_source(
             datasets,
-            seq_len=self.seq_len,
-            next_token=self.next_token,
-            dtype=self.dtype,
-            options=self.format_options,
+            seq_len=config.seq_len,
+            next_token=config.next_token,
+            dtype=config.dtype,
+            options=config.format_options,
         )
         if isinstance(source, ReadsScattered):
-            source.scattered = self.shuffle == "global"
+            source.scattered = config.shuffle == "global"
         sample_bytes = source.sample_bytes
-        if self.shuffle == "block":
-            assert self.window is not None
+        if config.shuffle == "block":
+            assert config.window is not None
             # A format may say which block suits its layout (LLMBATCH: one batch slot).
             self.block_size = (
-                self._block_size_arg
+                config.block_size
                 or (source.default_block_size if isinstance(source, SuggestsBlocks) else None)
                 or default_block_size(
-                    sample_bytes, self.window, self.batch_size * self.world_size, self.batch_size
+                    sample_bytes,
+                    config.window,
+                    config.batch_size * self.world_size,
+                    config.batch_size,
                 )
             )
         samples: SampleOrder | None = None
         num_samples = source.num_samples
-        if isinstance(data, Mixture) and self.shuffle != "batch":
+        if isinstance(data, Mixture) and config.shuffle != "batch":
             samples = self._mixture_order(data, source)
             num_samples = samples.num_samples
         order: EpochOrder | BatchOrder
-        if self.shuffle == "batch":
+        if config.shuffle == "batch":
             order = self._batch_order(data, source)
         else:
             order = EpochOrder(
                 num_samples,
-                self.batch_size,
-                shuffle=self.shuffle,
-                seed=self.seed,
+                config.batch_size,
+                shuffle=config.shuffle,
+                seed=config.seed,
                 rank=self.rank,
                 world_size=self.world_size,
-                drop_last=self.drop_last,
-                tail=self.tail,
+                drop_last=config.drop_last,
+                tail=config.tail,
                 block_size=self.block_size or 1,
-                window=self.window or 1,
+                window=config.window or 1,
                 samples=samples,
                 # A format whose blocks are its read units keeps block edges on them.
                 aligned_blocks=isinstance(source, AlignedBlocks) and source.aligned_blocks,
@@ -371,33 +316,33 @@ class _LoaderBase:
         if order.batches_per_epoch == 0:  # else an epoch would silently yield nothing
             raise ConfigError(self._nothing_to_read(data, num_samples))
         self._data = data
-        batch_bytes = self.batch_size * sample_bytes
+        batch_bytes = config.batch_size * sample_bytes
         worker, stride = self._worker
         # A block shuffle reads best a whole window at a time: each rank reads windows of
         # its own, this many batches (a DataLoader worker: this many of its batches span one).
         want = 0
-        if self.block_size is not None and self.window is not None:
-            want = -(-self.block_size * self.window // (self.batch_size * stride))
+        if self.block_size is not None and config.window is not None:
+            want = -(-self.block_size * config.window // (config.batch_size * stride))
         local = all(scheme_of(dataset.url) == "file" for dataset in source.datasets)
-        if self._prefetch_arg is None:
+        if config.prefetch is None:
             most = MAX_LOCAL_DEFAULT_PREFETCH if local else MAX_DEFAULT_PREFETCH
             default = max(2, min(most, PREFETCH_BYTES // batch_bytes))
             self.prefetch = max(default, 2 * want)
         self._engine = Engine(
             source,
             order,
-            max_inflight=self.max_inflight,
+            max_inflight=config.max_inflight,
             group=group_size(self.prefetch, batch_bytes, want, local),
-            coalesce_gap=self.coalesce_gap,
+            coalesce_gap=config.coalesce_gap,
             worker=worker,
             stride=stride,
             unit=max(1, want),
-            retry=self.retry,
-            verify=self.verify,
+            retry=config.retry,
+            verify=config.verify,
             counts=self._read_counts,
             cache=self.cache,
             transform=(
-                self.transform if self.device is None else ToDevice(self.device, self.transform)
+                config.transform if self.device is None else ToDevice(self.device, config.transform)
             ),
             # The memory of batches gone is kept for later groups up to the prefetch bound.
             keep_bytes=self.prefetch * batch_bytes,
@@ -410,10 +355,10 @@ class _LoaderBase:
             what = f"{data.url} holds {data.manifest.total_elements} elements:"
         else:
             what = f"the mixture of {len(data.datasets)} datasets holds"
-        window = "" if self.seq_len is None else f" of seq_len={self.seq_len}"
-        need = self.batch_size * self.world_size
-        cut = f"batch_size x world_size = {self.batch_size} x {self.world_size} = {need}"
-        if not self.drop_last:
+        window = "" if self.config.seq_len is None else f" of seq_len={self.config.seq_len}"
+        need = self.config.batch_size * self.world_size
+        cut = f"batch_size x world_size = {self.config.batch_size} x {self.world_size} = {need}"
+        if not self.config.drop_last:
             need, cut = self.world_size, f"one per rank, world_size={self.world_size}"
         return (
             f"nothing to read: {what} {num_samples} samples{window}, fewer than the {need}"
@@ -437,24 +382,26 @@ class _LoaderBase:
         return BatchOrder(
             source.num_samples // rows,
             rows,
-            self.batch_size,
-            seed=self.seed,
+            self.config.batch_size,
+            seed=self.config.seed,
             rank=self.rank,
             world_size=self.world_size,
-            drop_last=self.drop_last,
-            tail=self.tail,
+            drop_last=self.config.drop_last,
+            tail=self.config.tail,
         )
 
     def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
+        config, shuffle = self.config, self.config.shuffle
+        assert isinstance(shuffle, str)  # LoaderConfig made it its name
         sizes = source.sizes.tolist()
         for dataset, size in zip(mixture.datasets, sizes, strict=True):
             if size == 0:
                 raise ConfigError(
-                    f"{dataset.url} is too short: it holds no sample (seq_len={self.seq_len})"
+                    f"{dataset.url} is too short: it holds no sample (seq_len={config.seq_len})"
                 )
         inner = [
             make_sample_order(
-                size, self.shuffle, derive_key(self.seed, d), self.block_size or 1, self.window or 1
+                size, shuffle, derive_key(config.seed, d), self.block_size or 1, config.window or 1
             )
             for d, size in enumerate(sizes)
         ]
@@ -530,16 +477,16 @@ class _LoaderBase:
             # [world_size, first global batch] of each stretch of the epoch: the block shuffle
             # deals rank windows by world size, so a change of it mid-epoch is replayed.
             "segments": [list(s) for s in self._history] or [[self.world_size, 0]],
-            "seed": self.seed,
-            "shuffle": self.shuffle,
+            "seed": self.config.seed,
+            "shuffle": self.config.shuffle,
             "block_size": self.block_size,
-            "window": self.window,
-            "seq_len": self.seq_len,
-            "next_token": self.next_token,
-            "drop_last": self.drop_last,
-            "tail": self.tail,
-            "global_batch_size": self.batch_size * self.world_size,
-            "batch_size": self.batch_size,
+            "window": self.config.window,
+            "seq_len": self.config.seq_len,
+            "next_token": self.config.next_token,
+            "drop_last": self.config.drop_last,
+            "tail": self.config.tail,
+            "global_batch_size": self.config.batch_size * self.world_size,
+            "batch_size": self.config.batch_size,
             "rank": self.rank,
             "world_size": self.world_size,
             "dataset": dataset.fingerprint() if dataset is not None else None,
@@ -583,20 +530,20 @@ class _LoaderBase:
         return self._engine.order.batches_per_epoch
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickles as its arguments and position, never its thread, loop or stores (spawn)."""
+        """Pickles as its options and position, never its thread, loop or stores (spawn)."""
         dataset = self._data if self._data is not None else self._dataset_arg
         state = (self._epoch, self._position, self._history, self._closed)
-        return (_restore, (type(self), dataset, self._args, self._worker, state))
+        return (_restore, (type(self), dataset, self.config, self._worker, state))
 
     @classmethod
     def _for_worker(
-        cls, worker: tuple[int, int], dataset: Dataset | Mixture | str, args: Mapping[str, Any]
+        cls, worker: tuple[int, int], dataset: Dataset | Mixture | str, config: LoaderConfig
     ) -> Self:
-        """``cls(dataset, **args)`` reading DataLoader worker ``worker``'s share of the batches
-        (an argument no public signature shows)."""
+        """A loader of ``dataset`` with ``config`` reading DataLoader worker ``worker``'s
+        share of the batches (an argument no public signature shows)."""
         loader = cls.__new__(cls)
-        loader._worker = worker  # before __init__, which builds the engine with it
-        cls.__init__(loader, dataset, **args)
+        loader._worker = worker  # before _setup, which builds the engine with it
+        loader._setup(dataset, config)
         return loader
 
     def _check_open(self) -> None:
@@ -636,19 +583,13 @@ class _LoaderBase:
 def _restore(
     cls: type[_LoaderBase],
     dataset: Dataset | Mixture | str,
-    args: dict[str, Any],
+    config: LoaderConfig,
     worker: tuple[int, int],
     state: tuple[int, int, History, bool],
 ) -> _LoaderBase:
-    loader = cls._for_worker(worker, dataset, args)
+    loader = cls._for_worker(worker, dataset, config)
     loader._epoch, loader._position, loader._history, loader._closed = state
     return loader
-
-
-def given_arguments(frame_locals: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a loader's ``__init__``, from its ``locals()`` taken first
-    thing: the signature is spelt out once per public class, and not again to pass it on."""
-    return {k: v for k, v in frame_locals.items() if k not in ("self", "dataset", "__class__")}
 
 
 class Loader(_LoaderBase):
@@ -656,7 +597,8 @@ class Loader(_LoaderBase):
 
     Use as ``with Loader(...) as loader: for batch in loader: ...``, or call :meth:`close`.
     Each ``for`` loop is one epoch. Bad values raise :class:`~asyncbatch.ConfigError` here,
-    naming the argument; so does a loader with nothing to read. A URL is opened here.
+    naming the argument; so does a loader with nothing to read. A URL is opened here. The
+    options, checked and normalised, are ``loader.config`` (a frozen ``LoaderConfig``).
 
     Args:
         dataset: A :class:`~asyncbatch.Dataset`, a :class:`~asyncbatch.Mixture`, or the URL
@@ -704,36 +646,12 @@ class Loader(_LoaderBase):
             whose stream waits for the copy when it takes the batch; ``None``: the CPU.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset | Mixture | str,
-        *,
-        batch_size: int,
-        seq_len: int | None = None,
-        shuffle: Shuffle = True,
-        seed: int = 0,
-        prefetch: int | None = None,
-        max_inflight: int = MAX_INFLIGHT,
-        next_token: bool = False,
-        dtype: npt.DTypeLike | torch.dtype | None = None,
-        drop_last: bool = True,
-        tail: Tail = "drop",
-        block_size: int | None = None,
-        window: int | None = None,
-        infinite: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        coalesce_gap: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        format_options: Mapping[str, Any] | None = None,
-        verify: Verify = DEFAULT_VERIFY,
-        cache: DiskCache | str | os.PathLike[str] | None = None,
-        transform: Transform | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self._args = given_arguments(locals())  # first: locals() is the arguments yet
-        super().__init__(dataset, **self._args)
+    @takes_options
+    def __init__(self, dataset: Dataset | Mixture | str, **options: Unpack[LoaderOptions]) -> None:
+        self._setup(dataset, LoaderConfig.of("Loader", options))
+
+    def _setup(self, dataset: Dataset | Mixture | str, config: LoaderConfig) -> None:
+        super()._setup(dataset, config)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         if not isinstance(dataset, str):
@@ -741,7 +659,7 @@ class Loader(_LoaderBase):
             return
         try:  # opened on the loader's own loop, which its runs use next
             opening = open_dataset_async(
-                dataset, self.storage_options, retry=self.retry, cache=self.cache
+                dataset, self.config.storage_options, retry=self.config.retry, cache=self.cache
             )
             self._build(self._call(opening))
         except BaseException:
@@ -894,7 +812,8 @@ class Loader(_LoaderBase):
                 self.close()
 
     def __repr__(self) -> str:
-        return f"Loader({self.dataset!r}, batch_size={self.batch_size}, seq_len={self.seq_len})"
+        config = self.config
+        return f"Loader({self.dataset!r}, batch_size={config.batch_size}, seq_len={config.seq_len})"
 
 
 async def _shut_down(engine: Engine | None) -> None:
@@ -935,36 +854,12 @@ class AsyncLoader(_LoaderBase):
     Args: those of :class:`Loader`.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset | Mixture | str,
-        *,
-        batch_size: int,
-        seq_len: int | None = None,
-        shuffle: Shuffle = True,
-        seed: int = 0,
-        prefetch: int | None = None,
-        max_inflight: int = MAX_INFLIGHT,
-        next_token: bool = False,
-        dtype: npt.DTypeLike | torch.dtype | None = None,
-        drop_last: bool = True,
-        tail: Tail = "drop",
-        block_size: int | None = None,
-        window: int | None = None,
-        infinite: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        coalesce_gap: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        format_options: Mapping[str, Any] | None = None,
-        verify: Verify = DEFAULT_VERIFY,
-        cache: DiskCache | str | os.PathLike[str] | None = None,
-        transform: Transform | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self._args = given_arguments(locals())  # first: locals() is the arguments yet
-        super().__init__(dataset, **self._args)
+    @takes_options
+    def __init__(self, dataset: Dataset | Mixture | str, **options: Unpack[LoaderOptions]) -> None:
+        self._setup(dataset, LoaderConfig.of("AsyncLoader", options))
+
+    def _setup(self, dataset: Dataset | Mixture | str, config: LoaderConfig) -> None:
+        super()._setup(dataset, config)
         if not isinstance(dataset, str):
             self._build(dataset)
         self._task: asyncio.Task[None] | None = None
@@ -977,7 +872,10 @@ class AsyncLoader(_LoaderBase):
             assert isinstance(self._dataset_arg, str)
             self._build(
                 await open_dataset_async(
-                    self._dataset_arg, self.storage_options, retry=self.retry, cache=self.cache
+                    self._dataset_arg,
+                    self.config.storage_options,
+                    retry=self.config.retry,
+                    cache=self.cache,
                 )
             )
         return self

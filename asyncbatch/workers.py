@@ -10,28 +10,22 @@ arguments or ``torch.distributed``) and travel to the workers with the dataset.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, Unpack, cast
 
-import numpy.typing as npt
 import torch
 import torch.utils.data
 from torch._utils import ExceptionWrapper
 
 from .batch import Batch
-from .checks import DEFAULT_VERIFY, Verify
 from .dataset import Dataset
-from .defaults import MAX_INFLIGHT
 from .errors import AsyncBatchError, ConfigError, ShardChangedError
-from .loader import Loader, check_state, given_arguments, resolve_rank, share_args_doc
+from .loader import Loader, check_state, resolve_rank, share_args_doc
 from .mixture import Mixture
 from .open import open_dataset
-from .sampling.order import Shuffle, Tail
+from .options import LoaderConfig, LoaderOptions, check_names, takes_options
 from .sampling.windows import History
-from .stores.disk_cache import DiskCache
-from .stores.retry import RetryPolicy
-from .transform import Transform
 
 
 def keep_batch(batch: Batch) -> Batch:
@@ -65,7 +59,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     DataLoader has ``persistent_workers=True`` (then workers go on to the next epoch
     themselves); save the position with :meth:`state_dict` and the last batch taken.
 
-    A ``transform=`` in ``loader_args`` runs in each worker on that worker's batches; with
+    A ``transform=`` runs in each worker on that worker's batches; with
     ``multiprocessing_context="spawn"`` or ``"forkserver"`` it must pickle (a module-level
     function, not a lambda).
 
@@ -79,49 +73,28 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
     Args: those of :class:`Loader`.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset | Mixture | str,
-        *,
-        batch_size: int,
-        seq_len: int | None = None,
-        shuffle: Shuffle = True,
-        seed: int = 0,
-        prefetch: int | None = None,
-        max_inflight: int = MAX_INFLIGHT,
-        next_token: bool = False,
-        dtype: npt.DTypeLike | torch.dtype | None = None,
-        drop_last: bool = True,
-        tail: Tail = "drop",
-        block_size: int | None = None,
-        window: int | None = None,
-        infinite: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        coalesce_gap: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        retry: RetryPolicy | None = None,
-        format_options: Mapping[str, Any] | None = None,
-        verify: Verify = DEFAULT_VERIFY,
-        cache: DiskCache | str | os.PathLike[str] | None = None,
-        transform: Transform | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        loader_args = given_arguments(locals())  # first: locals() is the arguments yet
+    @takes_options
+    def __init__(self, dataset: Dataset | Mixture | str, **options: Unpack[LoaderOptions]) -> None:
+        check_names("LoaderDataset", options)
+        device = options.get("device")
         if device is not None:
             raise ConfigError(
                 f"LoaderDataset takes no device= (got {device!r}): DataLoader workers must not"
                 " touch CUDA. Use DataLoader(..., pin_memory=True) and batch.to(device,"
                 " non_blocking=True), or ab.Loader(..., device=...) in the training process"
             )
+        config = LoaderConfig.of("LoaderDataset", options)
         # Fixed here, in the parent: workers must not ask torch.distributed themselves.
-        rank, world_size = resolve_rank(rank, world_size)
-        self.loader_args: dict[str, Any] = {**loader_args, "rank": rank, "world_size": world_size}
+        rank, world_size = resolve_rank(config.rank, config.world_size)
+        #: The options every worker's loader reads with (the rank and world size fixed).
+        self.config = dataclasses.replace(config, rank=rank, world_size=world_size)
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, storage_options, retry=retry, cache=cache)
+            dataset = open_dataset(
+                dataset, config.storage_options, retry=config.retry, cache=config.cache
+            )
         self.dataset = dataset
-        # A loader that never starts: checks the arguments now, in the parent process.
-        probe = Loader(dataset, **self.loader_args)
+        # A loader that never starts: its settings and length, found in the parent process.
+        probe = Loader._for_worker((0, 1), dataset, self.config)
         self._settings = probe.state_dict()
         self._length = len(probe)
         self.infinite = probe.infinite
@@ -182,7 +155,7 @@ class LoaderDataset(torch.utils.data.IterableDataset[Batch]):
         """The batches of DataLoader worker ``worker`` (index, count) from the position."""
         if self._changed is not None:
             raise self._changed.with_traceback(None)
-        with Loader._for_worker(worker, self.dataset, self.loader_args) as loader:
+        with Loader._for_worker(worker, self.dataset, self.config) as loader:
             loader.load_state_dict(self.state_dict())
             try:
                 for batch in loader:

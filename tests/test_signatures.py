@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pydoc
 import re
@@ -13,6 +14,7 @@ import pytest
 
 import asyncbatch as ab
 from asyncbatch.loader import _LoaderBase
+from asyncbatch.options import LoaderConfig, LoaderOptions
 
 PUBLIC = [ab.Loader, ab.AsyncLoader, ab.LoaderDataset]
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,9 +29,13 @@ def test_the_three_signatures_are_the_same() -> None:
     assert dataset.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert {p.kind for p in params} == {inspect.Parameter.KEYWORD_ONLY}
     assert not [p.name for p in params if p.name.startswith("_")]
-    # The shared base takes exactly what the public classes pass on.
-    base = inspect.signature(_LoaderBase.__init__).parameters
-    assert list(base) == ["self", *loader.parameters]
+    # The options object holds exactly what the public classes take, and the shared base
+    # builds a loader from it.
+    assert ["dataset", *LoaderOptions.__annotations__] == list(loader.parameters)
+    assert ["dataset", *(f.name for f in dataclasses.fields(LoaderConfig))] == list(
+        loader.parameters
+    )
+    assert list(inspect.signature(_LoaderBase._setup).parameters) == ["self", "dataset", "config"]
 
 
 @pytest.mark.parametrize("cls", PUBLIC, ids=lambda c: c.__name__)
