@@ -180,6 +180,8 @@ class PlannedSource:
         raise NotImplementedError
 
     def fetch(self, ids: Int64Array, gap: int) -> Fetch:
+        """:meth:`reads`, converted as :attr:`convert` says, then :meth:`decode` (off the
+        loop when it :attr:`converts`)."""
         buffer = yield Read(self.reads(ids, gap), self.convert)
         if self.converts:
             fields: dict[str, Any] = yield OffLoop(lambda: self.decode(buffer, ids))
