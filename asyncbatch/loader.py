@@ -671,7 +671,8 @@ class Loader(_LoaderBase):
 
     def __next__(self) -> Batch:
         self._check_open()
-        self._check_pid()
+        if self._pid != os.getpid():  # a child made by fork(): the parent's loop is not here
+            self._check_pid()
         if self._queue is None:
             self._check_unchanged()
             self._start()

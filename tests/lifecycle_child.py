@@ -120,7 +120,8 @@ def stalled_http(root: Path, everything: bool = False) -> Iterator[str]:
 
 
 def sigint(args: dict[str, Any]) -> dict[str, Any]:
-    """Block in next() on a store that never answers; the parent sends SIGINT."""
+    """Block in next() (or in a Loader's opening of its URL) on a store that never
+    answers; the parent sends SIGINT."""
     # A shell starts background jobs with SIGINT ignored, and Python then installs no handler
     # of its own: Ctrl-C's handler, as in any terminal, whoever started the test run.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -133,15 +134,15 @@ def sigint(args: dict[str, Any]) -> dict[str, Any]:
         dataset = ab.Dataset("stalled://" + path, local.manifest)
         url_or_dataset: Any = dataset
         context: Any = contextlib.nullcontext()
-    else:
-        context = stalled_http(Path(path).parent)
+    else:  # "loader_open": the manifest never comes either, the Loader waits in its opening
+        context = stalled_http(Path(path).parent, everything=args["kind"] == "loader_open")
         url_or_dataset = None
     with context as server:
         if url_or_dataset is None:
             url_or_dataset = f"{server}/{Path(path).name}"
-        loader = ab.Loader(url_or_dataset, batch_size=4, seq_len=16)
         try:
             print("ready", flush=True)
+            loader = ab.Loader(url_or_dataset, batch_size=4, seq_len=16)
             next(iter(loader))
         except KeyboardInterrupt:
             at = time.monotonic()  # the system-wide clock: the parent compares it with its own

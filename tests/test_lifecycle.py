@@ -208,10 +208,11 @@ def test_engine_errors_reach_the_consumer(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["store", "http", "open"])
+@pytest.mark.parametrize("kind", ["store", "http", "open", "loader_open"])
 def test_sigint_reaches_a_consumer_blocked_in_next(dataset: ab.Dataset, kind: str) -> None:
-    """Blocked in next() on a store or an HTTP server that never answers, or ("open") in
-    open_dataset called inside a running loop: SIGINT gets through and stops everything."""
+    """Blocked in next() on a store or an HTTP server that never answers, ("open") in
+    open_dataset called inside a running loop, or ("loader_open") in a Loader opening its
+    URL on its own loop: SIGINT gets through and stops everything."""
     process = subprocess.Popen(
         [sys.executable, "-X", "dev", str(CHILD), "sigint"]
         + [json.dumps({"path": dataset.url, "kind": kind})],
