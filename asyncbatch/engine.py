@@ -331,20 +331,19 @@ class Engine:
     ) -> bool:
         """Read a group, wait for the group before it, transform it (``transformer``: the
         thread of ``self.transform``), then queue it; False once failed."""
-        held = [0]  # bytes counted in the queue for this group until its batches are put
+        held = GroupBytes(queue)  # counted in the queue until the group's batches are put
         stored: list[int] = []
         sizes: list[int] | None = None
         try:
             try:
                 group, stored, sizes = await self._read_group(
-                    reader, decoder, gap, epoch, history, batches, queue, held
+                    reader, decoder, gap, epoch, history, batches, held
                 )
                 items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
                 raise
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
-                queue.add_bytes(-held[0])
-                held[0] = 0
+                held.release()
                 group, items, stored, sizes = [], [Final(exc)], [0], None
             if previous is not None and not await previous:
                 return False
@@ -359,12 +358,11 @@ class Engine:
                 if isinstance(items[-1], Final):
                     stored[-1] = 0
             # The queue counts the batches' own bytes from here, in place of what was held.
-            queue.put_many(items, release=held[0], stored=stored, sizes=sizes)
-            held[0] = 0
+            queue.put_many(items, release=held.held, stored=stored, sizes=sizes)
+            held.held = 0
             return not isinstance(items[-1], Final)
         finally:
-            if held[0]:
-                queue.add_bytes(-held[0])
+            held.release()
 
     async def _read_group(
         self,
@@ -374,12 +372,11 @@ class Engine:
         epoch: int,
         history: History,
         batches: range,
-        queue: BatchQueue,
-        held: list[int],
+        held: GroupBytes,
     ) -> tuple[list[Batch], list[int], list[int] | None]:
         """The group's batches, the bytes each holds in the store (its share of the group's
         planned bytes) and, where known, its own bytes; counts the bytes it holds in
-        ``queue`` and ``held[0]``."""
+        ``held``."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
         if order.batch_length(batches[-1]) == order.batch_size:  # only the last may be short
@@ -396,34 +393,12 @@ class Engine:
                 return work()
             return await asyncio.get_running_loop().run_in_executor(decoder, work)
 
-        planned = [0]
-
-        async def read(
-            plan: ReadPlan | WindowPlan, convert: Conversion | None = None
-        ) -> npt.NDArray[np.uint8]:
-            # A group holds its buffers, and their scratch while they are read.
-            scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
-            if isinstance(plan, WindowPlan):
-                if reader.reads_windows:
-                    nbytes = plan.nbytes
-                    _hold(queue, held, nbytes * scale)
-                    copied = await reader.read_windows(plan, convert)
-                    if copied is not None:
-                        planned[0] += nbytes
-                        return copied
-                    _hold(queue, held, -nbytes * scale)
-                plan = plan.plan()
-            planned[0] += plan.nbytes
-            scratch = scratch_bytes(plan)
-            _hold(queue, held, plan.nbytes * scale + scratch)
-            buffer = await reader.read_plan(plan, convert)
-            _hold(queue, held, -scratch)
-            return buffer
+        read = functools.partial(reader.read, held=held)
 
         source = self.source
         simple = self._planned
         if simple is not None:  # its two steps, carried out here: no generator in between
-            buffer = await read(simple.reads(ids, gap), simple.convert)
+            buffer = await reader.read(simple.reads(ids, gap), simple.convert, held)
             if simple.converts:
                 fields = await offload(functools.partial(simple.decode, buffer, ids))
             else:
@@ -441,7 +416,7 @@ class Engine:
             for n, a, b, *parts in zip(batches, cuts[:-1], cuts[1:], *columns, strict=True)
         ]
         # Each batch's share of the stored bytes, by its samples (exact for equal samples).
-        shares = [planned[0] * cut // max(1, cuts[-1]) for cut in cuts]
+        shares = [held.planned * cut // max(1, cuts[-1]) for cut in cuts]
         # Each batch's own bytes, from its rows where every field is an array cut by rows.
         row_bytes = [_row_bytes(fields[name]) for name in names]
         sizes = None
@@ -480,9 +455,28 @@ def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
     return [value[a:b] for a, b in itertools.pairwise(cuts)]
 
 
-def _hold(queue: BatchQueue, held: list[int], nbytes: int) -> None:
-    queue.add_bytes(nbytes)
-    held[0] += nbytes
+class GroupBytes:
+    """What one group's reads count: the bytes it holds in the queue (its buffers, and their
+    scratch while they are read) until its batches are put, and the bytes it asked of the
+    stores."""
+
+    __slots__ = ("held", "planned", "queue")
+
+    def __init__(self, queue: BatchQueue | None = None) -> None:
+        self.queue = queue
+        self.held = 0
+        self.planned = 0
+
+    def hold(self, nbytes: int) -> None:
+        if self.queue is not None:
+            self.queue.add_bytes(nbytes)
+        self.held += nbytes
+
+    def release(self) -> None:
+        """Stop counting what the group holds (its batches will not be put)."""
+        if self.held and self.queue is not None:
+            self.queue.add_bytes(-self.held)
+        self.held = 0
 
 
 def scratch_bytes(plan: ReadPlan) -> int:
@@ -513,34 +507,45 @@ class Reader:
         #: The one store, when it copies windows itself.
         self._windows = one if one is not None and one.supports_windows else None
 
-    @property
-    def reads_windows(self) -> bool:
-        """Whether :meth:`read_windows` may take a :class:`WindowPlan` unplanned."""
-        return self._windows is not None
-
-    async def read_windows(
-        self, plan: WindowPlan, convert: Conversion | None = None
-    ) -> npt.NDArray[np.uint8] | None:
-        """``plan``'s windows copied by the one store in one call; None where the store
-        cannot (see :meth:`~asyncbatch.stores.base.Store.read_windows`): plan byte ranges
-        instead."""
-        store = self._windows
-        assert store is not None
+    async def read(
+        self,
+        plan: ReadPlan | WindowPlan,
+        convert: Conversion | None = None,
+        held: GroupBytes | None = None,
+    ) -> npt.NDArray[np.uint8]:
+        """Carry out one read of a group: ``plan``'s bytes (``convert``: its elements as
+        ``convert[1]``). Windows are copied by the one store in one call where it can (see
+        :meth:`~asyncbatch.stores.base.Store.read_windows`), else planned as byte ranges.
+        ``held`` counts what the group holds and asked for."""
+        held = held if held is not None else GroupBytes()
         scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
-        buffer = self.buffers.empty(plan.nbytes * scale)
-        layout = plan.layout
-        if await store.read_windows(
-            self.shard_urls,
-            layout.ends,
-            layout.offsets,
-            layout.itemsize,
-            plan.starts,
-            plan.length,
-            buffer,
-            convert,
-        ):
-            return buffer
-        return None
+        if isinstance(plan, WindowPlan):
+            store = self._windows
+            if store is not None:
+                nbytes = plan.nbytes
+                held.hold(nbytes * scale)
+                buffer = self.buffers.empty(nbytes * scale)
+                layout = plan.layout
+                if await store.read_windows(
+                    self.shard_urls,
+                    layout.ends,
+                    layout.offsets,
+                    layout.itemsize,
+                    plan.starts,
+                    plan.length,
+                    buffer,
+                    convert,
+                ):
+                    held.planned += nbytes
+                    return buffer
+                held.hold(-nbytes * scale)
+            plan = plan.plan()
+        held.planned += plan.nbytes
+        scratch = scratch_bytes(plan)
+        held.hold(plan.nbytes * scale + scratch)
+        buffer = await self.read_plan(plan, convert)
+        held.hold(-scratch)
+        return buffer
 
     async def read_plan(
         self, plan: ReadPlan, convert: Conversion | None = None

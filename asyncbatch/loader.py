@@ -37,7 +37,7 @@ from . import lifecycle
 from .batch import Batch
 from .dataset import Dataset
 from .defaults import PREFETCH_BYTES
-from .device import ToDevice, ready
+from .device import READY, ToDevice, ready
 from .engine import Engine, group_size
 from .errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from .formats.base import (
@@ -509,7 +509,7 @@ class _LoaderBase:
             if item.extra["epoch"] != self._epoch:  # an infinite run went on to the next
                 self._history = ()
             self._epoch, self._position = item.extra["epoch"], item.extra["batch"] + 1
-            return ready(item)
+            return ready(item) if READY in item.extra else item
         assert isinstance(item, Final)
         self._run_finished()
         if isinstance(item.error, ShardChangedError) and self._changed is None:
@@ -670,7 +670,8 @@ class Loader(_LoaderBase):
         return self
 
     def __next__(self) -> Batch:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if self._pid != os.getpid():  # a child made by fork(): the parent's loop is not here
             self._check_pid()
         if self._queue is None:
