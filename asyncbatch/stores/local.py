@@ -60,7 +60,6 @@ from ..errors import (
     describe_range,
 )
 from .base import Buffer, Conversion, KeptFiles, ObjectInfo, Unbounded, check_length
-from .copying import C_CONVERSIONS as C_CONVERSIONS
 from .copying import c_conversion, copy_pieces
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .stack import is_transient, map_error
