@@ -25,10 +25,11 @@ BLOCK = 256
 class CountedDir(DirTransport):
     """The example adapter (``get_ranges`` and ``stat`` only), counting stats and ranges."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         super().__init__()
         self.stats: Counter[str] = Counter()
         self.ranges = 0
+        self.delay = delay
 
     async def stat(self, url: str) -> ObjectInfo:
         self.stats[url] += 1
@@ -37,6 +38,7 @@ class CountedDir(DirTransport):
 
     async def get_ranges(self, url: str, *, starts: object, ends: object) -> list[bytes]:
         self.ranges += 1
+        await asyncio.sleep(self.delay)
         return await super().get_ranges(url, starts=starts, ends=ends)  # type: ignore[arg-type]
 
 
@@ -106,6 +108,11 @@ def test_checks_over_a_transport_that_reads_only_ranges(tmp_path: Path, level: s
             got = await asyncio.gather(*(_read_into(store, urls, ranges) for _ in range(4)))
             assert got == [wanted] * 4
             assert transport.stats == Counter(urls)  # one check per object for all four
+            transport.ranges = 0
+            got = await asyncio.gather(*(_read_into(store, urls, ranges) for _ in range(4)))
+            assert got == [wanted] * 4
+            if level == "block":  # read together: each block once, one request per object
+                assert transport.ranges == 2
             assert expected.passed.all()
             # Corrupt byte 300 (block 1) of object 0: "block" reads see it; the others
             # checked the object already.
@@ -152,5 +159,40 @@ def test_each_layer_states_what_the_store_below_can_do(tmp_path: Path) -> None:
         finally:
             for store in (local, plain, again):
                 await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_block_read_cancelled_leaves_the_others_whole(tmp_path: Path) -> None:
+    """Of block reads asked for together, one cancelled (before or while they are read)
+    leaves the others' bytes whole, and nothing reads on after the last is cancelled."""
+    urls, datas = _objects(tmp_path)
+    ranges = [(0, 10, 20), (1, 5, 600)]
+    wanted = b"".join(datas[w][a:b] for w, a, b in ranges)
+
+    async def main() -> None:
+        expected = _expected(urls, datas, "block", [len(d) for d in datas])
+        expected.passed[:] = True
+        transport = CountedDir(delay=0.05)
+        store = CheckedStore(stacked(transport), expected)
+        try:
+            for delay in (0.0, 0.01):
+                tasks = [asyncio.ensure_future(_read_into(store, urls, ranges)) for _ in range(3)]
+                await asyncio.sleep(delay)
+                tasks[1].cancel()
+                got = await asyncio.gather(*tasks, return_exceptions=True)
+                assert got[0] == got[2] == wanted and isinstance(got[1], asyncio.CancelledError)
+            tasks = [asyncio.ensure_future(_read_into(store, urls, ranges)) for _ in range(2)]
+            await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(g, asyncio.CancelledError) for g in got)
+            reads = transport.ranges
+            await asyncio.sleep(0.1)
+            assert transport.ranges == reads  # the joined read was stopped, not left running
+            assert await _read_into(store, urls, ranges) == wanted  # still reads
+        finally:
+            await store.close()
 
     asyncio.run(main())

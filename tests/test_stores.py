@@ -322,7 +322,7 @@ def test_dtype_is_exact_on_every_store(
 
 
 def test_c_helper_converts_while_it_copies() -> None:
-    from asyncbatch.stores import local
+    from asyncbatch.stores import copying, local
 
     if local._preadv is None:
         pytest.skip("the C helper was not built")
@@ -330,12 +330,12 @@ def test_c_helper_converts_while_it_copies() -> None:
     raw = np.concatenate([np.zeros(1, np.uint8), source.view(np.uint8)])  # values unaligned
     for target in (np.int32, np.int64, np.float32, np.float64):
         dest = np.zeros(20, dtype=target)
-        name = local.c_conversion(np.dtype(np.int16), np.dtype(target))
+        name = copying.c_conversion(np.dtype(np.int16), np.dtype(target))
         assert name is not None
         offsets = np.array([1 + 2 * 5, 1 + 2 * 590], dtype=np.int64)
         at = np.array([0, 10 * dest.itemsize], dtype=np.int64)
         lengths = np.array([20, 20], dtype=np.int64)
-        local.copy_pieces(raw, offsets, lengths, dest.view(np.uint8), at, name)
+        copying.copy_pieces(raw, offsets, lengths, dest.view(np.uint8), at, name)
         np.testing.assert_array_equal(dest, np.r_[source[5:15], source[590:600]])
     # uint16 to int32 / int64 runs vector loops (one per instruction set, each version this
     # CPU runs checked): outputs that start off their alignment and lengths that are not a
@@ -344,13 +344,13 @@ def test_c_helper_converts_while_it_copies() -> None:
     versions = local._preadv.conversion_versions()
     assert {"u2>i4:c", "u2>i8:c"} <= set(versions)
     for target in (np.int32, np.int64):
-        name = local.c_conversion(np.dtype(np.uint16), np.dtype(target))
+        name = copying.c_conversion(np.dtype(np.uint16), np.dtype(target))
         assert name is not None
         cases = [(0, 64, 0), (3, 29, 1), (1, 17, 3), (2, 61, 5)]
         mine = [v for v in versions if v.startswith(f"{name}:")]
         for version, (first, count, at) in [(v, case) for v in mine for case in cases]:
             dest = np.zeros(70, dtype=target)
-            local.copy_pieces(
+            copying.copy_pieces(
                 tokens.view(np.uint8),
                 np.array([2 * first], dtype=np.int64),
                 np.array([2 * count], dtype=np.int64),
@@ -362,9 +362,9 @@ def test_c_helper_converts_while_it_copies() -> None:
             expected[at : at + count] = tokens[first : first + count]
             np.testing.assert_array_equal(dest, expected)
     # Only casts that keep every value: none narrows, none drops a sign.
-    assert local.c_conversion(np.dtype(np.uint16), np.dtype(np.int16)) is None
-    assert local.c_conversion(np.dtype(np.int16), np.dtype(np.uint64)) is None
-    assert local.c_conversion(np.dtype(">u2"), np.dtype(np.int64)) is None
+    assert copying.c_conversion(np.dtype(np.uint16), np.dtype(np.int16)) is None
+    assert copying.c_conversion(np.dtype(np.int16), np.dtype(np.uint64)) is None
+    assert copying.c_conversion(np.dtype(">u2"), np.dtype(np.int64)) is None
     dest8 = np.zeros(4, dtype=np.int64).view(np.uint8)
     one = np.array([0], dtype=np.int64)
     with pytest.raises(ValueError, match="no conversion u2>i2"):

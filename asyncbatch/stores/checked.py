@@ -20,6 +20,7 @@ a cache below served that fail a check are discarded from it and read once more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -356,6 +357,32 @@ def check_blocks(
         )
 
 
+#: The arguments of one ``read_into`` call: urls, which, starts, ends, dest, dest_offsets.
+_Call = tuple[Sequence[str], Int64Array, Int64Array, Int64Array, npt.NDArray[np.uint8], Int64Array]
+
+
+@dataclass
+class _Turn:
+    """Block reads asked for in one turn of the loop, read together by one task: each call
+    with the future its caller waits on."""
+
+    entries: list[tuple[_Call, asyncio.Future[None]]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Hand a call's outcome to its caller."""
+    if future.done():
+        return
+    if isinstance(error, asyncio.CancelledError):
+        future.cancel()
+    elif error is not None:
+        future.set_exception(error)
+        future.exception()  # retrieved: its caller raises it, if it still waits
+    else:
+        future.set_result(None)
+
+
 class CheckedStore:
     """Checks the objects of ``inner`` against ``expected`` as they are first used (see the
     module); can do what ``inner`` can, but convert in the copy or copy windows itself under
@@ -379,6 +406,8 @@ class CheckedStore:
         self._done = bool(expected.passed.all())
         #: The last URL list a call named, and what is expected of each of its URLs.
         self._per: tuple[Sequence[str], PerUrl] | None = None
+        #: Block reads asked for in this turn of the loop, read together when it ends.
+        self._turn: _Turn | None = None
 
     def _per_url(self, urls: Sequence[str]) -> PerUrl:
         """What is expected of each of ``urls`` (computed once per list: the engine names
@@ -502,7 +531,7 @@ class CheckedStore:
             await self._check_indexes(urls, np.unique(which))
         if self._blocks:
             assert convert is None, "no conversion under verify='block'"
-            await self._read_blocks(urls, which, starts, ends, dest, dest_offsets)
+            await self._read_blocks_together((urls, which, starts, ends, dest, dest_offsets))
         elif self.inner.supports_read_into:
             await self.inner.read_into(urls, which, starts, ends, dest, dest_offsets, convert)
         else:
@@ -523,17 +552,94 @@ class CheckedStore:
         else:
             await read_by_ranges(self.inner, urls, which, starts, ends, dest, dest_offsets)
 
+    async def _read_blocks_together(self, call: _Call) -> None:
+        """``call``'s block reads, joined with the others asked for in the same turn of the
+        loop (a group's reads that land in place and those merged into scratch, and other
+        groups'): each block read and checked once for all of them. Where the joined read
+        fails, each call is read again on its own, so each gets its own outcome. A caller
+        cancelled waits until nothing writes into its buffer any more."""
+        loop = asyncio.get_running_loop()
+        turn = self._turn
+        if turn is None:
+            turn = self._turn = _Turn()
+            loop.call_soon(self._start_turn, turn)
+        entry = (call, loop.create_future())
+        turn.entries.append(entry)
+        try:
+            await asyncio.shield(entry[1])
+        except asyncio.CancelledError:
+            turn.entries = [other for other in turn.entries if other is not entry]
+            task = turn.task
+            if task is None:  # not started: nothing will write into this call's buffer
+                raise
+            if not turn.entries:  # nobody waits for it any more
+                task.cancel()
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([task])
+            raise
+
+    def _start_turn(self, turn: _Turn) -> None:
+        if self._turn is turn:
+            self._turn = None
+        if turn.entries:
+            turn.task = asyncio.get_running_loop().create_task(self._read_turn(turn.entries))
+
+    async def _read_turn(self, entries: list[tuple[_Call, asyncio.Future[None]]]) -> None:
+        """The calls of one turn, those naming one URL list together; settles each call's
+        future."""
+        by_list: dict[int, list[tuple[_Call, asyncio.Future[None]]]] = {}
+        for entry in list(entries):
+            by_list.setdefault(id(entry[0][0]), []).append(entry)
+        try:
+            for joined in by_list.values():
+                calls = [call for call, _ in joined]
+                try:
+                    await self._read_calls(calls)
+                except Exception as exc:  # noqa: BLE001 - handed to the calls that failed
+                    if len(joined) == 1:
+                        _settle(joined[0][1], exc)
+                        continue
+                    # Which calls failed: each read on its own (a failure is rare).
+                    outcomes = await asyncio.gather(
+                        *(self._read_calls([call]) for call in calls), return_exceptions=True
+                    )
+                    for (_, future), outcome in zip(joined, outcomes, strict=True):
+                        _settle(future, outcome if isinstance(outcome, BaseException) else None)
+                    continue
+                for _, future in joined:
+                    _settle(future, None)
+        finally:
+            for _, future in entries:
+                if not future.done():
+                    future.cancel()
+
+    async def _read_calls(self, calls: list[_Call]) -> None:
+        """The block reads of ``calls`` (all naming one URL list), together."""
+        sizes = [int(call[1].size) for call in calls]
+        await self._read_blocks(
+            calls[0][0],
+            np.concatenate([call[1] for call in calls]),
+            np.concatenate([call[2] for call in calls]),
+            np.concatenate([call[3] for call in calls]),
+            [call[4] for call in calls],
+            np.concatenate([call[5] for call in calls]),
+            np.repeat(np.arange(len(calls), dtype=np.int64), sizes),
+        )
+
     async def _read_blocks(
         self,
         urls: Sequence[str],
         which: Int64Array,
         starts: Int64Array,
         ends: Int64Array,
-        dest: npt.NDArray[np.uint8],
+        dests: Sequence[npt.NDArray[np.uint8]],
         dest_offsets: Int64Array,
+        dest_of: Int64Array,
     ) -> None:
         """``read_into`` with every read widened to whole checksum blocks (each read once),
-        checked before any of their bytes is copied into ``dest``."""
+        checked before any of their bytes is copied out: read ``r``'s bytes go to
+        ``dests[dest_of[r]][dest_offsets[r]:]``."""
         per = self._per_url(urls)
         blocks = plan_blocks(per, which, starts, ends, dest_offsets)
         run_at, run_length = blocks.run_at, blocks.run_end - blocks.run_start
@@ -567,14 +673,16 @@ class CheckedStore:
                     if again or not await self._discard(named, lows.tolist(), highs.tolist()):
                         raise
             s0, s1 = np.searchsorted(seg_src, [base, top]).tolist()
-            picked = order[s0:s1]
-            copy_pieces(
-                scratch,
-                blocks.seg_src[picked] - base,
-                blocks.seg_length[picked],
-                dest,
-                blocks.seg_dest[picked],
-            )
+            picked = order[s0:s1]  # segment s is read s
+            for number, dest in enumerate(dests):
+                mine = picked[dest_of[picked] == number] if len(dests) > 1 else picked
+                copy_pieces(
+                    scratch,
+                    blocks.seg_src[mine] - base,
+                    blocks.seg_length[mine],
+                    dest,
+                    blocks.seg_dest[mine],
+                )
 
     async def read_windows(
         self,
@@ -618,13 +726,15 @@ class CheckedStore:
         dest = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.cumsum(sizes) - sizes
         urls = [url]
+        count = len(buffers)
         await self._read_blocks(
             urls,
-            np.zeros(len(buffers), dtype=np.int64),
+            np.zeros(count, dtype=np.int64),
             np.asarray(starts, dtype=np.int64),
             np.asarray(ends, dtype=np.int64),
-            dest,
+            [dest],
             offsets,
+            np.zeros(count, dtype=np.int64),
         )
         for buffer, offset, size in zip(buffers, offsets.tolist(), sizes.tolist(), strict=True):
             buffer[:] = memoryview(dest[offset : offset + size])  # type: ignore[arg-type]

@@ -61,7 +61,6 @@ from ..errors import (
     describe_range,
 )
 from .base import Buffer, Conversion, ObjectInfo, Unbounded, check_length
-from .copying import C_CONVERSIONS as C_CONVERSIONS
 from .copying import c_conversion, copy_pieces
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .runs import current_run
