@@ -30,6 +30,7 @@ import torch
 from common import git_revision, paired_ratio, positive
 
 import asyncbatch as ab
+from asyncbatch.stores import ObjectInfo
 from asyncbatch.stores.local import LocalStore
 
 SEQ_LEN = 2048
@@ -44,20 +45,36 @@ class CountingStore(LocalStore):
     async def size(self, url: str) -> int:
         return await super().size(url.removeprefix("benchcount://"))
 
+    async def stat(self, url: str) -> ObjectInfo:
+        return await super().stat(url.removeprefix("benchcount://"))
+
+    async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
+        RANGES[0] += 1
+        return await super().read_tail(url.removeprefix("benchcount://"), length)
+
     async def list(self, url: str) -> list[str]:
         return [f"benchcount://{u}" for u in await super().list(url.removeprefix("benchcount://"))]
 
     async def read_into(
-        self, urls: Sequence[str], which: Any, starts: Any, ends: Any, dest: Any, offsets: Any
+        self,
+        urls: Sequence[str],
+        which: Any,
+        starts: Any,
+        ends: Any,
+        dest: Any,
+        offsets: Any,
+        convert: Any = None,
     ) -> None:
         RANGES[0] += len(starts)
         paths = [url.removeprefix("benchcount://") for url in urls]
-        await super().read_into(paths, which, starts, ends, dest, offsets)
+        await super().read_into(paths, which, starts, ends, dest, offsets, convert)
 
-    async def read_windows(self, urls: Sequence[str], layout: Any, starts: Any, *args: Any) -> bool:
+    async def read_windows(
+        self, urls: Sequence[str], ends: Any, offsets: Any, itemsize: int, starts: Any, *args: Any
+    ) -> bool:
         RANGES[0] += len(starts)
         paths = [url.removeprefix("benchcount://") for url in urls]
-        return await super().read_windows(paths, layout, starts, *args)
+        return await super().read_windows(paths, ends, offsets, itemsize, starts, *args)
 
 
 def write_all(root: Path, size_mb: int) -> dict[str, tuple[str, dict[str, Any]]]:
