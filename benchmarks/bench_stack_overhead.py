@@ -1,12 +1,12 @@
 """What the store stack's layers cost per group read, over a transport that returns at once.
 
 The engine reads a group of ranges with one ``read_into`` call; over the local store that
-call crosses the checks (``verify="size"``, the default), the counter, the retrying layer
-and the transport layer of ``stores/stack.py`` before the C copy. This times that call
-over a ``LocalStore`` whose ``read_into`` does nothing, bare (counted only, as the engine
-saw it before the store was stacked), stacked and counted, and with the checks on top (every
-object passed, as after its first use), as ``open_store`` stacks them, interleaved; prints
-the medians and the median of the per-round differences.
+call crosses the checks (``verify="size"``, the default), the retrying layer (which counts
+the ranges) and the transport layer of ``stores/stack.py`` before the C copy. This times
+that call over a ``LocalStore`` whose ``read_into`` does nothing, bare, stacked and counted,
+and with the checks on top (every object passed, as after its first use), as
+``open_store`` stacks them, interleaved; prints the medians and the median of the per-round
+differences.
 
     .venv/bin/python benchmarks/bench_stack_overhead.py --rounds 21
 """
@@ -24,14 +24,14 @@ from common import positive
 
 from asyncbatch.stores.base import Store
 from asyncbatch.stores.checked import CheckedStore, Expected
-from asyncbatch.stores.counting import ReadCounts, counting
+from asyncbatch.stores.counting import ReadCounts
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.stores.stack import stacked
 
 
 class InstantStore(LocalStore):
     """A local store whose group reads return at once: only the layers above are timed.
-    Its flags let the counter stand right over it (bare)."""
+    Its flags let it be timed bare, as the engine would call a store."""
 
     supports_read_into = True
     supports_windows = True
@@ -53,11 +53,11 @@ async def per_call(store: Store, calls: int) -> float:
 
 
 async def main(rounds: int, calls: int) -> None:
-    bare = counting(InstantStore(), ReadCounts())  # type: ignore[arg-type]
-    stack = counting(stacked(InstantStore()), ReadCounts())
+    bare = InstantStore()
+    stack = stacked(InstantStore(), counts=ReadCounts())
     expected = Expected(["/x"], np.array([8192], np.int64), level="size")
     expected.passed[:] = True
-    checked = CheckedStore(counting(stacked(InstantStore()), ReadCounts()), expected)
+    checked = CheckedStore(stacked(InstantStore(), counts=ReadCounts()), expected)
     stores = {"bare": bare, "stacked": stack, "checked": checked}
     times: dict[str, list[float]] = {name: [] for name in stores}
     for _ in range(rounds):

@@ -15,7 +15,7 @@ from plugin.abtest_adapter import DirTransport
 from asyncbatch.errors import ChecksumError, ManifestError, StoreError
 from asyncbatch.stores.base import ObjectInfo, Store
 from asyncbatch.stores.checked import CheckedStore, Expected
-from asyncbatch.stores.counting import ReadCounts, counting
+from asyncbatch.stores.counting import ReadCounts
 from asyncbatch.stores.local import LocalStore
 from asyncbatch.stores.stack import stacked
 
@@ -142,8 +142,8 @@ def test_each_layer_states_what_the_store_below_can_do(tmp_path: Path) -> None:
     than fake one); a stacked store stacked again keeps its own flags."""
 
     async def main() -> None:
-        local = counting(stacked(LocalStore()), ReadCounts())
-        plain = counting(stacked(DirTransport()), ReadCounts())
+        local = stacked(LocalStore(), counts=ReadCounts())
+        plain = stacked(DirTransport(), counts=ReadCounts())
         again = stacked(stacked(DirTransport()))
         try:
             flags = ("read_into", "convert", "windows", "discard")

@@ -403,11 +403,25 @@ class CheckedStore:
         self._checking: dict[int, asyncio.Future[None]] = {}
         self._scans = asyncio.Semaphore(SCAN_CONCURRENCY)
         #: Whether every expected object passed: reads then check nothing more.
-        self._done = bool(expected.passed.all())
+        self._done = False
         #: The last URL list a call named, and what is expected of each of its URLs.
         self._per: tuple[Sequence[str], PerUrl] | None = None
         #: Block reads asked for in this turn of the loop, read together when it ends.
         self._turn: _Turn | None = None
+        if expected.passed.all():
+            self._passed()
+
+    def _passed(self) -> None:
+        """Every expected object passed: reads check nothing more. Under any level but
+        ``block`` (which widens every read) the group reads then go straight to the store
+        below, with no frame of this layer between."""
+        self._done = True
+        if self._blocks:
+            return
+        if self.inner.supports_read_into:
+            self.read_into = self.inner.read_into  # type: ignore[method-assign]
+        if self.supports_windows:
+            self.read_windows = self.inner.read_windows  # type: ignore[method-assign]
 
     def _per_url(self, urls: Sequence[str]) -> PerUrl:
         """What is expected of each of ``urls`` (computed once per list: the engine names
@@ -444,7 +458,7 @@ class CheckedStore:
         if todo.size:
             await self._check_rows(todo)
         elif self.expected.passed.all():
-            self._done = True
+            self._passed()
 
     async def _check_rows(self, rows: Int64Array) -> None:
         """Check the objects of ``rows`` (size, or whole checksum for ``full``), each once

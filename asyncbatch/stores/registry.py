@@ -31,7 +31,7 @@ from ..errors import ConfigError, UnknownSchemeError
 from .base import ObjectInfo, Store
 from .cache import CachedStore
 from .checked import CheckedStore, Expected
-from .counting import ReadCounts, counting
+from .counting import ReadCounts
 from .disk_cache import DiskCache
 from .retry import DEFAULT_POLICY, RetryPolicy
 from .stack import stacked
@@ -164,11 +164,10 @@ def open_store(
     top: the checks against what is ``expected`` of each object (if given: sizes, block or
     whole checksums, see :mod:`~asyncbatch.stores.checked`), the node-local ``cache`` (if
     any; ``seen`` keeps what it stat'ed across a loader's stores; it vets the blocks it
-    fetches against the ``expected`` block checksums), a counter of the transport's
-    byte-range reads (with ``counts``), the guards of
+    fetches against the ``expected`` block checksums), the guards of
     :func:`~asyncbatch.stores.stack.stacked` (exact lengths, pins, typed errors, retries
     and timeouts under ``retry``; objects of ``pins`` pinned at those versions from the
-    start), the transport.
+    start; the transport's byte-range reads counted in ``counts``), the transport.
     """
     check_url(url, _registry)
     scheme = scheme_of(url)
@@ -179,9 +178,7 @@ def open_store(
         transport = factory(scheme, options, max_inflight=max_inflight, retry=policy)
     else:
         transport = factory(scheme, options, max_inflight=max_inflight)
-    store = stacked(transport, policy, pins)
-    if counts is not None:
-        store = counting(store, counts)
+    store = stacked(transport, policy, pins, counts)
     if cache is not None:
         check = None if expected is None else expected.fill_check()
         store = CachedStore(store, cache, counts, seen, check)

@@ -68,6 +68,7 @@ from .base import (
     offers,
     tail_by_stat,
 )
+from .counting import ReadCounts
 from .ranged import REMOTE_COALESCE_GAP, fail, run_all
 from .retry import DEFAULT_POLICY, RetryPolicy, with_retries
 
@@ -344,8 +345,13 @@ class RetryingStore:
     group read (``read_into``, ``read_windows``) is one call under the policy.
     """
 
-    def __init__(self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    def __init__(
+        self, inner: Store, policy: RetryPolicy = DEFAULT_POLICY, counts: ReadCounts | None = None
+    ) -> None:
         self.inner = inner
+        #: Where this layer, right above the transport, counts the byte ranges asked of it
+        #: (a loader's; retries are not counted).
+        self.counts = counts
         self._resuming = inner if isinstance(inner, TransportStore) and inner.resumes else None
         self.policy = policy
         self.coalesce_gap = inner.coalesce_gap
@@ -369,8 +375,7 @@ class RetryingStore:
         end: int | None = None,
     ) -> Callable[[], Awaitable[T]]:
         """One attempt at ``call(*args)``, for :func:`with_retries`: bounded by the policy's
-        timeout, a built-in exception mapped to its typed error. Built before the call (no
-        frame of its own on the way to the transport)."""
+        timeout, a built-in exception mapped to its typed error."""
         timeout = self._timeout
 
         async def attempt() -> T:
@@ -382,15 +387,52 @@ class RetryingStore:
                 async with bound:
                     return await call(*args)
             except Exception as exc:
-                if bound is not None and bound.expired():
-                    detail = f"no answer within {timeout:g} s"
-                    raise fail(StoreTimeoutError, detail, url, start, end) from exc
-                error = map_error(exc, url, start, end)
+                error = self._error(exc, bound, url, start, end)
                 if error is exc:
                     raise
                 raise error from exc
 
         return attempt
+
+    def _error(
+        self,
+        exc: Exception,
+        bound: asyncio.Timeout | None,
+        url: str,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> BaseException:
+        """What an attempt that raised ``exc`` raises: a timeout past the bound, ``exc``
+        mapped to its typed error (``exc`` itself when it is one)."""
+        if bound is not None and bound.expired():
+            detail = f"no answer within {self._timeout:g} s"
+            return fail(StoreTimeoutError, detail, url, start, end)
+        return map_error(exc, url, start, end)
+
+    async def _retry_group(
+        self,
+        call: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        what: str,
+        url: str,
+        exc: Exception,
+        bound: asyncio.Timeout | None,
+    ) -> T:
+        """A group read whose first attempt (made by the caller, in line) raised ``exc``:
+        the retries under the policy, that failure counted as their first."""
+        failed = [exc]
+        attempt = self._attempt(call, args, url)
+
+        async def again() -> T:
+            if failed:
+                first = failed.pop()
+                error = self._error(first, bound, url)
+                if error is first:
+                    raise first
+                raise error from first
+            return await attempt()
+
+        return await with_retries(self.policy, again, what=what, url=url)
 
     async def _run(
         self,
@@ -414,6 +456,9 @@ class RetryingStore:
     async def read_ranges(
         self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Buffer]
     ) -> None:
+        if self.counts is not None:
+            self.counts.requests += len(starts)
+            self.counts.bytes_fetched += sum(ends) - sum(starts)
         if self._resuming is not None:
             await run_all(
                 self._read_range(self._resuming, url, start, end, buffer)
@@ -466,9 +511,22 @@ class RetryingStore:
         first = urls[int(which[0])] if which.size else ""
         what = f"read of {int(which.size)} ranges of {len(urls)} objects ({first}, ...)"
         args = (urls, which, starts, ends, dest, dest_offsets, convert)
-        # The attempt calls the store below itself: no frame of this layer's own between.
-        attempt = self._attempt(self.inner.read_into, args, first)
-        await with_retries(self.policy, attempt, what=what, url=first)
+        if self.counts is not None:
+            self.counts.requests += int(starts.size)
+            self.counts.bytes_fetched += int(ends.sum() - starts.sum())
+        # The first attempt in line: no frame between this layer and the one below.
+        bound = None if self._timeout is None else asyncio.timeout(self._timeout)
+        try:
+            if bound is None:
+                await self.inner.read_into(*args)
+                return
+            async with bound:
+                await self.inner.read_into(*args)
+                return
+        except Exception as exc:
+            failed = exc
+        # Out of the except clause: a later error is not raised "during" this one.
+        await self._retry_group(self.inner.read_into, args, what, first, failed, bound)
 
     async def read_windows(
         self,
@@ -484,16 +542,41 @@ class RetryingStore:
         first = urls[0] if urls else ""
         what = f"read of {int(starts.size)} windows of {len(urls)} objects ({first}, ...)"
         args = (urls, ends, offsets, itemsize, starts, window, dest, convert)
-        attempt = self._attempt(self.inner.read_windows, args, first)
-        return await with_retries(self.policy, attempt, what=what, url=first)
+        bound = None if self._timeout is None else asyncio.timeout(self._timeout)
+        failed: Exception | None = None
+        try:
+            if bound is None:
+                copied = await self.inner.read_windows(*args)
+            else:
+                async with bound:
+                    copied = await self.inner.read_windows(*args)
+        except Exception as exc:
+            failed = exc
+        if failed is not None:  # out of the except clause: a later error is not "during" it
+            copied = await self._retry_group(
+                self.inner.read_windows, args, what, first, failed, bound
+            )
+        if not copied:
+            return False
+        if self.counts is not None:  # each window counts as one read
+            self.counts.requests += int(starts.size)
+            self.counts.bytes_fetched += int(starts.size) * window * itemsize
+        return True
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
-        return await self._run(
+        """Counted as one request, whether the transport reads tails itself or stats and
+        reads a range (a stat is never counted)."""
+        if self.counts is not None:
+            self.counts.requests += 1
+        tail, info = await self._run(
             self.inner.read_tail,
             (url, length),
             f"read of the last {length} bytes of {url}",
             url,
         )
+        if self.counts is not None:
+            self.counts.bytes_fetched += len(tail)
+        return tail, info
 
     async def list(self, url: str) -> builtins.list[str]:
         return await self._run(self.inner.list, (url,), f"list of {url}", url)
@@ -522,10 +605,12 @@ def stacked(
     transport: object,
     policy: RetryPolicy = DEFAULT_POLICY,
     pins: Mapping[str, str] | None = None,
+    counts: ReadCounts | None = None,
 ) -> Store:
     """``transport`` under the guards: lengths, pins, typed errors, retries and timeouts,
     keeping its ``read_into`` (converting or not) and ``read_windows`` if it has them.
-    ``pins``: versions objects must have from the start (those a dataset was opened from)."""
+    ``pins``: versions objects must have from the start (those a dataset was opened from);
+    ``counts``: where the byte ranges asked of the transport are counted."""
     inner = TransportStore(transport)
     inner._pins.update(pins or {})
-    return RetryingStore(inner, policy)
+    return RetryingStore(inner, policy, counts)
