@@ -177,9 +177,9 @@ def test_engine_errors_reach_the_consumer(
         return np.array_equal(buffer[:200].view(np.uint16), sample_4)
 
     decode = engine.source.decode
-    if where == "planning":  # token windows plan with windows(), other formats with plan()
-        windows = engine.source.windows
-        engine.source.windows = fail_when(windows, plans_sample_4, ValueError("injected"))
+    if where == "planning":  # the engine asks a planned source for its reads with reads()
+        reads = engine.source.reads
+        engine.source.reads = fail_when(reads, plans_sample_4, ValueError("injected"))
     elif where == "decoding":
         engine.source.decode = fail_when(decode, decodes_sample_4, ValueError("injected"))
     elif where == "base-exception":

@@ -87,8 +87,10 @@ class TokenWindows(PlannedSource):
             # decode).
             self.convert = (stored, self.out_dtype)
             self.converts = False
-        if type(self).plan is not TokenWindows.plan:  # a format that plans its own reads
-            self.reads = self.plan  # type: ignore[method-assign,assignment]
+        # The engine asks ``reads`` for the group's reads: the windows unplanned (a local
+        # store copies them in one call), or the plan of a format that plans its own.
+        own_plan = type(self).plan is not TokenWindows.plan
+        self.reads = self.plan if own_plan else self.windows  # type: ignore[method-assign,assignment]
         self.schema = {
             name: FieldSchema(
                 dtype=str(self.out_dtype or (stored[name] if stored.names else stored)),
@@ -109,10 +111,6 @@ class TokenWindows(PlannedSource):
             local = ids - (self._id_ends - self.sizes)[which]
             starts = self._element_base[which] + local * self.seq_len
         return WindowPlan(self.shard_map, starts, self.window, gap)
-
-    def reads(self, ids: npt.NDArray[np.int64], gap: int) -> ReadPlan | WindowPlan:
-        """The windows, unplanned (see :meth:`windows`)."""
-        return self.windows(ids, gap)
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""
