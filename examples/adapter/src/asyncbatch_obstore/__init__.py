@@ -22,7 +22,7 @@ from obstore import exceptions as obe
 from obstore.store import AzureStore, GCSStore, ObjectStore, S3Store
 
 from asyncbatch import ConfigError, ShardChangedError
-from asyncbatch.stores.base import ObjectInfo
+from asyncbatch.stores import ObjectInfo
 
 if TYPE_CHECKING:
     from obstore import GetOptions  # in the type stubs only
