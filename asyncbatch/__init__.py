@@ -27,100 +27,100 @@ import importlib
 import typing as _typing
 
 # Errors import nothing else; everything that needs numpy or torch loads on first use.
-from .errors import AsyncBatchError as AsyncBatchError
-from .errors import BucketNotFoundError as BucketNotFoundError
-from .errors import CacheWarning as CacheWarning
-from .errors import ChecksumError as ChecksumError
-from .errors import ConfigError as ConfigError
-from .errors import CredentialsError as CredentialsError
-from .errors import EndpointError as EndpointError
-from .errors import FormatError as FormatError
-from .errors import LoaderClosedError as LoaderClosedError
-from .errors import ManifestError as ManifestError
-from .errors import NotFoundError as NotFoundError
-from .errors import PermissionDeniedError as PermissionDeniedError
-from .errors import RangeNotSupportedError as RangeNotSupportedError
-from .errors import RecordError as RecordError
-from .errors import ResumeStateError as ResumeStateError
-from .errors import RetriesExhaustedError as RetriesExhaustedError
-from .errors import ShardChangedError as ShardChangedError
-from .errors import ShortReadError as ShortReadError
-from .errors import SlowPathWarning as SlowPathWarning
-from .errors import StoreError as StoreError
-from .errors import StoreTimeoutError as StoreTimeoutError
-from .errors import ThrottledError as ThrottledError
-from .errors import TransformError as TransformError
-from .errors import UnknownSchemeError as UnknownSchemeError
+from ._errors import AsyncBatchError as AsyncBatchError
+from ._errors import BucketNotFoundError as BucketNotFoundError
+from ._errors import CacheWarning as CacheWarning
+from ._errors import ChecksumError as ChecksumError
+from ._errors import ConfigError as ConfigError
+from ._errors import CredentialsError as CredentialsError
+from ._errors import EndpointError as EndpointError
+from ._errors import FormatError as FormatError
+from ._errors import LoaderClosedError as LoaderClosedError
+from ._errors import ManifestError as ManifestError
+from ._errors import NotFoundError as NotFoundError
+from ._errors import PermissionDeniedError as PermissionDeniedError
+from ._errors import RangeNotSupportedError as RangeNotSupportedError
+from ._errors import RecordError as RecordError
+from ._errors import ResumeStateError as ResumeStateError
+from ._errors import RetriesExhaustedError as RetriesExhaustedError
+from ._errors import ShardChangedError as ShardChangedError
+from ._errors import ShortReadError as ShortReadError
+from ._errors import SlowPathWarning as SlowPathWarning
+from ._errors import StoreError as StoreError
+from ._errors import StoreTimeoutError as StoreTimeoutError
+from ._errors import ThrottledError as ThrottledError
+from ._errors import TransformError as TransformError
+from ._errors import UnknownSchemeError as UnknownSchemeError
 
 if _typing.TYPE_CHECKING:
+    from ._batch import Batch as Batch
+    from ._batch import FieldSchema as FieldSchema
+    from ._batch import Jagged as Jagged
+    from ._batch import Strings as Strings
+    from ._dataset import Dataset as Dataset
+    from ._handoff import LoaderStatistics as LoaderStatistics
+    from ._handoff import QueueStatistics as QueueStatistics
+    from ._loader import AsyncLoader as AsyncLoader
+    from ._loader import Loader as Loader
+    from ._mixture import Mixture as Mixture
+    from ._mixture import mix as mix
+    from ._open import open_dataset as open_dataset
+    from ._open import open_dataset_async as open_dataset_async
+    from ._options import LoaderConfig as LoaderConfig
+    from ._options import LoaderOptions as LoaderOptions
     from ._prepare.driver import PrepareReport as PrepareReport
     from ._prepare.driver import prepare as prepare
-    from .batch import Batch as Batch
-    from .batch import FieldSchema as FieldSchema
-    from .batch import Jagged as Jagged
-    from .batch import Strings as Strings
-    from .dataset import Dataset as Dataset
-    from .formats.documents_write import write_documents as write_documents
-    from .formats.documents_write import write_documents_async as write_documents_async
-    from .formats.llmbatch_write import write_llmbatch as write_llmbatch
-    from .formats.llmbatch_write import write_llmbatch_async as write_llmbatch_async
-    from .formats.metadata_codecs import register_codec as register_codec
-    from .formats.metadata_write import write_metadata_stream as write_metadata_stream
-    from .formats.metadata_write import (
+    from ._workers import LoaderDataset as LoaderDataset
+    from ._writer import write_tokens as write_tokens
+    from ._writer import write_tokens_async as write_tokens_async
+    from .formats._documents_write import write_documents as write_documents
+    from .formats._documents_write import write_documents_async as write_documents_async
+    from .formats._llmbatch_write import write_llmbatch as write_llmbatch
+    from .formats._llmbatch_write import write_llmbatch_async as write_llmbatch_async
+    from .formats._metadata_codecs import register_codec as register_codec
+    from .formats._metadata_write import write_metadata_stream as write_metadata_stream
+    from .formats._metadata_write import (
         write_metadata_stream_async as write_metadata_stream_async,
     )
-    from .formats.registry import register_format as register_format
-    from .handoff import LoaderStatistics as LoaderStatistics
-    from .handoff import QueueStatistics as QueueStatistics
-    from .loader import AsyncLoader as AsyncLoader
-    from .loader import Loader as Loader
-    from .mixture import Mixture as Mixture
-    from .mixture import mix as mix
-    from .open import open_dataset as open_dataset
-    from .open import open_dataset_async as open_dataset_async
-    from .options import LoaderConfig as LoaderConfig
-    from .options import LoaderOptions as LoaderOptions
+    from .formats._registry import register_format as register_format
     from .stores import register_store as register_store
-    from .stores.disk_cache import DiskCache as DiskCache
-    from .stores.retry import RetryPolicy as RetryPolicy
-    from .workers import LoaderDataset as LoaderDataset
-    from .writer import write_tokens as write_tokens
-    from .writer import write_tokens_async as write_tokens_async
+    from .stores._disk_cache import DiskCache as DiskCache
+    from .stores._retry import RetryPolicy as RetryPolicy
 
 #: Where each public name that needs numpy or torch lives, imported on first use, so that
 #: ``import asyncbatch`` and ``asyncbatch --help`` start in milliseconds, not seconds.
 _LAZY: dict[str, str] = {
-    "Batch": "batch",
-    "FieldSchema": "batch",
-    "Jagged": "batch",
-    "Strings": "batch",
-    "Dataset": "dataset",
-    "write_documents": "formats.documents_write",
-    "write_documents_async": "formats.documents_write",
-    "write_llmbatch": "formats.llmbatch_write",
-    "write_llmbatch_async": "formats.llmbatch_write",
-    "register_codec": "formats.metadata_codecs",
-    "write_metadata_stream": "formats.metadata_write",
-    "write_metadata_stream_async": "formats.metadata_write",
-    "register_format": "formats.registry",
-    "LoaderStatistics": "handoff",
-    "QueueStatistics": "handoff",
-    "AsyncLoader": "loader",
-    "Loader": "loader",
-    "Mixture": "mixture",
-    "mix": "mixture",
-    "open_dataset": "open",
-    "open_dataset_async": "open",
-    "LoaderConfig": "options",
-    "LoaderOptions": "options",
+    "Batch": "_batch",
+    "FieldSchema": "_batch",
+    "Jagged": "_batch",
+    "Strings": "_batch",
+    "Dataset": "_dataset",
+    "write_documents": "formats._documents_write",
+    "write_documents_async": "formats._documents_write",
+    "write_llmbatch": "formats._llmbatch_write",
+    "write_llmbatch_async": "formats._llmbatch_write",
+    "register_codec": "formats._metadata_codecs",
+    "write_metadata_stream": "formats._metadata_write",
+    "write_metadata_stream_async": "formats._metadata_write",
+    "register_format": "formats._registry",
+    "LoaderStatistics": "_handoff",
+    "QueueStatistics": "_handoff",
+    "AsyncLoader": "_loader",
+    "Loader": "_loader",
+    "Mixture": "_mixture",
+    "mix": "_mixture",
+    "open_dataset": "_open",
+    "open_dataset_async": "_open",
+    "LoaderConfig": "_options",
+    "LoaderOptions": "_options",
     "PrepareReport": "_prepare.driver",
     "prepare": "_prepare.driver",
     "register_store": "stores",
-    "DiskCache": "stores.disk_cache",
-    "RetryPolicy": "stores.retry",
-    "LoaderDataset": "workers",
-    "write_tokens": "writer",
-    "write_tokens_async": "writer",
+    "DiskCache": "stores._disk_cache",
+    "RetryPolicy": "stores._retry",
+    "LoaderDataset": "_workers",
+    "write_tokens": "_writer",
+    "write_tokens_async": "_writer",
 }
 
 

@@ -9,7 +9,7 @@ Subclass :class:`StoreConformance` and give it a ``store_kit`` fixture returning
             return StoreKit(open=MyTransport, url=..., put=...)
 
 Every test runs the transport under the registry's guards
-(:func:`~asyncbatch.stores.stack.stacked`), as a :class:`~asyncbatch.Loader` would, in a
+(:func:`~asyncbatch.stores._stack.stacked`), as a :class:`~asyncbatch.Loader` would, in a
 fresh event loop with a time limit of its own, so a hang fails instead of stalling the run.
 """
 
@@ -27,9 +27,9 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from .errors import NotFoundError, PermissionDeniedError, ShardChangedError, ShortReadError
-from .stores.base import ObjectInfo, ReadsTail, Store, Versioned
-from .stores.stack import stacked
+from ._errors import NotFoundError, PermissionDeniedError, ShardChangedError, ShortReadError
+from .stores._base import ObjectInfo, ReadsTail, Store, Versioned
+from .stores._stack import stacked
 
 __all__ = ["StoreConformance", "StoreKit"]
 

@@ -40,14 +40,14 @@ import numpy as np
 from common import REPO, git_revision, paired_ratio, positive, stop_process, write_rates
 
 import asyncbatch as ab
-from asyncbatch.stores.azure_auth import DEV_ACCOUNT, DEV_KEY
-from asyncbatch.stores.fsspec_store import FsspecStore
+from asyncbatch.stores._azure_auth import DEV_ACCOUNT, DEV_KEY
+from asyncbatch.stores._fsspec_store import FsspecStore
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16
 SEED = 0
 AZURITE = REPO / ".venv/azurite/node_modules/.bin/azurite-blob"
-BUILT_IN = "asyncbatch.stores.azure:azure_store"
+BUILT_IN = "asyncbatch.stores._azure:azure_store"
 LINES = ["az://", "az://, gap 0", "adlfs (fsspec)"]
 
 

@@ -47,14 +47,14 @@ from common import moto_server as start_moto
 from delayproxy import Counts, running_proxy
 
 import asyncbatch as ab
-from asyncbatch.checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
-from asyncbatch.formats.documents_index import (
+from asyncbatch._checksums import ALGORITHM, DEFAULT_CHECKSUM_BLOCK, block_digests, digest
+from asyncbatch._manifest import Manifest, ShardInfo
+from asyncbatch.formats._documents_index import (
     index_path,
     per_shard_metadata,
     shard_index_bytes,
     shard_index_info,
 )
-from asyncbatch.manifest import Manifest, ShardInfo
 
 BUCKET = "bench-documents"
 LAYOUTS = ("per_shard", "single")

@@ -47,11 +47,11 @@ import torch
 from common import REPO, git_revision, paired_ratio, positive, write_rates
 
 import asyncbatch as ab
-from asyncbatch.batch import Jagged
-from asyncbatch.engine import Engine, Reader
-from asyncbatch.layout import ReadPlan
-from asyncbatch.portal import run_sync
-from asyncbatch.stores.registry import open_store
+from asyncbatch._batch import Jagged
+from asyncbatch._engine import Engine, Reader
+from asyncbatch._layout import ReadPlan
+from asyncbatch._portal import run_sync
+from asyncbatch.stores._registry import open_store
 
 sys.path.insert(0, str(REPO / "tests"))
 from make_megatron import write_megatron  # noqa: E402

@@ -11,7 +11,7 @@ separate process that holds each request that long); its own CPU then caps the r
 3,000 requests/s on 2 cores, so the default reads the emulator directly:
 
 * ``built-in``: ``ab.Loader("gs://...", storage_options={"endpoint_url": ..., "token":
-  "anon"})``, served by ``asyncbatch.stores.gcs``;
+  "anon"})``, served by ``asyncbatch.stores._gcs``;
 * ``built-in gap 0``: the same with ``coalesce_gap=0`` (about one request per window);
 * ``gcsfs`` and ``gcsfs gap 0``: the same two, with ``gs`` registered to the fsspec store
   (``register_store("gs", fsspec_store, clobber=True)``), so gcsfs serves every request with
@@ -70,8 +70,8 @@ SEQ_LEN = 2048
 BATCH_SIZE = 16
 BUCKET = "bench"
 SHARD_SIZE = 64 * 2**20
-BUILT_IN = "asyncbatch.stores.gcs:gcs_store"
-FSSPEC = "asyncbatch.stores.fsspec_store:fsspec_store"
+BUILT_IN = "asyncbatch.stores._gcs:gcs_store"
+FSSPEC = "asyncbatch.stores._fsspec_store:fsspec_store"
 #: The example adapter (examples/adapter: Rust's object_store), read as ``obstore+gs://``.
 OBSTORE = "obstore"
 LINES = {

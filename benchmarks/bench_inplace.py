@@ -31,7 +31,7 @@ from common import git_revision, paired_ratio, positive
 
 import asyncbatch as ab
 from asyncbatch.stores import ObjectInfo
-from asyncbatch.stores.local import LocalStore
+from asyncbatch.stores._local import LocalStore
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16

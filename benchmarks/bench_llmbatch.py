@@ -52,9 +52,9 @@ import torch
 from common import REPO, git_revision, paired_ratio, positive
 
 import asyncbatch as ab
-from asyncbatch.formats.llmbatch import LLMBatchRecords
-from asyncbatch.layout import ReadPlan
-from asyncbatch.stores.fsspec_store import REMOTE_COALESCE_GAP
+from asyncbatch._layout import ReadPlan
+from asyncbatch.formats._llmbatch import LLMBatchRecords
+from asyncbatch.stores._fsspec_store import REMOTE_COALESCE_GAP
 
 sys.path.insert(0, str(REPO / "tests"))
 from servers import http_server  # noqa: E402

@@ -3,7 +3,7 @@
 One run on a local token dataset (uint16, >= 1 GB by default, created once in a cache folder
 outside the repository), ``seq_len`` 2048, batch 16, global shuffle, page cache warm. Every
 approach reads the same windows: the sample ids of the first ``--batches`` batches of epoch 0,
-as given by :class:`asyncbatch.sampling.order.EpochOrder`.
+as given by :class:`asyncbatch.sampling._order.EpochOrder`.
 
 Measured, in interleaved rounds (the median is reported; the machine is shared and noisy):
 
@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 import asyncbatch as ab
-from asyncbatch.sampling.order import EpochOrder
+from asyncbatch.sampling._order import EpochOrder
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16

@@ -78,7 +78,7 @@ from s3rver import (
 )
 
 import asyncbatch as ab
-from asyncbatch.stores.s3 import S3Store
+from asyncbatch.stores._s3 import S3Store
 
 
 def write_corpus(folder: Path, args: argparse.Namespace) -> int:

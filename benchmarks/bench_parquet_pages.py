@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from common import git_revision, positive
 
 import asyncbatch as ab
-from asyncbatch.batch import Jagged, Strings
+from asyncbatch._batch import Jagged, Strings
 
 
 def write_corpus(folder: Path, args: argparse.Namespace, indexed: bool) -> None:

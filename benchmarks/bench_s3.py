@@ -64,10 +64,10 @@ from s3rver import (
 )
 
 import asyncbatch as ab
-from asyncbatch.sampling.order import EpochOrder
+from asyncbatch.sampling._order import EpochOrder
 from asyncbatch.stores import open_store
-from asyncbatch.stores.s3 import S3Store
-from asyncbatch.stores.s3_signed import SignedGets
+from asyncbatch.stores._s3 import S3Store
+from asyncbatch.stores._s3_signed import SignedGets
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from common import git_revision, positive
 
 from asyncbatch.sampling import FeistelPermutation
-from asyncbatch.sampling.order import ID_BLOCK
+from asyncbatch.sampling._order import ID_BLOCK
 
 SEED = 0x5EED
 DEFAULT_SIZES = [10**6, 2**20 + 1, 10**9, 2**62]

@@ -86,7 +86,7 @@ from s3rver import (
 )
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError
+from asyncbatch._errors import ConfigError
 
 SEQ_LEN = 2048
 BATCH_SIZE = 16

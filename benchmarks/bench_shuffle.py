@@ -1,7 +1,7 @@
 """Shuffle quality and read requests per sample: exact (global) shuffle vs block shuffle.
 
 For one epoch of ``--samples`` samples in batches of ``--batch-size`` on one rank, each
-shuffle kind's order comes from ``asyncbatch.sampling.order.EpochOrder`` (the loader's own
+shuffle kind's order comes from ``asyncbatch.sampling._order.EpochOrder`` (the loader's own
 order). The figures are counts, not timings (except the last column), so they do not move
 with the machine's load:
 
@@ -33,8 +33,8 @@ import numpy as np
 import numpy.typing as npt
 from common import git_revision, positive
 
-from asyncbatch.engine import MAX_GROUP
-from asyncbatch.sampling.order import EpochOrder
+from asyncbatch._engine import MAX_GROUP
+from asyncbatch.sampling._order import EpochOrder
 
 SEED = 7
 

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from common import positive
 
-from asyncbatch.stores.base import Store
-from asyncbatch.stores.checked import CheckedStore, Expected
-from asyncbatch.stores.counting import ReadCounts
-from asyncbatch.stores.local import LocalStore
-from asyncbatch.stores.stack import stacked
+from asyncbatch.stores._base import Store
+from asyncbatch.stores._checked import CheckedStore, Expected
+from asyncbatch.stores._counting import ReadCounts
+from asyncbatch.stores._local import LocalStore
+from asyncbatch.stores._stack import stacked
 
 
 class InstantStore(LocalStore):

@@ -1,6 +1,6 @@
 """A griffe extension (mkdocs.yml loads it): ``**options: Unpack[LoaderOptions]`` in a
 signature of the API reference becomes one keyword-only parameter per option, with the type
-and default that ``LoaderConfig`` declares, as ``help()`` shows them (asyncbatch/options.py).
+and default that ``LoaderConfig`` declares, as ``help()`` shows them (asyncbatch/_options.py).
 
 griffe's own ``unpack_typeddict`` extension expands the TypedDict too, but a TypedDict has no
 defaults: it would show every option as ``= ...``.
@@ -14,7 +14,7 @@ import griffe
 
 #: The TypedDict of ``**options`` -> the dataclass that declares the same fields with their
 #: defaults.
-DEFAULTS = {"asyncbatch.options.LoaderOptions": "asyncbatch.options.LoaderConfig"}
+DEFAULTS = {"asyncbatch._options.LoaderOptions": "asyncbatch._options.LoaderConfig"}
 
 
 class LoaderOptionsExtension(griffe.Extension):

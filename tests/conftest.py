@@ -57,7 +57,7 @@ def azurite_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def azure_options(endpoint: str) -> dict[str, Any]:
     """Azurite's well-known development account and key, at ``endpoint``."""
-    from asyncbatch.stores.azure_auth import DEV_ACCOUNT, DEV_KEY
+    from asyncbatch.stores._azure_auth import DEV_ACCOUNT, DEV_KEY
 
     return {"account_name": DEV_ACCOUNT, "account_key": DEV_KEY, "endpoint": endpoint}
 

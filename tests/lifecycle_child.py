@@ -31,7 +31,7 @@ from servers import RangeHandler, RangeHTTPServer  # noqa: E402
 
 import asyncbatch as ab  # noqa: E402
 from asyncbatch.stores import ObjectInfo  # noqa: E402
-from asyncbatch.stores.local import LocalStore  # noqa: E402
+from asyncbatch.stores._local import LocalStore  # noqa: E402
 
 
 def asyncbatch_threads() -> list[str]:
@@ -165,7 +165,7 @@ def open_in_a_running_loop(path: str) -> dict[str, Any]:
 
     # asyncbatch loads its modules on first use: load them (torch too) before "ready", so the
     # signal finds open_dataset waiting on the server, not on an import in the helper thread.
-    importlib.import_module("asyncbatch.open")
+    importlib.import_module("asyncbatch._open")
 
     async def main(url: str) -> None:
         ab.open_dataset(url)  # sync, on purpose: what a notebook user writes

@@ -19,7 +19,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from plugin.abtest_adapter import DirTransport
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     ConfigError,
     NotFoundError,
     PermissionDeniedError,
@@ -28,9 +28,9 @@ from asyncbatch.errors import (
     ShortReadError,
     StoreError,
 )
-from asyncbatch.manifest import MANIFEST_NAME
+from asyncbatch._manifest import MANIFEST_NAME
 from asyncbatch.stores import ObjectInfo, Progress, open_store
-from asyncbatch.stores.stack import stacked
+from asyncbatch.stores._stack import stacked
 
 FAST = ab.RetryPolicy(max_attempts=4, base_delay=0.0, max_delay=0.001)
 

@@ -24,10 +24,10 @@ from faults import fault_server
 from test_parquet import check_packed, windows_of
 
 import asyncbatch as ab
-from asyncbatch.batch import Jagged, Strings
-from asyncbatch.errors import ConfigError, FormatError
+from asyncbatch._batch import Jagged, Strings
+from asyncbatch._errors import ConfigError, FormatError
 from asyncbatch.formats import arrow_rows
-from asyncbatch.formats.arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
+from asyncbatch.formats._arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 
 pa = pytest.importorskip("pyarrow")
 
@@ -613,7 +613,7 @@ def test_inspect_lists_record_batches_and_columns(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "p.arrow").write_bytes(ipc_bytes(make_table(0, 30), 7, "stream"))
-    from asyncbatch.cli import main
+    from asyncbatch._cli import main
 
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -22,15 +22,15 @@ from faults import FaultServer, fault_server
 import asyncbatch as ab
 from asyncbatch.stores import azure as azure_module
 from asyncbatch.stores import open_store
-from asyncbatch.stores.azure import AzureStore
-from asyncbatch.stores.azure_auth import (
+from asyncbatch.stores._azure import AzureStore
+from asyncbatch.stores._azure_auth import (
     DEV_ACCOUNT,
     DEV_KEY,
     AccountFinder,
     BearerToken,
     parse_connection_string,
 )
-from asyncbatch.stores.base import ListsInfo, ObjectInfo
+from asyncbatch.stores._base import ListsInfo, ObjectInfo
 from asyncbatch.testing import StoreConformance, StoreKit
 
 CONTAINER = "asyncbatch-tests"

@@ -19,7 +19,7 @@ from faults import OK, Fault, FaultServer, fault_server
 from servers import free_port
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     ConfigError,
     CredentialsError,
     EndpointError,
@@ -34,8 +34,8 @@ from asyncbatch.errors import (
     ThrottledError,
 )
 from asyncbatch.stores import open_store
-from asyncbatch.stores.azure_auth import DEV_ACCOUNT, DEV_KEY
-from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
+from asyncbatch.stores._azure_auth import DEV_ACCOUNT, DEV_KEY
+from asyncbatch.stores._base import ObjectInfo, ReadsTail, Store
 
 #: As tests/test_faults.py's: tiny backoffs, timeouts far above a busy machine's answers.
 FAST = ab.RetryPolicy(
@@ -342,7 +342,7 @@ def test_a_slow_upload_that_keeps_moving_completes() -> None:
     server at ~10 MiB/s (~5 s, never a pause past 0.1 s) under 1 s timeouts, one attempt."""
     from aiohttp import web
 
-    from asyncbatch.stores.azure import AzureStore
+    from asyncbatch.stores._azure import AzureStore
 
     received: list[bytes] = []
     data = DATA * (48 * 2**20 // len(DATA) + 1)
@@ -641,6 +641,6 @@ def test_the_azure_extra_is_named_without_aiohttp(monkeypatch: pytest.MonkeyPatc
     from asyncbatch.stores import registry
 
     monkeypatch.setitem(sys.modules, "aiohttp", None)
-    monkeypatch.delitem(sys.modules, "asyncbatch.stores.azure", raising=False)
+    monkeypatch.delitem(sys.modules, "asyncbatch.stores._azure", raising=False)
     with pytest.raises(ConfigError, match=r"pip install 'asyncbatch\[azure\]'"):
         registry.store_factory("az")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import asyncbatch as ab
-from asyncbatch.batch import Batch, FieldSchema, Jagged
+from asyncbatch._batch import Batch, FieldSchema, Jagged
 
 
 def make_batch(samples: int, fields: int) -> Batch:

@@ -15,10 +15,10 @@ import torch
 from conftest import BUCKET, WriteDataset, s3_options
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, ResumeStateError
-from asyncbatch.formats.llmbatch import LLMBatchRecords
-from asyncbatch.layout import ReadPlan
-from asyncbatch.sampling.batches import BatchOrder
+from asyncbatch._errors import ConfigError, ResumeStateError
+from asyncbatch._layout import ReadPlan
+from asyncbatch.formats._llmbatch import LLMBatchRecords
+from asyncbatch.sampling._batches import BatchOrder
 
 ROWS = 8  # records per file batch (slot)
 SLOTS = 13

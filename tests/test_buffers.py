@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import asyncbatch as ab
-from asyncbatch.buffers import POOLED_FROM, BufferPool
+from asyncbatch._buffers import POOLED_FROM, BufferPool
 
 MiB = 2**20
 

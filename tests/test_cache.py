@@ -25,11 +25,11 @@ from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import cli
-from asyncbatch.errors import ShardChangedError
+from asyncbatch._errors import ShardChangedError
 from asyncbatch.stores import cache as cached
 from asyncbatch.stores import open_store
 from asyncbatch.stores import s3 as s3_store
-from asyncbatch.stores.disk_cache import STALE_TEMP_SECONDS, cache_info
+from asyncbatch.stores._disk_cache import STALE_TEMP_SECONDS, cache_info
 
 CHILD = Path(__file__).with_name("cache_child.py")
 SEQ = 16

@@ -12,12 +12,12 @@ import pytest
 import xxhash
 from plugin.abtest_adapter import DirTransport
 
-from asyncbatch.errors import ChecksumError, ManifestError, StoreError
-from asyncbatch.stores.base import ObjectInfo, Store
-from asyncbatch.stores.checked import CheckedStore, Expected
-from asyncbatch.stores.counting import ReadCounts
-from asyncbatch.stores.local import LocalStore
-from asyncbatch.stores.stack import stacked
+from asyncbatch._errors import ChecksumError, ManifestError, StoreError
+from asyncbatch.stores._base import ObjectInfo, Store
+from asyncbatch.stores._checked import CheckedStore, Expected
+from asyncbatch.stores._counting import ReadCounts
+from asyncbatch.stores._local import LocalStore
+from asyncbatch.stores._stack import stacked
 
 BLOCK = 256
 

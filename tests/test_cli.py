@@ -17,7 +17,7 @@ import asyncbatch as ab
 def run(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ASYNCBATCH_CACHE=str(cache))
     return subprocess.run(
-        [sys.executable, "-m", "asyncbatch.cli", *args],
+        [sys.executable, "-m", "asyncbatch._cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -53,8 +53,8 @@ def test_every_option_shows_its_default_and_demo_uses_the_loaders() -> None:
     import argparse
     import inspect
 
-    from asyncbatch.cli import parser
-    from asyncbatch.loader import Loader
+    from asyncbatch._cli import parser
+    from asyncbatch._loader import Loader
 
     def loader_default(name: str) -> Any:
         for cls in Loader.__mro__:
@@ -97,11 +97,11 @@ def test_demo_with_nothing_to_read_fails_clearly(tmp_path: Path) -> None:
 def test_help_imports_neither_torch_nor_numpy() -> None:
     code = (
         "import sys, contextlib, io\n"
-        "import asyncbatch.cli\n"
+        "import asyncbatch._cli\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-        "    asyncbatch.cli.main(['--help'])\n"
+        "    asyncbatch._cli.main(['--help'])\n"
         "with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
-        "    asyncbatch.cli.main(['demo', '--steps', 'x'])  # an argument error\n"
+        "    asyncbatch._cli.main(['demo', '--steps', 'x'])  # an argument error\n"
         "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
     )
     done = subprocess.run(
@@ -111,7 +111,7 @@ def test_help_imports_neither_torch_nor_numpy() -> None:
 
 
 def test_human_bytes() -> None:
-    from asyncbatch.cli import human_bytes
+    from asyncbatch._cli import human_bytes
 
     assert human_bytes(0) == "0 bytes"
     assert human_bytes(1) == "1 byte"

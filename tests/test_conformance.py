@@ -21,10 +21,10 @@ from plugin.abtest_adapter import DirTransport
 from servers import RangeHTTPServer
 
 import asyncbatch as ab
-from asyncbatch.errors import ShortReadError
+from asyncbatch._errors import ShortReadError
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsTail, check_length, fetch_tail
-from asyncbatch.stores.stack import stacked
+from asyncbatch.stores._base import ObjectInfo, ReadsTail, check_length, fetch_tail
+from asyncbatch.stores._stack import stacked
 from asyncbatch.testing import StoreConformance, StoreKit
 
 #: chmod 0 denies nothing to root.

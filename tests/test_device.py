@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import asyncbatch as ab
-from asyncbatch.batch import Batch, FieldSchema
-from asyncbatch.device import READY, ToDevice, ready
+from asyncbatch._batch import Batch, FieldSchema
+from asyncbatch._device import READY, ToDevice, ready
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here (CPU torch, no GPU lent)"

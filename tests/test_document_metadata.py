@@ -25,9 +25,9 @@ from conftest import BUCKET, s3_options
 from faults import fault_server
 
 import asyncbatch as ab
-from asyncbatch.cli import main as cli_main
-from asyncbatch.errors import ConfigError, ManifestError
-from asyncbatch.verify import verify_dataset
+from asyncbatch._cli import main as cli_main
+from asyncbatch._errors import ConfigError, ManifestError
+from asyncbatch._verify import verify_dataset
 
 FIELDS = ("id", "url")
 SEQ_LEN = 16

@@ -26,16 +26,16 @@ from test_loader import run_resume_case
 from test_ranks import run_elastic_case
 
 import asyncbatch as ab
-from asyncbatch.checksums import DEFAULT_CHECKSUM_BLOCK, block_digests, digest, format_digest
-from asyncbatch.errors import ConfigError, ManifestError
-from asyncbatch.formats.documents_index import (
+from asyncbatch._checksums import DEFAULT_CHECKSUM_BLOCK, block_digests, digest, format_digest
+from asyncbatch._errors import ConfigError, ManifestError
+from asyncbatch._manifest import Manifest, ShardInfo
+from asyncbatch._verify import verify_dataset
+from asyncbatch.formats._documents_index import (
     index_path,
     per_shard_metadata,
     shard_index_bytes,
     shard_index_info,
 )
-from asyncbatch.manifest import Manifest, ShardInfo
-from asyncbatch.verify import verify_dataset
 
 _names = itertools.count()
 Documents = list[npt.NDArray[np.uint16]]

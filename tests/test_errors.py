@@ -13,7 +13,7 @@ from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch import errors
-from asyncbatch.workers import keep_batch
+from asyncbatch._workers import keep_batch
 
 ERRORS = [
     cls

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     ConfigError,
     CredentialsError,
     NotFoundError,
@@ -37,10 +37,10 @@ from asyncbatch.errors import (
     ThrottledError,
 )
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
-from asyncbatch.stores.http import HttpStore
-from asyncbatch.stores.local import LocalStore
-from asyncbatch.stores.stack import RetryingStore, TransportStore
+from asyncbatch.stores._base import ObjectInfo, ReadsTail, Store
+from asyncbatch.stores._http import HttpStore
+from asyncbatch.stores._local import LocalStore
+from asyncbatch.stores._stack import RetryingStore, TransportStore
 
 #: Tiny backoffs: every fault costs milliseconds. The timeouts stay far above what a busy
 #: 2-core machine takes to answer (a CI run once took over 1 s for one GET), and an injected

@@ -20,11 +20,11 @@ from faults import Fault, FaultServer, fault_server
 from servers import gcs_put
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, NotFoundError
+from asyncbatch._errors import ConfigError, NotFoundError
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsTail
-from asyncbatch.stores.gcs import GcsStore
-from asyncbatch.stores.stack import RetryingStore, TransportStore
+from asyncbatch.stores._base import ObjectInfo, ReadsTail
+from asyncbatch.stores._gcs import GcsStore
+from asyncbatch.stores._stack import RetryingStore, TransportStore
 from asyncbatch.testing import StoreConformance, StoreKit
 
 _names = itertools.count()

@@ -18,7 +18,7 @@ from faults import OK, Fault, FaultServer, fault_server
 from servers import free_port, gcs_put
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     CredentialsError,
     NotFoundError,
     PermissionDeniedError,
@@ -30,7 +30,7 @@ from asyncbatch.errors import (
     ThrottledError,
 )
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store
+from asyncbatch.stores._base import ObjectInfo, ReadsTail, Store
 
 #: Tiny backoffs; timeouts of 2 s, so a stall costs 2 s (the only faults that wait them out).
 FAST = ab.RetryPolicy(
@@ -172,7 +172,7 @@ def test_a_slow_upload_that_keeps_moving_completes() -> None:
     ~10 MiB/s (~5 s, never a pause past 0.1 s) under 1 s connect and first-byte timeouts."""
     from aiohttp import web
 
-    from asyncbatch.stores.gcs import GcsStore
+    from asyncbatch.stores._gcs import GcsStore
 
     received: list[bytes] = []
 

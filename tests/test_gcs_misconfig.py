@@ -68,9 +68,9 @@ def fails(
 def _imported() -> None:
     """What opening a dataset imports (torch, the formats) loaded before anything is timed:
     the bounds are for the checks, not for a first import on a loaded machine."""
-    import asyncbatch.loader
-    import asyncbatch.open
-    import asyncbatch.stores.gcs  # noqa: F401
+    import asyncbatch._loader
+    import asyncbatch._open
+    import asyncbatch.stores._gcs  # noqa: F401
 
 
 @pytest.fixture(scope="module")

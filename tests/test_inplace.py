@@ -18,10 +18,10 @@ from conftest import BUCKET, expected_windows, s3_options
 from make_megatron import random_documents, write_megatron
 
 import asyncbatch as ab
-from asyncbatch.formats.base import natural_key
-from asyncbatch.formats.registry import FORMATS
-from asyncbatch.stores.base import ObjectInfo
-from asyncbatch.stores.local import LocalStore
+from asyncbatch.formats._base import natural_key
+from asyncbatch.formats._registry import FORMATS
+from asyncbatch.stores._base import ObjectInfo
+from asyncbatch.stores._local import LocalStore
 
 _names = itertools.count()
 #: (url, start, end) of every read through the ``counting://`` store.

@@ -19,12 +19,12 @@ import xxhash
 from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
-from asyncbatch.checksums import block_digests, encode_blocks
-from asyncbatch.cli import main as cli_main
-from asyncbatch.errors import ChecksumError, ConfigError, ManifestError
+from asyncbatch._checksums import block_digests, encode_blocks
+from asyncbatch._cli import main as cli_main
+from asyncbatch._errors import ChecksumError, ConfigError, ManifestError
+from asyncbatch._verify import verify_dataset
 from asyncbatch.stores import ObjectInfo, checked, registry
-from asyncbatch.stores.local import LocalStore
-from asyncbatch.verify import verify_dataset
+from asyncbatch.stores._local import LocalStore
 
 SHARD = 8000  # bytes: 4000 uint16 tokens, so the 20_011 test tokens make 6 shards
 BLOCK = 1024  # checksum block: 512 tokens
@@ -475,7 +475,7 @@ def test_cli_verify_exit_code_in_a_process(tmp_path: Path, tokens: npt.NDArray[n
     dataset = write(tmp_path, tokens)
     flip(dataset.shard_urls[3], 2100)
     done = subprocess.run(
-        [sys.executable, "-m", "asyncbatch.cli", "verify", dataset.url, "--concurrency", "2"],
+        [sys.executable, "-m", "asyncbatch._cli", "verify", dataset.url, "--concurrency", "2"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -145,4 +145,4 @@ def test_modules_import_only_their_own_layer_or_lower() -> None:
 def test_the_graph_sees_function_level_imports() -> None:
     """The check itself: an import inside a function body is an edge (cli imports the
     writer only when ``asyncbatch write`` runs)."""
-    assert "writer" in import_graph()["cli"]
+    assert "_writer" in import_graph()["_cli"]

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncbatch.layout import ShardMap
+from asyncbatch._layout import ShardMap
 
 
 @settings(max_examples=200, deadline=None)

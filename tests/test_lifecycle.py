@@ -30,9 +30,9 @@ from faults import Fault, fault_server
 from lifecycle_child import read_rest
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, StoreError, UnknownSchemeError
+from asyncbatch._errors import ConfigError, StoreError, UnknownSchemeError
 from asyncbatch.stores import ObjectInfo
-from asyncbatch.stores.local import LocalStore
+from asyncbatch.stores._local import LocalStore
 
 CHILD = Path(__file__).with_name("lifecycle_child.py")
 ROOT = Path(__file__).parent.parent

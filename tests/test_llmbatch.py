@@ -17,7 +17,7 @@ from conftest import BUCKET, s3_options
 from servers import RangeHTTPServer, http_server
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, FormatError
+from asyncbatch._errors import ConfigError, FormatError
 
 _names = itertools.count()
 

@@ -18,7 +18,7 @@ import torch
 from conftest import WriteDataset, asyncbatch_threads, expected_windows
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, LoaderClosedError, ResumeStateError
+from asyncbatch._errors import ConfigError, LoaderClosedError, ResumeStateError
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import pytest
 from conftest import asyncbatch_threads, expected_windows
 
 import asyncbatch as ab
-from asyncbatch.errors import StoreError
-from asyncbatch.stores.local import LocalStore
+from asyncbatch._errors import StoreError
+from asyncbatch.stores._local import LocalStore
 
 ARGS: dict[str, Any] = dict(batch_size=4, seq_len=50, shuffle=True, seed=2, prefetch=4)
 

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncbatch as ab
-from asyncbatch.engine import Reader, run_fetch
-from asyncbatch.errors import ConfigError, FormatError, ManifestError
-from asyncbatch.formats.metadata import MetadataWindows
-from asyncbatch.formats.registry import make_source
-from asyncbatch.layout import ReadPlan, WindowPlan
+from asyncbatch._engine import Reader, run_fetch
+from asyncbatch._errors import ConfigError, FormatError, ManifestError
+from asyncbatch._layout import ReadPlan, WindowPlan
+from asyncbatch.formats._metadata import MetadataWindows
+from asyncbatch.formats._registry import make_source
 from asyncbatch.stores import open_store
 
 Span = tuple[npt.NDArray[Any], Any]
@@ -476,7 +476,7 @@ def test_corrupt_metadata_is_a_format_error(
 
 def Path_or_read(url: str, options: dict[str, Any]) -> bytes:  # noqa: N802
     """The whole object at ``url`` through asyncbatch's own store."""
-    from asyncbatch.dataset import read_object
+    from asyncbatch._dataset import read_object
 
     async def main() -> bytes:
         store = open_store(url, options)

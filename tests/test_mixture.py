@@ -17,9 +17,9 @@ from test_loader import run_resume_case
 from test_ranks import run_elastic_case
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, ResumeStateError
-from asyncbatch.sampling.mixture import MixtureOrder, split_by_weight
-from asyncbatch.sampling.order import Sequential
+from asyncbatch._errors import ConfigError, ResumeStateError
+from asyncbatch.sampling._mixture import MixtureOrder, split_by_weight
+from asyncbatch.sampling._order import Sequential
 
 SEQ_LEN = 40
 

@@ -1,4 +1,4 @@
-"""The loaders' options, declared once (asyncbatch/options.py): the TypedDict that types them
+"""The loaders' options, declared once (asyncbatch/_options.py): the TypedDict that types them
 and the frozen config that holds them agree; the config checks and normalises once and is
 what a loader, its pickle and a LoaderDataset's workers share; help(), mypy and the API
 reference see every option with its default."""
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import asyncbatch as ab
-from asyncbatch.defaults import MAX_INFLIGHT
-from asyncbatch.options import NAMES, LoaderConfig, LoaderOptions
+from asyncbatch._defaults import MAX_INFLIGHT
+from asyncbatch._options import NAMES, LoaderConfig, LoaderOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_the_api_reference_lists_every_option_with_its_default() -> None:
     griffe = pytest.importorskip("griffe")
     extensions = griffe.load_extensions(str(ROOT / "scripts" / "griffe_options.py"))
     package = griffe.load("asyncbatch", search_paths=[str(ROOT)], extensions=extensions)
-    for path in ("loader.Loader", "loader.AsyncLoader", "workers.LoaderDataset"):
+    for path in ("_loader.Loader", "_loader.AsyncLoader", "_workers.LoaderDataset"):
         parameters = package[f"{path}.__init__"].parameters
         assert [p.name for p in parameters] == ["self", "dataset", *NAMES], path
         assert str(parameters["max_inflight"].default) == "MAX_INFLIGHT"

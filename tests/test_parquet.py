@@ -23,12 +23,12 @@ from faults import fault_server
 from servers import RangeHTTPServer
 
 import asyncbatch as ab
-from asyncbatch.batch import FieldSchema, Jagged, Strings
-from asyncbatch.errors import FormatError, ResumeStateError
-from asyncbatch.formats.npy import read_range
-from asyncbatch.formats.parquet import FOOTER_PROBE, read_footer
+from asyncbatch._batch import FieldSchema, Jagged, Strings
+from asyncbatch._errors import FormatError, ResumeStateError
+from asyncbatch.formats._npy import read_range
+from asyncbatch.formats._parquet import FOOTER_PROBE, read_footer
 from asyncbatch.stores import open_store
-from asyncbatch.stores.base import ObjectInfo, ReadsTail, Store, Versioned
+from asyncbatch.stores._base import ObjectInfo, ReadsTail, Store, Versioned
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -463,7 +463,7 @@ def test_strings_pickle_and_slice() -> None:
 
 def test_inspect_lists_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pq.write_table(make_table(0, 30), tmp_path / "p.parquet", row_group_size=7)
-    from asyncbatch.cli import main
+    from asyncbatch._cli import main
 
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ import pytest
 from test_parquet import check_batch, make_table, writer_for
 
 import asyncbatch as ab
-from asyncbatch.errors import FormatError
+from asyncbatch._errors import FormatError
 from asyncbatch.formats import thrift
 
 pa = pytest.importorskip("pyarrow")

@@ -23,8 +23,8 @@ import zstandard
 from conftest import BUCKET, s3_options
 
 import asyncbatch as ab
+from asyncbatch._cli import main as cli_main
 from asyncbatch._prepare import engines
-from asyncbatch.cli import main as cli_main
 
 HERE = Path(__file__).parent
 EOS = "<|endoftext|>"
@@ -631,7 +631,7 @@ def test_ctrl_c_stops_the_command_and_the_same_command_resumes(
         return [
             sys.executable,
             "-m",
-            "asyncbatch.cli",
+            "asyncbatch._cli",
             "prepare",
             str(path),
             "--output",

@@ -37,7 +37,7 @@ KNOWN = {
     ("asyncbatch/_prepare/tokenizer.py", "_pat_str"),
     # On main since this test was written: CPython's hook that runs before the interpreter
     # joins threads at exit (concurrent.futures registers its own with it).
-    ("asyncbatch/lifecycle.py", "_register_atexit"),
+    ("asyncbatch/_lifecycle.py", "_register_atexit"),
 }
 
 

@@ -7,7 +7,7 @@ import os
 import select
 import termios
 
-from asyncbatch.progress import Progress
+from asyncbatch._progress import Progress
 
 
 def test_plain_lines_when_not_a_terminal() -> None:

@@ -17,7 +17,7 @@ import torch
 from conftest import expected_windows
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, ResumeStateError
+from asyncbatch._errors import ConfigError, ResumeStateError
 
 SEQ_LEN = 40
 SHUFFLES: list[Any] = [False, True, "block"]

@@ -18,10 +18,10 @@ import torch
 from conftest import expected_windows
 
 import asyncbatch as ab
+from asyncbatch._open import open_dataset_async
 from asyncbatch.formats import registry
-from asyncbatch.formats.base import Fetch, OffLoop, Opener, Read, Source, Step, Wait
-from asyncbatch.formats.tokens import token_windows
-from asyncbatch.open import open_dataset_async
+from asyncbatch.formats._base import Fetch, OffLoop, Opener, Read, Source, Step, Wait
+from asyncbatch.formats._tokens import token_windows
 
 
 def reversed_windows(

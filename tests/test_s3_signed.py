@@ -19,7 +19,7 @@ from faults import OK, Fault, FaultServer, fault_server
 from servers import moto_server
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     CredentialsError,
     NotFoundError,
     PermissionDeniedError,
@@ -29,9 +29,9 @@ from asyncbatch.errors import (
     ThrottledError,
 )
 from asyncbatch.stores import s3
-from asyncbatch.stores.s3 import S3Store
-from asyncbatch.stores.s3_signed import SignedGets, sign_v4
-from asyncbatch.stores.stack import stacked
+from asyncbatch.stores._s3 import S3Store
+from asyncbatch.stores._s3_signed import SignedGets, sign_v4
+from asyncbatch.stores._stack import stacked
 
 FAST = ab.RetryPolicy(
     max_attempts=2,

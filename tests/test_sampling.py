@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncbatch.errors import ConfigError
+from asyncbatch._errors import ConfigError
 from asyncbatch.sampling import FeistelPermutation
-from asyncbatch.sampling.order import ID_BLOCK, BlockShuffle, EpochOrder
+from asyncbatch.sampling._order import ID_BLOCK, BlockShuffle, EpochOrder
 
 SMALL_SIZES = st.one_of(
     st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 97, 1023, 1024, 1025, 65537]),

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import asyncbatch as ab
-from asyncbatch.loader import _LoaderBase
-from asyncbatch.options import LoaderConfig, LoaderOptions
+from asyncbatch._loader import _LoaderBase
+from asyncbatch._options import LoaderConfig, LoaderOptions
 
 PUBLIC = [ab.Loader, ab.AsyncLoader, ab.LoaderDataset]
 ROOT = Path(__file__).resolve().parent.parent

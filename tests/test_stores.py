@@ -17,18 +17,18 @@ import torch
 from conftest import WriteDataset, expected_windows
 
 import asyncbatch as ab
-from asyncbatch.errors import (
+from asyncbatch._errors import (
     ConfigError,
     NotFoundError,
     RetriesExhaustedError,
     ShortReadError,
     UnknownSchemeError,
 )
-from asyncbatch.manifest import MANIFEST_NAME
+from asyncbatch._manifest import MANIFEST_NAME
 from asyncbatch.stores import local as local_store
 from asyncbatch.stores import open_store, register_store, registered_stores
-from asyncbatch.stores.local import LocalStore
-from asyncbatch.stores.stack import RetryingStore, TransportStore
+from asyncbatch.stores._local import LocalStore
+from asyncbatch.stores._stack import RetryingStore, TransportStore
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -218,7 +218,7 @@ def test_sync_fsspec_filesystem_runs_in_threads(tokens: npt.NDArray[np.uint16]) 
 def test_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A third-party package, installed as a real distribution on sys.path.
     (tmp_path / "thirdparty_store.py").write_text(
-        "from asyncbatch.stores.local import LocalStore\n"
+        "from asyncbatch.stores._local import LocalStore\n"
         "def factory(scheme, options, *, max_inflight):\n"
         "    store = LocalStore()\n"
         "    store.served_scheme = scheme\n"
@@ -562,8 +562,8 @@ def test_windows_longer_than_shards(
 
 
 def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> None:
-    from asyncbatch.errors import ShardChangedError
-    from asyncbatch.stores.local import LocalStore
+    from asyncbatch._errors import ShardChangedError
+    from asyncbatch.stores._local import LocalStore
 
     path = tmp_path / "blob"
     path.write_bytes(bytes(range(256)) * 256)
@@ -637,7 +637,7 @@ def test_a_file_changed_between_runs_is_refused(tmp_path: Path, change: str) -> 
     """A file kept open and mapped from an earlier run is checked against its path again:
     replaced (a new inode, the same size), truncated or deleted between two ``for`` loops,
     the next loop fails with ShardChangedError (or NotFoundError), never old bytes."""
-    from asyncbatch.errors import NotFoundError, ShardChangedError
+    from asyncbatch._errors import NotFoundError, ShardChangedError
 
     dataset = ab.write_tokens(str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16))
     shard = dataset.shard_urls[0]
@@ -815,8 +815,8 @@ def test_a_slow_local_read_is_not_cut_by_the_retry_timeouts(
 def test_the_stack_keeps_the_local_stores_capabilities(tmp_path: Path) -> None:
     """Stacked (and counted), the local store still reads groups into one buffer, converts
     as it copies, copies windows itself, reads tails and lists with sizes."""
-    from asyncbatch.stores.base import ListsInfo, ReadsTail
-    from asyncbatch.stores.counting import ReadCounts
+    from asyncbatch.stores._base import ListsInfo, ReadsTail
+    from asyncbatch.stores._counting import ReadCounts
 
     async def check() -> None:
         for counts in (None, ReadCounts()):
@@ -842,7 +842,7 @@ def test_concurrent_first_calls_create_one_client(
     even when creating it waits (credentials fetched over the network)."""
     from conftest import BUCKET, s3_options
 
-    from asyncbatch.stores.fsspec_store import FsspecStore
+    from asyncbatch.stores._fsspec_store import FsspecStore
 
     url = f"s3://{BUCKET}/first-calls/blob"
     options = s3_options(s3_endpoint)

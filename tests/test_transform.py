@@ -20,7 +20,7 @@ from make_megatron import random_documents, write_megatron
 from test_metadata import make_spans
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError
+from asyncbatch._errors import ConfigError
 
 #: How long a test waits for an event the engine must cause before it calls the test failed.
 WAIT = 20.0

@@ -13,10 +13,10 @@ import numpy.typing as npt
 import pytest
 
 import asyncbatch as ab
-from asyncbatch.formats.tokens import TokenWindows
-from asyncbatch.loader import default_block_size
-from asyncbatch.sampling.order import EpochOrder
-from asyncbatch.sampling.windows import History, extend_history
+from asyncbatch._loader import default_block_size
+from asyncbatch.formats._tokens import TokenWindows
+from asyncbatch.sampling._order import EpochOrder
+from asyncbatch.sampling._windows import History, extend_history
 
 Int64Array = npt.NDArray[np.int64]
 WORLDS = [1, 2, 4, 8, 16, 64]

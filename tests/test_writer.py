@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import asyncbatch as ab
-from asyncbatch.errors import ConfigError, ManifestError
+from asyncbatch._errors import ConfigError, ManifestError
 
 
 def test_shards_by_size_and_manifest(tmp_path: Path) -> None:

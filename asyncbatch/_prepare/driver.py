@@ -12,19 +12,19 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..checksums import (
+from .._checksums import (
     ALGORITHM,
     DEFAULT_CHECKSUM_BLOCK,
     decode_blocks,
     num_blocks,
     parse_digest,
 )
-from ..dataset import join_url, read_object
-from ..errors import ConfigError, NotFoundError, StoreError
-from ..formats.documents_index import per_shard_metadata
-from ..manifest import MANIFEST_NAME, Manifest, ShardInfo
-from ..portal import run_sync
-from ..progress import Progress
+from .._dataset import join_url, read_object
+from .._errors import ConfigError, NotFoundError, StoreError
+from .._manifest import MANIFEST_NAME, Manifest, ShardInfo
+from .._portal import run_sync
+from .._progress import Progress
+from ..formats._documents_index import per_shard_metadata
 from ..stores import open_store
 from . import engines
 from .inputs import Unit, expand_inputs, plan_units

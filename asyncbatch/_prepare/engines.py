@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import AsyncBatchError, ConfigError
+from .._errors import AsyncBatchError, ConfigError
 from .inputs import Unit
 from .tokenizer import TokenizerSpec, load
 from .unit import Settings, UnitResult, run_unit

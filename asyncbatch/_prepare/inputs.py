@@ -14,8 +14,8 @@ from typing import Any
 
 import fsspec
 
-from ..dataset import natural_key
-from ..errors import ConfigError, NotFoundError, RecordError
+from .._dataset import natural_key
+from .._errors import ConfigError, NotFoundError, RecordError
 
 #: Compression suffixes read as streams (fsspec's ``compression="infer"`` names).
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}

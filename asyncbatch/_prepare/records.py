@@ -1,7 +1,7 @@
 """Reading the records of one unit: texts (or token ids) in input order, in batches.
 
 Each record comes with where it is (``line 12``, ``line at byte 4096``, ``row 7``), so a bad
-one is a :class:`~asyncbatch.errors.RecordError` naming the file, the place and the unit. With
+one is a :class:`~asyncbatch._errors.RecordError` naming the file, the place and the unit. With
 ``on_error="skip"`` bad records are counted instead, and a file that cannot be read further
 ends its unit where it broke (counted as a skipped file).
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, RecordError
+from .._errors import ConfigError, RecordError
 from .inputs import Unit, filesystem
 
 #: Bytes read from an input at a time, and records per batch handed to the tokenizer.

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..checksums import digest, format_digest
-from ..errors import ConfigError
+from .._checksums import digest, format_digest
+from .._errors import ConfigError
 from .inputs import filesystem
 
 Encode = Callable[[list[str]], Sequence[Sequence[int]]]

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..checksums import block_digests, digest, encode_blocks, format_digest
-from ..dataset import join_url
-from ..errors import ConfigError
-from ..formats.documents_index import index_path, shard_index_bytes, shard_index_info
-from ..portal import run_sync
+from .._checksums import block_digests, digest, encode_blocks, format_digest
+from .._dataset import join_url
+from .._errors import ConfigError
+from .._portal import run_sync
+from ..formats._documents_index import index_path, shard_index_bytes, shard_index_info
 from ..stores import open_store
 from .inputs import Unit
 from .records import Batch, RecordReader

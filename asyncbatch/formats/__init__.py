@@ -15,34 +15,34 @@ import importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from ..layout import ReadPlan as ReadPlan
-    from ..layout import ShardMap as ShardMap
-    from ..layout import WindowPlan as WindowPlan
-    from .base import OffLoop as OffLoop
-    from .base import Opener as Opener
-    from .base import PlannedSource as PlannedSource
-    from .base import Read as Read
-    from .base import Source as Source
-    from .base import Wait as Wait
-    from .documents_index import index_path as index_path
-    from .documents_index import per_shard_metadata as per_shard_metadata
-    from .documents_index import shard_index_bytes as shard_index_bytes
-    from .documents_index import shard_index_info as shard_index_info
+    from .._layout import ReadPlan as ReadPlan
+    from .._layout import ShardMap as ShardMap
+    from .._layout import WindowPlan as WindowPlan
+    from ._base import OffLoop as OffLoop
+    from ._base import Opener as Opener
+    from ._base import PlannedSource as PlannedSource
+    from ._base import Read as Read
+    from ._base import Source as Source
+    from ._base import Wait as Wait
+    from ._documents_index import index_path as index_path
+    from ._documents_index import per_shard_metadata as per_shard_metadata
+    from ._documents_index import shard_index_bytes as shard_index_bytes
+    from ._documents_index import shard_index_info as shard_index_info
 
 _LAZY: dict[str, str] = {
-    "ReadPlan": "..layout",
-    "ShardMap": "..layout",
-    "WindowPlan": "..layout",
-    "OffLoop": "base",
-    "Opener": "base",
-    "PlannedSource": "base",
-    "Read": "base",
-    "Source": "base",
-    "Wait": "base",
-    "index_path": "documents_index",
-    "per_shard_metadata": "documents_index",
-    "shard_index_bytes": "documents_index",
-    "shard_index_info": "documents_index",
+    "ReadPlan": ".._layout",
+    "ShardMap": ".._layout",
+    "WindowPlan": ".._layout",
+    "OffLoop": "_base",
+    "Opener": "_base",
+    "PlannedSource": "_base",
+    "Read": "_base",
+    "Source": "_base",
+    "Wait": "_base",
+    "index_path": "_documents_index",
+    "per_shard_metadata": "_documents_index",
+    "shard_index_bytes": "_documents_index",
+    "shard_index_info": "_documents_index",
 }
 
 

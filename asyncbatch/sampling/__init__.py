@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .feistel import FeistelPermutation as FeistelPermutation
+from ._feistel import FeistelPermutation as FeistelPermutation
 
 __all__ = ["FeistelPermutation"]

@@ -11,23 +11,23 @@ protocol (``register_store("gs", "asyncbatch.stores:fsspec_store")``).
 
 from __future__ import annotations
 
-from .base import GetsRanges as GetsRanges
-from .base import GetsVersionedRanges as GetsVersionedRanges
-from .base import ListsInfo as ListsInfo
-from .base import ObjectInfo as ObjectInfo
-from .base import Progress as Progress
-from .base import ReadsRanges as ReadsRanges
-from .base import ReadsTail as ReadsTail
-from .base import ResumesRanges as ResumesRanges
-from .base import Store as Store
-from .base import Unbounded as Unbounded
-from .base import Versioned as Versioned
-from .fsspec_store import fsspec_store as fsspec_store
-from .registry import open_store as open_store
-from .registry import register_store as register_store
-from .registry import registered_stores as registered_stores
-from .registry import scheme_of as scheme_of
-from .validate import check_options as check_options
+from ._base import GetsRanges as GetsRanges
+from ._base import GetsVersionedRanges as GetsVersionedRanges
+from ._base import ListsInfo as ListsInfo
+from ._base import ObjectInfo as ObjectInfo
+from ._base import Progress as Progress
+from ._base import ReadsRanges as ReadsRanges
+from ._base import ReadsTail as ReadsTail
+from ._base import ResumesRanges as ResumesRanges
+from ._base import Store as Store
+from ._base import Unbounded as Unbounded
+from ._base import Versioned as Versioned
+from ._fsspec_store import fsspec_store as fsspec_store
+from ._registry import open_store as open_store
+from ._registry import register_store as register_store
+from ._registry import registered_stores as registered_stores
+from ._registry import scheme_of as scheme_of
+from ._validate import check_options as check_options
 
 __all__ = [
     "GetsRanges",
