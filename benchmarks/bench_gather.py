@@ -30,7 +30,7 @@ from bench_local import batch_ids, default_data_dir, ensure_dataset, warm_page_c
 from common import git_revision, positive
 
 import asyncbatch as ab
-from asyncbatch.stores import local
+from asyncbatch.stores import _local as local
 
 GROUP_WINDOWS = 1024
 WINDOWS_PER_BATCH = 16

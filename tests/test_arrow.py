@@ -26,7 +26,7 @@ from test_parquet import check_packed, windows_of
 import asyncbatch as ab
 from asyncbatch._batch import Jagged, Strings
 from asyncbatch._errors import ConfigError, FormatError
-from asyncbatch.formats import arrow_rows
+from asyncbatch.formats import _arrow_rows as arrow_rows
 from asyncbatch.formats._arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 
 pa = pytest.importorskip("pyarrow")

@@ -20,7 +20,7 @@ from conftest import azure_options, expected_windows
 from faults import FaultServer, fault_server
 
 import asyncbatch as ab
-from asyncbatch.stores import azure as azure_module
+from asyncbatch.stores import _azure as azure_module
 from asyncbatch.stores import open_store
 from asyncbatch.stores._azure import AzureStore
 from asyncbatch.stores._azure_auth import (

@@ -638,7 +638,7 @@ def test_connection_refused_gives_up_within_seconds(entry: Entry) -> None:
 def test_the_azure_extra_is_named_without_aiohttp(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from asyncbatch.stores import registry
+    from asyncbatch.stores import _registry as registry
 
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     monkeypatch.delitem(sys.modules, "asyncbatch.stores._azure", raising=False)

@@ -24,11 +24,11 @@ from conftest import WriteDataset, expected_windows
 from servers import RangeHTTPServer
 
 import asyncbatch as ab
-from asyncbatch import cli
+from asyncbatch import _cli as cli
 from asyncbatch._errors import ShardChangedError
-from asyncbatch.stores import cache as cached
+from asyncbatch.stores import _cache as cached
+from asyncbatch.stores import _s3 as s3_store
 from asyncbatch.stores import open_store
-from asyncbatch.stores import s3 as s3_store
 from asyncbatch.stores._disk_cache import STALE_TEMP_SECONDS, cache_info
 
 CHILD = Path(__file__).with_name("cache_child.py")

@@ -12,7 +12,7 @@ import pytest
 from servers import RangeHTTPServer
 
 import asyncbatch as ab
-from asyncbatch import errors
+from asyncbatch import _errors as errors
 from asyncbatch._workers import keep_batch
 
 ERRORS = [

@@ -215,7 +215,7 @@ def test_listing_tells_sizes_generations_and_folders(gcs_endpoint: str) -> None:
 
 
 def test_a_listing_of_many_pages(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncbatch.stores import gcs
+    from asyncbatch.stores import _gcs as gcs
 
     monkeypatch.setattr(gcs, "_PAGE", 2)
     root = new_url("pages")

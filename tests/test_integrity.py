@@ -23,7 +23,9 @@ from asyncbatch._checksums import block_digests, encode_blocks
 from asyncbatch._cli import main as cli_main
 from asyncbatch._errors import ChecksumError, ConfigError, ManifestError
 from asyncbatch._verify import verify_dataset
-from asyncbatch.stores import ObjectInfo, checked, registry
+from asyncbatch.stores import ObjectInfo
+from asyncbatch.stores import _checked as checked
+from asyncbatch.stores import _registry as registry
 from asyncbatch.stores._local import LocalStore
 
 SHARD = 8000  # bytes: 4000 uint16 tokens, so the 20_011 test tokens make 6 shards

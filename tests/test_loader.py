@@ -188,21 +188,6 @@ def test_unclosed_loader_warns(dataset: ab.Dataset) -> None:
     assert asyncbatch_threads() == []
 
 
-def test_engine_error_reaches_the_consumer_after_good_batches(tmp_path: Path) -> None:
-    dataset = ab.write_tokens(
-        str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16), shard_size=2000
-    )
-    os.remove(dataset.shard_urls[1])
-    with ab.Loader(dataset, batch_size=2, seq_len=100, shuffle=False, prefetch=2) as loader:
-        got = []
-        with pytest.raises(FileNotFoundError, match="shard-00001.bin") as caught:
-            for batch in loader:
-                got.append(batch.global_indexes.tolist())
-    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # every batch of the first shard
-    assert isinstance(caught.value, ab.NotFoundError)
-    assert caught.value.__cause__ is not None
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -247,22 +232,6 @@ def _open_fds() -> dict[str, str]:
         with contextlib.suppress(FileNotFoundError):  # the descriptor listdir itself used
             fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
     return fds
-
-
-def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
-    with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
-        assert small.prefetch == 512  # local files: up to 512 (remote stores: 128)
-    # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
-    # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
-    with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:
-        assert big.prefetch == 2
-    # 64 × 2048 × (2 stored + 8 as int64) bytes = 1.25 MiB per batch: 51 fit.
-    with ab.Loader(
-        dataset, batch_size=64, seq_len=2048, dtype=torch.int64, drop_last=False
-    ) as wide:
-        assert wide.prefetch == 51
-    with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
-        assert chosen.prefetch == 3
 
 
 @pytest.mark.parametrize("shuffle", [True, "block", False])

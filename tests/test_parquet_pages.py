@@ -14,7 +14,7 @@ from test_parquet import check_batch, make_table, writer_for
 
 import asyncbatch as ab
 from asyncbatch._errors import FormatError
-from asyncbatch.formats import thrift
+from asyncbatch.formats import _thrift as thrift
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -207,7 +207,7 @@ def test_a_small_offset_index_cache_rereads_and_stays_exact(
 ) -> None:
     """Offset indexes evicted from a bounded cache are read again when needed: more bytes,
     the same rows."""
-    from asyncbatch.formats import parquet_pages
+    from asyncbatch.formats import _parquet_pages as parquet_pages
 
     root, write, _ = writer_for("local", request, tmp_path)
     write("f.parquet", make_table(0, 400), 100, write_page_index=True, **SMALL_PAGES)

@@ -19,7 +19,7 @@ from conftest import expected_windows
 
 import asyncbatch as ab
 from asyncbatch._open import open_dataset_async
-from asyncbatch.formats import registry
+from asyncbatch.formats import _registry as registry
 from asyncbatch.formats._base import Fetch, OffLoop, Opener, Read, Source, Step, Wait
 from asyncbatch.formats._tokens import token_windows
 

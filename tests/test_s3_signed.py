@@ -28,7 +28,7 @@ from asyncbatch._errors import (
     StoreError,
     ThrottledError,
 )
-from asyncbatch.stores import s3
+from asyncbatch.stores import _s3 as s3
 from asyncbatch.stores._s3 import S3Store
 from asyncbatch.stores._s3_signed import SignedGets, sign_v4
 from asyncbatch.stores._stack import stacked

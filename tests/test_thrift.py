@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncbatch.formats import thrift
+from asyncbatch.formats import _thrift as thrift
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
