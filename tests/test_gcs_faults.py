@@ -231,9 +231,9 @@ def test_fault_not_retried(gcs_endpoint: str, proxy: FaultServer, fault: str) ->
 @pytest.mark.timeout(30)
 def test_range_past_the_end_is_a_short_read(gcs_endpoint: str, proxy: FaultServer) -> None:
     url = put(gcs_endpoint)
-    with pytest.raises(ab.errors.ShortReadError, match=r"bytes \[199990, 200100\)"):
+    with pytest.raises(ab.ShortReadError, match=r"bytes \[199990, 200100\)"):
         read(proxy, url, SIZE - 10, SIZE + 100)
-    with pytest.raises(ab.errors.ShortReadError, match=r"bytes \[300000, 300010\)"):  # a 416
+    with pytest.raises(ab.ShortReadError, match=r"bytes \[300000, 300010\)"):  # a 416
         read(proxy, url, 300_000, 300_010)
     assert len(gets(proxy, url)) == 2
 

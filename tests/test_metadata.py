@@ -22,6 +22,7 @@ import asyncbatch as ab
 from asyncbatch._engine import Reader, run_fetch
 from asyncbatch._errors import ConfigError, FormatError, ManifestError
 from asyncbatch._layout import ReadPlan, WindowPlan
+from asyncbatch.formats import _metadata
 from asyncbatch.formats._metadata import MetadataWindows
 from asyncbatch.formats._registry import make_source
 from asyncbatch.stores import open_store
@@ -389,10 +390,10 @@ def test_unknown_codec_and_bad_options_are_config_errors(tmp_path: Path) -> None
             codec="numpy",
             codec_options={"shape": [3]},
         )
-    ab.register_codec("test-gone", lambda: ab.formats.metadata.JsonCodec(), clobber=True)
+    ab.register_codec("test-gone", lambda: _metadata.JsonCodec(), clobber=True)
     ab.write_metadata_stream(str(tmp_path / "b"), spans, codec="test-gone")
     ab.write_metadata_stream(str(tmp_path / "c"), spans)
-    ab.formats.metadata._CODECS.pop("test-gone")
+    _metadata._CODECS.pop("test-gone")
     with pytest.raises(ConfigError, match="'test-gone'.*register_codec"):
         ab.Loader(str(tmp_path / "b"), batch_size=2, seq_len=8)
     with pytest.raises(ConfigError, match="format_options"):
