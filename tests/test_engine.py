@@ -1,10 +1,13 @@
 """The engine (``_engine.py``): an error reaches the consumer after every good batch before
-it; the default prefetch fits its memory budget."""
+it; the default prefetch fits its memory budget; the local fast path is as short as
+docs/design.md says."""
 
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -48,3 +51,33 @@ def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
         assert wide.prefetch == 51
     with ab.Loader(dataset, batch_size=8, seq_len=16, prefetch=3) as chosen:
         assert chosen.prefetch == 3
+
+
+def test_the_local_fast_path_is_the_documented_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the group's task and the local store, a batch of windows passes only the
+    engine's read and the retrying layer (docs/design.md, "The path of one batch"): the
+    checks layer, once every shard passed, binds its reads straight through."""
+    from asyncbatch.stores._local import LocalStore
+
+    stacks: list[list[str]] = []
+    original = LocalStore.read_windows
+
+    async def traced(self: LocalStore, *args: Any, **kwargs: Any) -> bool:
+        frames = traceback.extract_stack()
+        names = [f.name for f in frames if "/asyncbatch/" in f.filename.replace("\\", "/")]
+        stacks.append(names[names.index("_deliver") :])
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "read_windows", traced)
+    dataset = ab.write_tokens(
+        str(tmp_path / "ds"), np.arange(4000, dtype=np.uint16), shard_size=2000
+    )
+    with ab.Loader(dataset, batch_size=2, seq_len=50, prefetch=4) as loader:
+        for _ in range(2):  # two epochs: every shard has passed its size check in the first
+            for _ in loader:
+                pass
+    # Until then the checks layer is on the path; from then on the path is the short one.
+    assert stacks[0] == ["_deliver", "_read_group", "read", "read_windows", "read_windows"]
+    assert stacks[-1] == ["_deliver", "_read_group", "read", "read_windows"]
