@@ -462,21 +462,20 @@ class GroupBytes:
 
     __slots__ = ("held", "planned", "queue")
 
-    def __init__(self, queue: BatchQueue | None = None) -> None:
+    def __init__(self, queue: BatchQueue) -> None:
         self.queue = queue
         self.held = 0
         self.planned = 0
 
     def hold(self, nbytes: int) -> None:
-        if self.queue is not None:
-            self.queue.add_bytes(nbytes)
+        self.queue.add_bytes(nbytes)
         self.held += nbytes
 
     def release(self) -> None:
         """Stop counting what the group holds (its batches will not be put)."""
-        if self.held and self.queue is not None:
+        if self.held:
             self.queue.add_bytes(-self.held)
-        self.held = 0
+            self.held = 0
 
 
 def scratch_bytes(plan: ReadPlan) -> int:
@@ -510,14 +509,13 @@ class Reader:
     async def read(
         self,
         plan: ReadPlan | WindowPlan,
-        convert: Conversion | None = None,
-        held: GroupBytes | None = None,
+        convert: Conversion | None,
+        held: GroupBytes,
     ) -> npt.NDArray[np.uint8]:
         """Carry out one read of a group: ``plan``'s bytes (``convert``: its elements as
         ``convert[1]``). Windows are copied by the one store in one call where it can (see
         :meth:`~asyncbatch.stores._base.Store.read_windows`), else planned as byte ranges.
         ``held`` counts what the group holds and asked for."""
-        held = held if held is not None else GroupBytes()
         scale = 1 if convert is None else convert[1].itemsize // convert[0].itemsize
         if isinstance(plan, WindowPlan):
             store = self._windows
