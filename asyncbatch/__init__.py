@@ -23,7 +23,6 @@ has the full table, which tests/test_layers.py checks)::
 
 from __future__ import annotations
 
-import importlib
 import typing as _typing
 
 # Errors import nothing else; everything that needs numpy or torch loads on first use.
@@ -51,6 +50,7 @@ from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._errors import ThrottledError as ThrottledError
 from ._errors import TransformError as TransformError
 from ._errors import UnknownSchemeError as UnknownSchemeError
+from ._lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
     from ._batch import Batch as Batch
@@ -124,17 +124,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY, globals())
 
 
 __version__ = "0.1.0"

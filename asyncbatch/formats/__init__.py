@@ -11,8 +11,9 @@ imports none of them; each loads on first use.
 
 from __future__ import annotations
 
-import importlib
 import typing as _typing
+
+from .._lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
     from .._layout import ReadPlan as ReadPlan
@@ -46,18 +47,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    relative = module if module.startswith(".") else f".{module}"
-    value = getattr(importlib.import_module(relative, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [
