@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, overload
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,11 +41,13 @@ from ._ranged import (
 )
 from ._retry import DEFAULT_POLICY, RetryPolicy
 from ._validate import check_options
+from ._wire import ConnectTimeout, Pool, Response
 
 #: How to trust another certificate: aiohttp verifies against OpenSSL's default paths.
 TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
 
 
+@overload
 async def send_request(
     session: aiohttp.ClientSession,
     method: str,
@@ -57,7 +59,36 @@ async def send_request(
     start: int | None = None,
     end: int | None = None,
     data: Buffer | bytes | None = None,
-) -> aiohttp.ClientResponse:
+) -> aiohttp.ClientResponse: ...
+
+
+@overload
+async def send_request(
+    session: Pool,
+    method: str,
+    target: str | URL,
+    headers: Mapping[str, str],
+    retry: RetryPolicy,
+    broken: Callable[[BaseException], StoreError],
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    data: Buffer | bytes | None = None,
+) -> Response: ...
+
+
+async def send_request(
+    session: aiohttp.ClientSession | Pool,
+    method: str,
+    target: str | URL,
+    headers: Mapping[str, str],
+    retry: RetryPolicy,
+    broken: Callable[[BaseException], StoreError],
+    url: str,
+    start: int | None = None,
+    end: int | None = None,
+    data: Buffer | bytes | None = None,
+) -> aiohttp.ClientResponse | Response:
     """Send a request and wait for its headers, within the connect and first-byte timeouts
     (an upload's body in pieces, each moving the bound on); no connection in time, or no
     headers, is a :class:`StoreTimeoutError`, a broken connection ``broken(exc)``. Redirects
@@ -65,11 +96,14 @@ async def send_request(
     wait = retry.connect_timeout + retry.first_byte_timeout
     try:
         async with asyncio.timeout(wait) as deadline:
+            if isinstance(session, Pool):
+                assert data is None
+                return await session.request(method, str(target), headers)
             body = None if data is None else paced(data, deadline, wait, CHUNK)
             return await session.request(
                 method, target, headers=headers, data=body, allow_redirects=False
             )
-    except aiohttp.ConnectionTimeoutError as exc:
+    except (aiohttp.ConnectionTimeoutError, ConnectTimeout) as exc:
         detail = f"no connection within {retry.connect_timeout:g} s"
         raise fail(StoreTimeoutError, detail, url, start, end) from exc
     except TimeoutError as exc:

@@ -44,7 +44,11 @@ from ._retry import refused
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-    from aiohttp import ClientResponse as Body
+    from aiohttp import ClientResponse
+
+    from ._wire import Response
+
+    Body = ClientResponse | Response
 
 #: Bytes asked of a body at a time.
 CHUNK = 1 << 20

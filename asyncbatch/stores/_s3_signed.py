@@ -1,8 +1,9 @@
-"""S3 GETs over aiohttp, signed here (SigV4) instead of by botocore.
+"""S3 GETs signed here (SigV4) instead of by botocore, sent on keep-alive connections of
+:mod:`~asyncbatch.stores._wire` (over aiohttp through a proxy).
 
 botocore spends about 3.5 ms of CPU per request on signing, event hooks and parsing, which
 bounds a store on a 2-core machine to a few hundred requests per second. :class:`SignedGets`
-sends the S3 store's GETs (ranges and tails) itself: one aiohttp request with the headers
+sends the S3 store's GETs (ranges and tails) itself: one request with the headers
 SigV4 needs, computed with a cached signing key (a hash and one HMAC per request).
 :meth:`SignedGets.get_object` takes ``get_object``'s keyword arguments and returns the part of
 botocore's response the store reads; error answers become the ``ClientError`` botocore would
@@ -51,6 +52,8 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 from yarl import URL
+
+from ._wire import ConnectTimeout, Pool, Response
 
 #: SHA-256 of the empty body: every GET's payload hash.
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -120,16 +123,23 @@ def sign_v4(
 class _Bucket:
     """Where a bucket's objects are and how to sign for them; ``None`` fields: unsigned."""
 
-    __slots__ = ("base", "host", "path", "proxy", "region")
+    __slots__ = ("base", "host", "path", "pool", "proxy", "region")
 
     def __init__(
-        self, base: str, host: str, path: str, region: str | None, proxy: str | None
+        self,
+        base: str,
+        host: str,
+        path: str,
+        region: str | None,
+        proxy: str | None,
+        pool: Pool | None,
     ) -> None:
         self.base = base  # scheme://host/[bucket/]: the URL before the key
         self.host = host
         self.path = path  # the URL path before the key (URI-encoded)
         self.region = region
         self.proxy = proxy  # the proxy's URL, as botocore chooses it
+        self.pool = pool  # the endpoint's connections (None: through the proxy, by aiohttp)
 
 
 class _Body:
@@ -137,7 +147,7 @@ class _Body:
 
     __slots__ = ("_response",)
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse | Response) -> None:
         self._response = response
 
     async def read(self, size: int) -> bytes:
@@ -209,14 +219,34 @@ class SignedGets:
         self._buckets: dict[str, _Bucket | None] = {}
         self._resolving = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, Pool] = {}
+        self._closed = False
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._verify is False:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            return context
+        from botocore.httpsession import get_cert_path
+
+        return ssl.create_default_context(cafile=get_cert_path(self._verify))
+
+    def _pool(self, origin: str) -> Pool:
+        """The connections to ``origin`` (``scheme://host[:port]``)."""
+        pool = self._pools.get(origin)
+        if pool is None:
+            tls = self._tls() if origin.startswith("https:") else None
+            pool = self._pools[origin] = Pool(
+                origin, keep=self._max_inflight, connect_timeout=self._connect_timeout, tls=tls
+            )
+        return pool
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            tls: ssl.SSLContext | bool = False
-            if self._verify is not False:
-                from botocore.httpsession import get_cert_path
-
-                tls = ssl.create_default_context(cafile=get_cert_path(self._verify))
+            if self._closed:  # a GET that outlived the store: no session left behind
+                raise RuntimeError("this S3 store is closed")
+            tls: ssl.SSLContext | bool = False if self._verify is False else self._tls()
             connector = aiohttp.TCPConnector(limit=self._max_inflight, limit_per_host=0, ssl=tls)
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -310,7 +340,8 @@ class SignedGets:
         base = f"{parts.scheme}://{parts.netloc}{parts.path}"
         region = None if version is UNSIGNED else (request.region or "us-east-1")
         proxy = self._proxies.proxy_url_for(base)
-        return _Bucket(base, host, parts.path, region, proxy)
+        pool = None if proxy else self._pool(f"{parts.scheme}://{parts.netloc}")
+        return _Bucket(base, host, parts.path, region, proxy, pool)
 
     async def get_object(
         self,
@@ -344,12 +375,19 @@ class SignedGets:
         query = "" if VersionId is None else f"versionId={quote(VersionId, safe='-_.~')}"
         if where.region is not None:
             await self._sign(headers, where, where.path + key, query)
-        url = URL(where.base + key + (f"?{query}" if query else ""), encoded=True)
+        url = where.base + key + (f"?{query}" if query else "")
+        response: aiohttp.ClientResponse | Response
         try:
-            response = await self._http().get(
-                url, headers=headers, allow_redirects=False, proxy=where.proxy
-            )
-        except aiohttp.ConnectionTimeoutError as exc:
+            if where.pool is not None:
+                response = await where.pool.request("GET", url, headers)
+            else:
+                response = await self._http().get(
+                    URL(url, encoded=True),
+                    headers=headers,
+                    allow_redirects=False,
+                    proxy=where.proxy,
+                )
+        except (aiohttp.ConnectionTimeoutError, ConnectTimeout) as exc:
             from botocore.exceptions import ConnectTimeoutError
 
             raise ConnectTimeoutError(endpoint_url=where.base) from exc
@@ -407,11 +445,14 @@ class SignedGets:
 
     async def close(self) -> None:
         session, self._session = self._session, None
+        pools, self._closed = list(self._pools.values()), True
+        for pool in pools:
+            await pool.close()
         if session is not None:
             await session.close()
 
 
-async def _client_error(response: aiohttp.ClientResponse) -> tuple[Exception, str]:
+async def _client_error(response: aiohttp.ClientResponse | Response) -> tuple[Exception, str]:
     """botocore's ``ClientError`` for an error answer, and its code: the XML ``<Code>`` and
     ``<Message>``, or the status as the code when there is no body (as botocore parses it)."""
     from botocore.exceptions import ClientError
