@@ -9,9 +9,9 @@ over asyncio's transports (TLS included):
 - bodies framed by ``Content-Length``, chunked, or by the connection's end;
 - a connection reused once its response was read to its end (and the server did not say
   ``Connection: close``), closed otherwise;
-- a request that finds its reused connection closed by the server before any byte of an
-  answer is sent once more on a new connection (as browsers and urllib3 do): a server may
-  close an idle connection at any time;
+- a GET or HEAD that finds its reused connection closed by the server before any byte of
+  an answer is sent once more on a new connection (as browsers and urllib3 do): a server
+  may close an idle connection at any time;
 - redirects are not followed, nothing is retried beyond that, no proxy is used.
 
 Errors are the OS's (``ConnectionResetError``, ``ssl.SSLError``, ``socket.gaierror``) and
@@ -346,7 +346,7 @@ class Pool:
             try:
                 return await self._exchange(conn, request, url, method)
             except ConnectionResetError:
-                if conn.answered:
+                if conn.answered or method not in ("GET", "HEAD"):
                     raise
                 # Closed by the server while idle, before a byte of an answer: once more on
                 # a new connection (this one is dropped).
