@@ -462,6 +462,16 @@ def test_a_truncated_file_names_the_file_and_byte(layout: str, tmp_path: Path) -
         ab.open_dataset(str(tmp_path))
 
 
+def test_a_stream_cut_at_a_message_boundary_is_refused(tmp_path: Path) -> None:
+    # Without its end-of-stream marker the stream would read as its first record batches.
+    a, _ = good_files(tmp_path)
+    assert a.endswith(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    (tmp_path / "a.arrow").write_bytes(a[:-8])
+    match = rf"a\.arrow: the stream ends at byte {len(a) - 8} without its end-of-stream marker"
+    with pytest.raises(FormatError, match=match):
+        ab.open_dataset(str(tmp_path))
+
+
 def test_a_bad_continuation_marker(tmp_path: Path) -> None:
     a, _ = good_files(tmp_path)
     schema_end = 8 + int.from_bytes(a[4:8], "little")

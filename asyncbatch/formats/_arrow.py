@@ -361,6 +361,14 @@ async def _stream_layout(data: _Bytes, url: str, size: int, version: str | None)
         elif message.kind != ipc.DICTIONARY_BATCH:
             raise FormatError(f"{url}: the message at byte {pos} is of type {message.kind}")
         pos, ahead = message.end, max(HEADER_READ, 2 * message.metadata_length)
+    else:
+        # pyarrow would read such a stream to its last whole message: the rows past the cut
+        # would be lost without a word.
+        raise FormatError(
+            f"{url}: the stream ends at byte {size} without its end-of-stream marker"
+            " (ffffffff 00000000): cut at a message boundary, or written by a writer never"
+            " closed; write it again"
+        )
     if schema is None:
         raise FormatError(f"{url}: an Arrow IPC stream without a schema")
     return FileHeaders(size, version, schema, schema_at, batches)
