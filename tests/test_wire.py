@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import asyncbatch as ab
 from asyncbatch.stores._wire import ConnectTimeout, Pool, WireError
 
 pytestmark = pytest.mark.timeout(30)
@@ -356,3 +357,10 @@ async def test_no_connection_within_the_connect_timeout() -> None:
         finally:
             for extra in waiting:
                 extra.close()
+
+
+def test_the_http_store_refuses_headers_that_would_break_a_request() -> None:
+    from asyncbatch.stores import open_store
+
+    with pytest.raises(ab.ConfigError, match="storage_options headers: header 'X-Token'"):
+        open_store("http://127.0.0.1:1/data", {"headers": {"X-Token": "a\r\nHost: evil"}})

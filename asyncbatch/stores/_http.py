@@ -1,11 +1,14 @@
-"""HTTP(S) transport: byte ranges read with aiohttp, one attempt per call, status- and
-``Content-Range``-checked, each phase under its own timeout.
+"""HTTP(S) transport: byte ranges read on keep-alive connections of
+:mod:`~asyncbatch.stores._wire` (HEADs, tails and URLs with credentials in them over aiohttp),
+one attempt per call, status- and ``Content-Range``-checked, each phase under its own
+timeout.
 
 fsspec's HTTP filesystem has no read timeout, accepts bodies that end early and returns the
 whole object when a server ignores ``Range``; this transport reads ranges with aiohttp
-directly. One ``ClientSession`` per transport, created lazily in the loop that reads; its
-connection pool holds ``max_inflight`` connections, exactly the requests it lets run at
-once, so no request waits for a connection (or times out doing so). It offers
+directly. One ``ClientSession`` and one :class:`~asyncbatch.stores._wire.Pool` per server per
+transport, created lazily in the loop that reads; they hold up to ``max_inflight``
+connections, exactly the requests the transport lets run at once, so no request waits for a
+connection (or times out doing so). It offers
 :class:`~asyncbatch.stores._base.ResumesRanges`: the registry's stack (``stack.py``) retries
 each range for its missing tail, pins each object at its first ETag and passes the pin in,
 which this transport sends as ``If-Match``.
@@ -21,7 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from .._errors import ShortReadError, StoreError, StoreTimeoutError
+from .._errors import ConfigError, ShortReadError, StoreError, StoreTimeoutError
 from ._base import Buffer, ObjectInfo, Progress
 from ._fsspec_store import FsspecStore
 from ._ranged import (
@@ -41,7 +44,10 @@ from ._ranged import (
 )
 from ._retry import DEFAULT_POLICY, RetryPolicy
 from ._validate import check_options
-from ._wire import ConnectTimeout, Pool, Response
+from ._wire import ConnectTimeout, Pool, Response, check_headers
+
+#: URLs whose pool and request URL are kept (each costs yarl ~50 µs to parse once).
+_TARGETS = 16384
 
 #: How to trust another certificate: aiohttp verifies against OpenSSL's default paths.
 TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
@@ -132,9 +138,17 @@ class HttpStore:
         options = dict(storage_options or {})
         check_options("HTTP", options, ("headers",))
         self._headers = dict(options.pop("headers", None) or {})
+        try:
+            check_headers(self._headers)
+        except ValueError as exc:
+            raise ConfigError(f"storage_options headers: {exc}") from exc
         self.max_inflight = max_inflight
         self.retry = retry
         self._session: aiohttp.ClientSession | None = None
+        #: Each server's connections for the ranged GETs, and each URL's pool and request URL.
+        self._pools: dict[str, Pool] = {}
+        self._targets: dict[str, tuple[Pool, str] | None] = {}
+        self._closed = False
         self._limit: asyncio.Semaphore | None = None
         self._lister: FsspecStore | None = None
         #: False once the server answered a suffix range with other bytes.
@@ -142,6 +156,8 @@ class HttpStore:
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         if self._session is None or self._limit is None:
+            if self._closed:  # a request that outlived the store: no session left behind
+                raise RuntimeError("this HTTP store is closed")
             connector = aiohttp.TCPConnector(limit=self.max_inflight, limit_per_host=0)
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -153,6 +169,31 @@ class HttpStore:
             self._limit = asyncio.Semaphore(self.max_inflight)
         return self._session, self._limit
 
+    def _wire(self, url: str) -> tuple[Pool, str] | None:
+        """The connections a GET of ``url`` goes on and the URL as sent (encoded); None for a
+        URL with credentials in it (aiohttp sends them as ``Authorization``)."""
+        if url in self._targets:
+            return self._targets[url]
+        if self._closed:
+            raise RuntimeError("this HTTP store is closed")
+        parsed = URL(url)
+        found = None
+        if parsed.user is None and parsed.password is None and parsed.is_absolute():
+            origin = str(parsed.origin())
+            pool = self._pools.get(origin)
+            if pool is None:
+                pool = self._pools[origin] = Pool(
+                    origin,
+                    keep=self.max_inflight,
+                    connect_timeout=self.retry.connect_timeout,
+                    headers=self._headers,
+                )
+            found = (pool, str(parsed))
+        if len(self._targets) >= _TARGETS:
+            self._targets.clear()
+        self._targets[url] = found
+        return found
+
     async def _request(
         self,
         method: str,
@@ -160,16 +201,22 @@ class HttpStore:
         headers: Mapping[str, str],
         start: int | None = None,
         end: int | None = None,
-    ) -> aiohttp.ClientResponse:
-        """Send a request and wait for its headers; map the error statuses."""
-        session, _ = self._client()
+        wire: bool = False,
+    ) -> aiohttp.ClientResponse | Response:
+        """Send a request and wait for its headers; map the error statuses. ``wire``: on the
+        connections of :mod:`~asyncbatch.stores._wire` where the URL allows."""
+        session: aiohttp.ClientSession | Pool = self._client()[0]
+        target = url
+        found = self._wire(url) if wire else None
+        if found is not None:
+            session, target = found
 
         def broken(exc: BaseException) -> StoreError:
             endpoint = urlsplit(url).netloc
             return connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
 
         response = await send_request(
-            session, method, url, headers, self.retry, broken, url, start, end
+            session, method, target, headers, self.retry, broken, url, start, end
         )
         if response.status >= 400:
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
@@ -267,15 +314,20 @@ class HttpStore:
         if condition is not None:
             headers["If-Match"] = condition
         async with limit:
-            response = await self._request("GET", url, headers, start, end)
+            response = await self._request("GET", url, headers, start, end, wire=True)
             progress.version = response.headers.get("ETag") or None
             await receive_range(
                 response, buffer, progress, self.retry.idle_timeout, url, start, end, first
             )
 
     async def close(self) -> None:
+        self._closed = True
         session, self._session = self._session, None
         lister, self._lister = self._lister, None
+        pools, self._pools = list(self._pools.values()), {}
+        self._targets.clear()
+        for pool in pools:
+            await pool.close()
         if session is not None:
             await session.close()
         if lister is not None:
