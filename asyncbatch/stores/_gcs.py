@@ -1,4 +1,4 @@
-"""GCS transport: ``gs://`` (and ``gcs://``) over the JSON API with aiohttp, credentials from
+"""GCS transport: ``gs://`` (and ``gcs://``) over the JSON API, credentials from
 google-auth (:mod:`~asyncbatch.stores._gcs_auth`).
 
 Why not obstore's ``GCSStore`` (Rust ``object_store``), the obvious candidate, faster on the

@@ -1,7 +1,8 @@
 """S3 transport: s3fs for credentials, endpoint, listing and writes; reads our own.
 
 Sizes go straight to the aiobotocore client's ``head_object`` with botocore's retries off
-and s3fs's ``_call_s3`` retries bypassed. Ranges go over aiohttp, signed by
+and s3fs's ``_call_s3`` retries bypassed. Ranges go on the keep-alive connections of
+:mod:`~asyncbatch.stores._wire` (over aiohttp behind a proxy), signed by
 :mod:`~asyncbatch.stores._s3_signed` with the client's credentials and endpoint (a fraction of
 the CPU per request of botocore's ``get_object``, still used where that module does not
 apply, with one :class:`~asyncbatch._errors.SlowPathWarning` per reason). Every call is one
@@ -145,7 +146,7 @@ class _Changed(Exception):
 class S3Store(FsspecStore):
     """Transport for ``s3://`` (and ``s3a://``) URLs; ``storage_options`` go to s3fs."""
 
-    #: GETs go through :mod:`~asyncbatch.stores._s3_signed` (aiohttp, signed here) where the
+    #: GETs go through :mod:`~asyncbatch.stores._s3_signed` (signed here) where the
     #: client's configuration allows; False sends them through botocore's ``get_object``
     #: (benchmarks compare the two).
     sign_gets = True

@@ -189,8 +189,9 @@ _OPTIONAL_HEADERS = {
 
 
 class SignedGets:
-    """``get_object`` for one aiobotocore S3 client, sent over a pool of ``max_inflight``
-    aiohttp connections; created with :func:`signed_gets`, closed with :meth:`close`.
+    """``get_object`` for one aiobotocore S3 client, sent on up to ``max_inflight``
+    connections per endpoint (:mod:`~asyncbatch.stores._wire`; aiohttp's behind a proxy);
+    created with :func:`signed_gets`, closed with :meth:`close`.
     ``slow(reason)`` is called when a bucket's GETs must go through botocore."""
 
     def __init__(
