@@ -19,6 +19,12 @@ so that every ratio is paired within a round:
 * ``asyncbatch block``: ``ab.Loader(ds, shuffle="block", window=W)`` (record batches as the
   blocks, ``W`` of them shuffled together: the same buffer).
 
+Before the lines run, the objects of the imports (torch, pyarrow, datasets: a million or
+more) are frozen out of the garbage collector's scans (``gc.freeze()``; ``--no-freeze``
+leaves them), and each line starts after a ``gc.collect()``: otherwise a full collection,
+tens of milliseconds over that heap, falls at random into about one run in three of a few
+thousand batches, whichever line it is, and decides the ratios more than the lines do.
+
 Rows/s and tokens/s over the batches read, and the time to the first batch from nothing
 open (``load_from_disk`` / ``open_dataset`` included). Every batch is made usable as the
 loader gives it: the tokens and offsets as numpy arrays (``datasets``) or tensors (asyncbatch).
@@ -26,12 +32,14 @@ Then the folder is opened over the HTTP test server (``tests/servers.py``), coun
 requests and bytes it served at open, against the files' size.
 
 Usage: ``.venv/bin/python benchmarks/bench_arrow.py [--rows 200000] [--mean-tokens 256]
-[--shards 8] [--batches 1500] [--window 8] [--rounds 3]`` (needs ``datasets``: the dev extra).
+[--shards 8] [--batches 1500] [--window 8] [--rounds 3] [--no-freeze]`` (needs ``datasets``:
+the dev extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -182,6 +190,7 @@ def main() -> None:
     parser.add_argument("--batches", type=positive, default=1500)
     parser.add_argument("--window", type=positive, default=8)
     parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument("--no-freeze", action="store_true", help="leave gc.freeze() out")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(
@@ -208,8 +217,12 @@ def main() -> None:
             "asyncbatch block": lambda seed: asyncbatch_line(folder, args, seed, "block"),
         }
         results: dict[str, list[dict[str, float]]] = {name: [] for name in lines}
+        if not args.no_freeze:
+            gc.collect()
+            gc.freeze()
         for seed in range(args.rounds):
             for name, line in lines.items():
+                gc.collect()
                 results[name].append(line(seed))
         print(f"{'line':<24} {'rows/s':>10} {'Mtok/s':>8} {'first batch':>12}")
         for name, runs in results.items():
