@@ -49,7 +49,7 @@ from .._errors import (
 )
 from ._azure_auth import API_VERSION, OPTION_NAMES, Account, AccountFinder, request_date
 from ._base import Buffer, ObjectInfo, Progress
-from ._http import TLS_HINT, send_request
+from ._http import TLS_HINT, client_session, send_request
 from ._ranged import (
     REMOTE_COALESCE_GAP,
     TailAnswer,
@@ -176,13 +176,9 @@ class AzureStore:
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         if self._session is None or self._limit is None:
-            connector = aiohttp.TCPConnector(limit=self.max_inflight, limit_per_host=0)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                # The connect phase only; headers and body are timed by this store.
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
-                auto_decompress=False,
-                headers={"Accept-Encoding": "identity"},
+            self._session = client_session(
+                self.max_inflight,
+                self.retry.connect_timeout,
                 # Shared Key signs Content-Type: none is added behind its back.
                 skip_auto_headers=("Content-Type",),
                 trust_env=True,  # HTTPS_PROXY and NO_PROXY, as Azure's own tools honour them

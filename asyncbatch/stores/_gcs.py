@@ -57,7 +57,7 @@ from .._errors import (
 )
 from ._base import Buffer, ObjectInfo, Progress
 from ._gcs_auth import SCOPES, GcsCredentials, check_token
-from ._http import TLS_HINT, send_request
+from ._http import TLS_HINT, client_session, send_request
 from ._ranged import (
     CHUNK,
     REMOTE_COALESCE_GAP,
@@ -181,13 +181,9 @@ class GcsStore:
         if self._session is None or self._limit is None:
             if self._closed:  # a request that outlived the store: no session left behind
                 raise RuntimeError("this GCS store is closed")
-            connector = aiohttp.TCPConnector(limit=self.max_inflight, limit_per_host=0)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                # The connect phase only; headers and body are timed by this store.
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
-                auto_decompress=False,
-                headers={"Accept-Encoding": "identity"},
+            self._session = client_session(
+                self.max_inflight,
+                self.retry.connect_timeout,
                 cookie_jar=aiohttp.DummyCookieJar(),  # GCS sets none: no cookie work per request
             )
             self._limit = asyncio.Semaphore(self.max_inflight)

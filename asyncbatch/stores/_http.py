@@ -17,6 +17,7 @@ which this transport sends as ``If-Match``.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 from urllib.parse import urlsplit
@@ -51,6 +52,26 @@ _TARGETS = 16384
 
 #: How to trust another certificate: aiohttp verifies against OpenSSL's default paths.
 TLS_HINT = "set SSL_CERT_FILE to a CA bundle holding its issuer before starting Python"
+
+
+def client_session(
+    max_inflight: int,
+    connect_timeout: float,
+    *,
+    headers: Mapping[str, str] | None = None,
+    tls: ssl.SSLContext | bool = True,
+    **options: Any,
+) -> aiohttp.ClientSession:
+    """An aiohttp session as the remote stores use one: ``max_inflight`` connections in all
+    (none capped per host), only the connect phase timed (each store times headers and body
+    itself), bodies as sent (``Accept-Encoding: identity``); ``options`` go to the session."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_inflight, limit_per_host=0, ssl=tls),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
+        auto_decompress=False,
+        headers={**(headers or {}), "Accept-Encoding": "identity"},
+        **options,
+    )
 
 
 @overload
@@ -158,13 +179,8 @@ class HttpStore:
         if self._session is None or self._limit is None:
             if self._closed:  # a request that outlived the store: no session left behind
                 raise RuntimeError("this HTTP store is closed")
-            connector = aiohttp.TCPConnector(limit=self.max_inflight, limit_per_host=0)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                # The connect phase only; headers and body are timed by this store.
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.retry.connect_timeout),
-                auto_decompress=False,
-                headers={**self._headers, "Accept-Encoding": "identity"},
+            self._session = client_session(
+                self.max_inflight, self.retry.connect_timeout, headers=self._headers
             )
             self._limit = asyncio.Semaphore(self.max_inflight)
         return self._session, self._limit

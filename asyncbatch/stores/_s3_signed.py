@@ -53,6 +53,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from yarl import URL
 
+from ._http import client_session
 from ._wire import ConnectTimeout, Pool, Response
 
 #: SHA-256 of the empty body: every GET's payload hash.
@@ -248,14 +249,7 @@ class SignedGets:
             if self._closed:  # a GET that outlived the store: no session left behind
                 raise RuntimeError("this S3 store is closed")
             tls: ssl.SSLContext | bool = False if self._verify is False else self._tls()
-            connector = aiohttp.TCPConnector(limit=self._max_inflight, limit_per_host=0, ssl=tls)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                # The connect phase only; the store times headers and body itself.
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
-                auto_decompress=False,
-                headers={"Accept-Encoding": "identity"},
-            )
+            self._session = client_session(self._max_inflight, self._connect_timeout, tls=tls)
         return self._session
 
     async def _bucket(self, bucket: str) -> _Bucket | None:
