@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import math
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -407,7 +408,15 @@ class Engine:
             fields = await run_fetch(source.fetch(ids, gap), read, offload)
         schema = source.schema
         names = list(fields)
-        columns = [split_rows(fields[name], lengths) for name in names]
+        columns: list[Sequence[Any]] = []
+        sizes: list[int] | None = [0] * len(lengths)
+        for name in names:
+            parts, nbytes = split_sized(fields[name], lengths)
+            columns.append(parts)
+            if sizes is not None and nbytes is not None:
+                sizes = [a + b for a, b in zip(sizes, nbytes, strict=True)]
+            else:
+                sizes = None
         cuts = list(itertools.accumulate(lengths, initial=0))
         group = [
             Batch(
@@ -417,21 +426,25 @@ class Engine:
         ]
         # Each batch's share of the stored bytes, by its samples (exact for equal samples).
         shares = [held.planned * cut // max(1, cuts[-1]) for cut in cuts]
-        # Each batch's own bytes, from its rows where every field is an array cut by rows.
-        row_bytes = [_row_bytes(fields[name]) for name in names]
-        sizes = None
-        if None not in row_bytes:
-            per_row = sum(b for b in row_bytes if b is not None)
-            sizes = [n * per_row for n in lengths]
         return group, [b - a for a, b in itertools.pairwise(shares)], sizes
 
 
-def _row_bytes(value: Any) -> int | None:
-    """Bytes per row of a tensor or array cut into batches along axis 0 (None: another
-    kind of value, counted batch by batch)."""
+def split_sized(value: Any, lengths: Sequence[int]) -> tuple[Sequence[Any], list[int] | None]:
+    """:func:`split_rows`, and each part's bytes as the queue counts them
+    (:func:`~asyncbatch._handoff.fields_bytes`) where they are known without looking at
+    every part: an array or tensor cut by rows, a jagged column of numbers."""
+    parts = split_rows(value, lengths)
     if isinstance(value, torch.Tensor | np.ndarray) and value.ndim and value.shape[0]:
-        return int(value.nbytes) // int(value.shape[0])
-    return None
+        per_row = int(value.nbytes) // int(value.shape[0])
+        return parts, [n * per_row for n in lengths]
+    if isinstance(value, Jagged) and isinstance(value.values, torch.Tensor) and len(lengths):
+        offsets = value.offsets.numpy()
+        ends = np.cumsum([0, *lengths])
+        values = value.values
+        per_value = values.element_size() * math.prod(values.shape[1:])
+        nbytes = np.diff(offsets[ends]) * per_value + (np.asarray(lengths) + 1) * 8
+        return parts, nbytes.tolist()
+    return parts, None
 
 
 def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
@@ -441,16 +454,18 @@ def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
         return torch.split_with_sizes(value, list(lengths))
     if isinstance(value, Jagged) and isinstance(value.values, torch.Tensor) and len(lengths) > 1:
         # Slicing a Jagged costs ~35 us of torch calls; here every part's values come from one
-        # split and its offsets from one numpy subtraction (a view each).
+        # split, and the offsets of the parts of the first length from one numpy gather.
         offsets = value.offsets.numpy()
         ends = np.cumsum([0, *lengths])
         bounds = offsets[ends]
         values = value.values[int(bounds[0]) : int(bounds[-1])]
         parts = torch.split_with_sizes(values, np.diff(bounds).tolist())
-        return [
-            Jagged(part, torch.from_numpy(offsets[a : b + 1] - offsets[a]))
-            for part, (a, b) in zip(parts, itertools.pairwise(ends.tolist()), strict=True)
-        ]
+        same = next((k for k, n in enumerate(lengths) if n != lengths[0]), len(lengths))
+        rebased = offsets[ends[:same, None] + np.arange(lengths[0] + 1)] - bounds[:same, None]
+        rows: list[torch.Tensor] = list(torch.from_numpy(rebased).unbind(0))
+        for a, b in itertools.pairwise(ends[same:].tolist()):
+            rows.append(torch.from_numpy(offsets[a : b + 1] - offsets[a]))
+        return [Jagged(part, row) for part, row in zip(parts, rows, strict=True)]
     cuts = list(itertools.accumulate(lengths, initial=0))
     return [value[a:b] for a, b in itertools.pairwise(cuts)]
 

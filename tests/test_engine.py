@@ -1,6 +1,7 @@
 """The engine (``_engine.py``): an error reaches the consumer after every good batch before
 it; the default prefetch fits its memory budget; the local fast path is as short as
-docs/design.md says."""
+docs/design.md says; a group's fields cut into batches as slicing would, with the bytes the
+queue counts."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 import torch
 
 import asyncbatch as ab
+from asyncbatch._batch import Jagged
+from asyncbatch._engine import split_sized
+from asyncbatch._handoff import fields_bytes
 
 
 @pytest.fixture
@@ -81,3 +85,30 @@ def test_the_local_fast_path_is_the_documented_steps(
     # Until then the checks layer is on the path; from then on the path is the short one.
     assert stacks[0] == ["_deliver", "_read_group", "read", "read_windows", "read_windows"]
     assert stacks[-1] == ["_deliver", "_read_group", "read", "read_windows"]
+
+
+@pytest.mark.parametrize(
+    "lengths", [[4, 4, 4], [3, 3, 3, 1], [2, 5, 2, 0, 3], [0, 0], [6]], ids=str
+)
+def test_a_group_cut_into_batches_as_slicing_would(lengths: list[int]) -> None:
+    rows = sum(lengths)
+    counts = np.arange(rows) % 4
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+    jagged = Jagged(torch.arange(int(offsets[-1]) * 2, dtype=torch.int32).reshape(-1, 2), offsets)
+    dense = torch.arange(rows * 3, dtype=torch.float64).reshape(rows, 3)
+    cuts = np.cumsum([0, *lengths]).tolist()
+    for value in (jagged, dense):
+        parts, sizes = split_sized(value, lengths)
+        assert len(parts) == len(lengths)
+        if sizes is None:  # no rows at all: the queue counts each part itself
+            assert rows == 0
+            sizes = [fields_bytes({"x": part}) for part in parts]
+        for part, size, a, b in zip(parts, sizes, cuts[:-1], cuts[1:], strict=True):
+            want = value[a:b]
+            if isinstance(value, Jagged):
+                assert torch.equal(part.values, want.values)
+                assert torch.equal(part.offsets, want.offsets)
+                assert part.offsets.is_contiguous()
+            else:
+                assert torch.equal(part, want)
+            assert size == fields_bytes({"x": part})

@@ -644,6 +644,9 @@ class ArrowRows:
 
         def decode() -> dict[str, Any]:
             pa, _ = pyarrow_modules()
+            if picks is not None and not needed.size:  # every row read by row
+                assert second is not None
+                return self.picker.fields(picks, buffer, second)
             parts: list[dict[str, Any]] = []
             if needed.size:
                 arrays = self.decode_arrays(buffer[:whole_bytes], needed, spans)

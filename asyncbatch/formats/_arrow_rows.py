@@ -25,7 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from .._batch import Jagged
 from .._errors import FormatError
 from . import _arrow_ipc as ipc
 
@@ -243,47 +245,81 @@ class RowPicker:
         self, picks: Picks, picked: npt.NDArray[np.uint8], values: npt.NDArray[np.uint8]
     ) -> dict[str, Any]:
         """The rows' columns as Arrow arrays (of the columns' own types), from both reads."""
+        return {name: array for name, (array, _) in self._decoded(picks, picked, values).items()}
+
+    def fields(
+        self, picks: Picks, picked: npt.NDArray[np.uint8], values: npt.NDArray[np.uint8]
+    ) -> dict[str, Any]:
+        """The rows' batch fields: numbers and lists of numbers as tensors over the bytes
+        read (pyarrow built and validated the arrays over the same bytes), the rest as
+        :func:`~asyncbatch.formats._parquet._to_field` converts the arrays."""
+        from ._parquet import _to_field, pyarrow_modules
+
+        pa, _ = pyarrow_modules()
+        return {
+            name: tensors if tensors is not None else _to_field(array, False, pa)
+            for name, (array, tensors) in self._decoded(picks, picked, values).items()
+        }
+
+    def _decoded(
+        self, picks: Picks, picked: npt.NDArray[np.uint8], values: npt.NDArray[np.uint8]
+    ) -> dict[str, tuple[Any, Any]]:
+        """Each column's Arrow array, validated, and its field where the bytes are the
+        values (None elsewhere)."""
         from ._parquet import pyarrow_modules
 
         pa, _ = pyarrow_modules()
         n = picks.rows.size
-        out: dict[str, Any] = {}
+        out: dict[str, tuple[Any, Any]] = {}
         value_at = 0
         for c, (layout, at) in enumerate(zip(self.layouts, picks.parts, strict=True)):
             assert layout is not None
             column = self.source.selected[c]
             kind = column.kind
+            tensors: Any = None
             if layout.kind == "bits":
                 raw = np.frombuffer(picked, dtype=np.uint8, count=n, offset=at)
                 bits = (raw >> (picks.rows % 8).astype(np.uint8)) & 1
                 packed = np.packbits(bits.astype(np.uint8), bitorder="little")
                 array = pa.Array.from_buffers(kind, n, [None, pa.py_buffer(packed)])
             elif layout.kind == "fixed":
-                data = pa.py_buffer(np.array(picked[at : at + n * layout.width]))
+                raw = _aligned(picked[at : at + n * layout.width], layout.width)
+                data = pa.py_buffer(raw)
                 if pa.types.is_fixed_size_list(kind):
                     child = pa.Array.from_buffers(kind.value_type, n * kind.list_size, [None, data])
                     array = pa.Array.from_buffers(kind, n, [None], children=[child])
+                    item = kind.value_type
+                    shape: tuple[int, ...] = (n, kind.list_size)
                 else:
                     array = pa.Array.from_buffers(kind, n, [None, data])
+                    item, shape = kind, (n,)
+                tensors = _tensor(raw, item, pa, shape)
             else:
                 begin, end = picks.offsets[c]
                 counts = end - begin
-                dtype = np.int32 if layout.width == 4 else np.int64
                 total = int(counts.sum())
                 if layout.width == 4 and total >= 1 << 31:
                     raise FormatError(
                         f"{self.source.where(int(picks.batches[0]))}: column {column.name!r}:"
                         f" {total} values in one group overflow its 32-bit offsets"
                     )
-                offsets = pa.py_buffer(np.concatenate([[0], np.cumsum(counts)]).astype(dtype))
+                offsets = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(counts, out=offsets[1:])
+                stored = offsets.astype(np.int32) if layout.width == 4 else offsets
                 nbytes = total * layout.item
-                data = pa.py_buffer(np.array(values[value_at : value_at + nbytes]))
+                raw = _aligned(values[value_at : value_at + nbytes], layout.item)
                 value_at += nbytes
+                data = pa.py_buffer(raw)
                 if pa.types.is_list(kind) or pa.types.is_large_list(kind):
                     child = pa.Array.from_buffers(kind.value_type, total, [None, data])
-                    array = pa.Array.from_buffers(kind, n, [None, offsets], children=[child])
+                    array = pa.Array.from_buffers(
+                        kind, n, [None, pa.py_buffer(stored)], children=[child]
+                    )
+                    tensors = Jagged(
+                        _tensor(raw, kind.value_type, pa, (total,)), torch.from_numpy(offsets)
+                    )
                 else:
-                    array = pa.Array.from_buffers(kind, n, [None, offsets, data])
+                    array = pa.Array.from_buffers(kind, n, [None, pa.py_buffer(stored), data])
             try:
                 array.validate(full=True)
             except pa.ArrowException as exc:
@@ -291,5 +327,18 @@ class RowPicker:
                 raise FormatError(
                     f"{where}: column {column.name!r} does not decode: {exc}"
                 ) from exc
-            out[column.name] = array
+            out[column.name] = array, tensors
         return out
+
+
+def _aligned(raw: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
+    """``raw`` (bytes of a read buffer), or a copy where it does not start on a multiple of
+    ``width`` (the values of a column after another's of odd length)."""
+    aligned = raw.ctypes.data % min(8, width & -width or 1) == 0
+    return raw if aligned else np.array(raw)
+
+
+def _tensor(raw: npt.NDArray[np.uint8], kind: Any, pa: Any, shape: tuple[int, ...]) -> Any:
+    """The numbers ``raw`` holds, of Arrow type ``kind``, as a tensor sharing its bytes."""
+    dtype = np.dtype(kind.to_pandas_dtype())
+    return torch.from_numpy(raw.view(dtype).reshape(shape))

@@ -87,12 +87,15 @@ except ImportError:  # pragma: no cover - built without a C compiler
 
 Int64Array = npt.NDArray[np.int64]
 
-#: Reads one pool job does before a group is split across threads: fewer, larger jobs win
-#: on few cores, since each job costs a thread hop and the reads run without the GIL.
+#: Reads (``pread``) one pool job does before a group is split across threads: fewer, larger
+#: jobs win on few cores, since each job costs a thread hop and the reads run without the GIL.
 RANGES_PER_JOB = 512
-#: Destination bytes per thread job of :meth:`LocalStore.read_windows`: a group that writes
-#: more (a widening ``dtype`` writes 4x what it reads) copies in parallel parts; smaller
-#: ones in one call, since each job costs a thread hop and its own look-ups.
+#: :attr:`LocalStore.coalesce_gap` when it copies from mappings.
+MAPPED_COALESCE_GAP = 512
+#: Destination bytes per thread job of :meth:`LocalStore.read_windows`, and of copies from
+#: mappings: a group that writes more (a widening ``dtype`` writes 4x what it reads) copies
+#: in parallel parts; smaller ones in one call, since each job costs a thread hop and its own
+#: look-ups (thousands of small ranges copy in a fraction of that).
 GATHER_JOB_BYTES = 8 * 2**20
 
 
@@ -266,15 +269,18 @@ class LocalFiles:
 class LocalStore(Unbounded):
     """Store for local paths and ``file://`` URLs."""
 
-    # A read syscall costs about as much as copying ~10 KB from the page cache: merging
-    # neighbours further apart than that moves more bytes than it saves in calls. Mapped
-    # copies make no call to save; gap 0 measured the same as this gap there (so kept).
+    #: A read syscall costs about as much as copying ~10 KB from the page cache: merging
+    #: neighbours further apart than that moves more bytes than it saves in calls. A copy
+    #: from a mapping costs ~0.1 us a range, a few hundred bytes' copying (every byte copied
+    #: also faults its pages in, at both ends): there only near neighbours are merged.
     coalesce_gap = 16 * 1024
     #: ``read_into`` and ``read_windows`` widen integers as they copy (``convert``).
     supports_convert = True
 
     def __init__(self, max_threads: int = 8, max_open_files: int = 128, mmap: bool = True) -> None:
         self._files = LocalFiles(max_open_files, mmap)
+        if self._files.mmap:
+            self.coalesce_gap = MAPPED_COALESCE_GAP
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
@@ -530,7 +536,10 @@ class LocalStore(Unbounded):
             return
         self._files.follow(current_run())
         loop = asyncio.get_running_loop()
-        jobs = max(1, min(self._threads, count // RANGES_PER_JOB))
+        if self._files.mmap:  # copies from mappings: a range costs far less than a pread
+            jobs = max(1, min(self._threads, int((ends - starts).sum()) // GATHER_JOB_BYTES))
+        else:
+            jobs = max(1, min(self._threads, count // RANGES_PER_JOB))
         bounds = [count * j // jobs for j in range(jobs + 1)]
         await asyncio.gather(
             *(
