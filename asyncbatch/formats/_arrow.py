@@ -47,7 +47,7 @@ from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import _arrow_ipc as ipc
-from ._arrow_rows import Column, RowPicker
+from ._arrow_rows import Column, RowPicker, gathered
 from ._base import Fetch, OffLoop, Opener, Read
 from ._npy import gather_limited, may_list, read_range
 from ._parquet import (
@@ -648,6 +648,18 @@ class ArrowRows:
                 assert second is not None
                 return self.picker.fields(picks, buffer, second)
             parts: list[dict[str, Any]] = []
+            if picks is None:  # whole record batches only: rows copied out where they can be
+                rows_of = np.searchsorted(needed, batches)
+                fields = self.gather_rows(buffer, needed, spans, rows_of, in_batch)
+                rest = [name for name in self.columns if name not in fields]
+                if rest:
+                    arrays = self.decode_arrays(buffer, needed, spans, rest)
+                    base = np.cumsum(self.rows[needed]) - self.rows[needed]
+                    rows = pa.array(base[rows_of] + in_batch)
+                    fill = self.nulls == "fill"
+                    for name in rest:
+                        fields[name] = _to_field(arrays[name].take(rows), fill, pa)
+                return {name: fields[name] for name in self.columns}
             if needed.size:
                 arrays = self.decode_arrays(buffer[:whole_bytes], needed, spans)
                 base = np.cumsum(self.rows[needed]) - self.rows[needed]
@@ -692,25 +704,69 @@ class ArrowRows:
         return pa.table({name: arrays[name] for name in self.columns})
 
     def decode_arrays(
-        self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array
+        self,
+        buffer: npt.NDArray[np.uint8],
+        needed: Int64Array,
+        spans: Int64Array,
+        names: Sequence[str] | None = None,
     ) -> dict[str, Any]:
-        """Every selected column of record batches ``needed``, one array each, built by
-        pyarrow from the bytes :meth:`region_ranges` located, validated, nulls checked."""
+        """Every selected column (those ``names``) of record batches ``needed``, one array
+        each, built by pyarrow from the bytes :meth:`region_ranges` located, validated,
+        nulls checked."""
         pa, _ = pyarrow_modules()
-        lengths = (spans[..., 1] - spans[..., 0]).ravel()
-        at = (np.cumsum(lengths) - lengths).reshape(needed.size, -1)
-        view = memoryview(buffer)  # type: ignore[arg-type]
         out: dict[str, Any] = {}
         for c, column in enumerate(self.selected):
-            pieces = []
-            for j, b in enumerate(needed.tolist()):
-                region = view[
-                    int(at[j, c]) : int(at[j, c] + lengths.reshape(needed.size, -1)[j, c])
-                ]
-                pieces.append(self._array(b, column, region, int(spans[j, c, 0])))
-            array = pa.concat_arrays(pieces) if len(pieces) != 1 else pieces[0]
-            self.check_nulls(array, column.name, needed, pa)
-            out[column.name] = array
+            if names is None or column.name in names:
+                pieces = self._pieces(buffer, needed, spans, c)
+                array = pa.concat_arrays(pieces) if len(pieces) != 1 else pieces[0]
+                self.check_nulls(array, column.name, needed, pa)
+                out[column.name] = array
+        return out
+
+    def _pieces(
+        self, buffer: npt.NDArray[np.uint8], needed: Int64Array, spans: Int64Array, c: int
+    ) -> list[Any]:
+        """Column ``c`` of each of record batches ``needed``, an array each, validated."""
+        lengths = (spans[..., 1] - spans[..., 0]).reshape(needed.size, -1)
+        at = np.cumsum(lengths).reshape(needed.size, -1) - lengths
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        column = self.selected[c]
+        return [
+            self._array(
+                b, column, view[int(at[j, c]) : int(at[j, c] + lengths[j, c])], int(spans[j, c, 0])
+            )
+            for j, b in enumerate(needed.tolist())
+        ]
+
+    def gather_rows(
+        self,
+        buffer: npt.NDArray[np.uint8],
+        needed: Int64Array,
+        spans: Int64Array,
+        rows_of: Int64Array,
+        in_batch: Int64Array,
+    ) -> dict[str, Any]:
+        """The fields of rows ``in_batch`` of record batches ``needed[rows_of]``, copied
+        straight out of the bytes read (one GIL-free call per column) for the columns whose
+        rows are byte ranges there: numbers, lists of numbers, strings and binaries, of
+        uncompressed record batches without nulls in them. pyarrow builds and validates each
+        record batch's array first (its offsets within its values, ...), as for every read;
+        the other columns are left out (taken by pyarrow)."""
+        out: dict[str, Any] = {}
+        if (self.codec[needed] != ipc.NO_CODEC).any():
+            return out
+        lengths = (spans[..., 1] - spans[..., 0]).reshape(needed.size, -1)
+        at = np.cumsum(lengths).reshape(needed.size, -1) - lengths
+        batch_buffers = self.buffers[needed[rows_of], :, 0]
+        for c, column in enumerate(self.selected):
+            layout = self.picker.layouts[c]
+            nodes = self.nodes[needed, column.nodes[0] : column.nodes[1], 1]
+            if layout is None or layout.kind == "bits" or (nodes > 0).any():
+                continue
+            self._pieces(buffer, needed, spans, c)  # validated, never used
+            # Where each row's record batch keeps each of its buffers, in ``buffer``.
+            placed = (at[rows_of, c] - spans[rows_of, c, 0])[:, None] + batch_buffers
+            out[column.name] = gathered(buffer, layout, column.kind, placed, in_batch)
         return out
 
     def _array(self, batch: int, column: Column, region: memoryview, base: int) -> Any:

@@ -27,8 +27,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._batch import Jagged
+from .._batch import Jagged, Strings
 from .._errors import FormatError
+from ..stores._copying import copy_pieces
 from . import _arrow_ipc as ipc
 
 Int64Array = npt.NDArray[np.int64]
@@ -329,6 +330,46 @@ class RowPicker:
                 ) from exc
             out[column.name] = array, tensors
         return out
+
+
+def gathered(
+    buffer: npt.NDArray[np.uint8],
+    layout: Layout,
+    kind: Any,
+    placed: Int64Array,
+    rows: Int64Array,
+) -> Any:
+    """The batch field of rows ``rows`` of a column laid out as ``layout`` (not ``bits``),
+    copied out of ``buffer``, where ``placed[i, k]`` is the byte at which row ``i``'s record
+    batch keeps its buffer ``k``; the record batches' arrays validated already."""
+    from ._parquet import pyarrow_modules
+
+    pa, _ = pyarrow_modules()
+    n = rows.size
+    if layout.kind == "fixed":
+        source = placed[:, layout.values] + rows * layout.width
+        lengths = np.full(n, layout.width, dtype=np.int64)
+        dest = np.empty(n * layout.width, dtype=np.uint8)
+        copy_pieces(buffer, source, lengths, dest, np.arange(n, dtype=np.int64) * layout.width)
+        if pa.types.is_fixed_size_list(kind):
+            return _tensor(dest, kind.value_type, pa, (n, kind.list_size))
+        return _tensor(dest, kind, pa, (n,))
+    # Each row's two offsets, from wherever they lie (bytes gathered, then read as numbers).
+    at = placed[:, layout.offsets] + rows * layout.width
+    pairs = buffer[at[:, None] + np.arange(2 * layout.width)]
+    bounds = pairs.view("<i4" if layout.width == 4 else "<i8").astype(np.int64)
+    counts = bounds[:, 1] - bounds[:, 0]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    dest = np.empty(int(offsets[-1]) * layout.item, dtype=np.uint8)
+    source = placed[:, layout.values] + bounds[:, 0] * layout.item
+    copy_pieces(buffer, source, counts * layout.item, dest, offsets[:-1] * layout.item)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return Jagged(
+            _tensor(dest, kind.value_type, pa, (int(offsets[-1]),)), torch.from_numpy(offsets)
+        )
+    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    return Strings(torch.from_numpy(dest), torch.from_numpy(offsets), binary)
 
 
 def _aligned(raw: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
