@@ -46,6 +46,7 @@ from .formats._base import (
     OffLoop,
     PlannedSource,
     Read,
+    ReadsRowsAlone,
     Source,
     Step,
     Wait,
@@ -184,7 +185,10 @@ class Engine:
             previous: asyncio.Task[bool] | None = None
             per_epoch = self.order.batches_per_epoch
             done = 0  # batches of the run (all workers) in the epochs before this one
-            first_size = self.unit
+            # A block shuffle's first batch waits only for its own rows where the source
+            # reads them without their blocks; the rest of its window is the next group.
+            alone = self.source.reads_rows_alone if isinstance(self.source, ReadsRowsAlone) else 0
+            first_size = 1 if 0 < alone < self.unit else self.unit
             first = True
             while True:
                 for batches in self.groups(first_batch, done, history, first_size):
@@ -300,9 +304,10 @@ class Engine:
         ``first_batch`` on, when the run delivered ``done`` batches before this epoch.
 
         Groups grow ``first_size`` (default: one unit), 2x, 4x, ... up to the full size (the
-        first batch only waits for the reads of its unit), and end on multiples of the group
-        size counted from where the rank's windows start, so that each covers whole shuffle
-        windows. A worker's group holds every ``stride``-th batch.
+        first batch only waits for the reads of its unit), never less than a unit after the
+        first, and end on multiples of the group size counted from where the rank's windows
+        start, so that each covers whole shuffle windows (a first group of one batch: the
+        rest of its window next). A worker's group holds every ``stride``-th batch.
         """
         stride = self.stride
         # Slot i is batch start + i * stride of the epoch.
@@ -314,7 +319,7 @@ class Engine:
         while slot < stop:
             at = (start - origin) // stride + slot
             count = min(size, stop - slot, self.group - at % self.group)
-            size = min(self.group, size * 2)
+            size = min(self.group, max(size * 2, self.unit))
             yield range(start + slot * stride, start + (slot + count) * stride, stride)
             slot += count
 

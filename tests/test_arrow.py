@@ -26,6 +26,7 @@ from test_parquet import check_packed, windows_of
 import asyncbatch as ab
 from asyncbatch._batch import Jagged, Strings
 from asyncbatch._errors import ConfigError, FormatError
+from asyncbatch.formats import _arrow as arrow
 from asyncbatch.formats import _arrow_rows as arrow_rows
 from asyncbatch.formats._arrow import HEAD_PROBE, HEADER_READ, TAIL_PROBE
 
@@ -406,6 +407,40 @@ def test_block_shuffle_reads_each_record_batch_once_only_its_columns(tmp_path: P
     # The id and tokens columns of every record batch, each read once by one rank.
     buffers = dataset.arrays["rb_buffers"]  # id: 2 buffers, tokens: 4
     assert fetched == int(buffers[:, :6, 1].sum())
+
+
+def test_a_block_shuffle_first_batch_reads_only_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows of many batches: the run's first group is its first batch alone, its rows
+    read by their byte ranges; then the rest of the window, its record batches whole."""
+    table = make_table(0, 800).append_column("pad", pa.array([b"x" * 500] * 800, pa.binary()))
+    (tmp_path / "a.arrow").write_bytes(ipc_bytes(table, 200, "stream"))
+    dataset = ab.open_dataset(str(tmp_path), options={"columns": ["id", "tokens", "pad"]})
+    groups: list[tuple[int, int]] = []
+    fetch = arrow.ArrowRows.fetch
+
+    def counting(self: arrow.ArrowRows, ids: Any, gap: int) -> Any:
+        steps = fetch(self, ids, gap)
+        step = next(steps)
+        groups.append((int(ids.size), step.plan.nbytes))
+        result = yield step
+        while True:
+            try:
+                step = steps.send(result)
+            except StopIteration as stop:
+                return stop.value
+            result = yield step
+
+    monkeypatch.setattr(arrow.ArrowRows, "fetch", counting)
+    args: dict[str, Any] = dict(batch_size=10, shuffle="block", window=4, seed=1)
+    with ab.Loader(dataset, **args) as loader:
+        ids = [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(ids) == list(range(800))
+    body = int(dataset.arrays["rb_buffers"][:, :, 1].sum())
+    assert [size for size, _ in groups] == [10, 790]
+    assert groups[0][1] < 10 * (8 + 8 + 600) < body / 10  # offsets and the rows' bytes
+    assert groups[1][1] > body / 2
 
 
 @pytest.mark.parametrize("shuffle", ["block", True])

@@ -469,3 +469,70 @@ def test_local_stats_of_one_turn_share_one_thread_job(
     assert isinstance(missing, NotFoundError) and "missing" in str(missing)
     assert info.size == 7
     assert jobs == [302]
+
+
+def test_resident_tells_pages_in_memory_from_those_not() -> None:
+    """``_preadv.resident``: an anonymous mapping's untouched pages are not in memory, its
+    written ones are."""
+    import ctypes
+    import mmap
+
+    from asyncbatch.stores import _preadv
+
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 8 * page)
+    try:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+
+        def resident(start: int, length: int) -> bool:
+            one = np.array([base], dtype=np.int64)
+            return _preadv.resident(one, np.array([start]), np.array([length]))
+
+        area[0] = 1
+        area[3 * page + 5] = 1
+        assert resident(0, page) and resident(3 * page, page)
+        assert resident(3 * page + 7, 10) and resident(0, 0)
+        assert not resident(0, 2 * page) and not resident(5 * page, 1)
+        area[page] = 1
+        assert resident(0, 2 * page)
+    finally:
+        with contextlib.suppress(BufferError):  # the ctypes view may still hold it
+            area.close()
+
+
+def test_small_reads_of_resident_pages_are_made_without_a_thread(tmp_path: Path) -> None:
+    """A few ranges of open, mapped files whose pages are in memory are copied on the loop;
+    the first read of a file (which opens it) and larger reads go to a thread."""
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    urls = []
+    for i in range(2):
+        (tmp_path / f"f{i}").write_bytes(data.tobytes())
+        urls.append(str(tmp_path / f"f{i}"))
+    jobs: list[int] = []
+
+    async def main() -> None:
+        store = LocalStore()
+        submit = store._pool.submit
+
+        def counted(fn: Any, *args: Any) -> Any:
+            jobs.append(len(args[2]) if fn == store._read_job else -1)
+            return submit(fn, *args)
+
+        store._pool.submit = counted  # type: ignore[method-assign]
+        try:
+            for count, size in [(4, 100), (4, 100), (16, 4096), (17, 100), (2, 200_000)]:
+                which = np.arange(count, dtype=np.int64) % 2
+                starts = np.arange(count, dtype=np.int64) * 7919 % ((1 << 20) - size)
+                dest = np.zeros(count * size, dtype=np.uint8)
+                at = np.arange(count, dtype=np.int64) * size
+                await store.read_into(urls, which, starts, starts + size, dest, at)
+                for k in range(count):
+                    got = dest[at[k] : at[k] + size]
+                    np.testing.assert_array_equal(got, data[starts[k] : starts[k] + size])
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    # The first read opens the files on a thread; the next two are small; 17 ranges are
+    # too many; 400 KB too much.
+    assert jobs == [4, 17, 2]

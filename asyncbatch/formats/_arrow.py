@@ -75,6 +75,9 @@ TAIL_PROBE = 64 << 10
 HEAD_PROBE = 64 << 10
 #: Bytes read at a stream's later headers (more when the last header was larger).
 HEADER_READ = 4 << 10
+#: A group that uses fewer than 1 in ``SPARSE`` of the rows of the record batches it touches
+#: reads its rows one by one (where they can be) rather than those record batches whole.
+SPARSE = 8
 #: open_dataset's options for Arrow.
 OPTIONS = ("columns", "nulls")
 # Dataset.arrays keys.
@@ -613,6 +616,8 @@ class ArrowRows:
         #: Set by the loader under an exact shuffle: rows then read one by one where they can.
         self.scattered = False
         self.picker = RowPicker(self)
+        #: A group of few rows reads them alone (a block shuffle's first batch, say).
+        self.reads_rows_alone = SPARSE if self.picker.readable.any() else 0
 
     def where(self, batch: int) -> str:
         """Record batch ``batch`` for an error: its file and the byte its body starts at."""
@@ -626,7 +631,10 @@ class ArrowRows:
     def fetch(self, ids: Int64Array, gap: int) -> Fetch:
         batches = np.searchsorted(self.ends, ids, side="right")
         in_batch = ids - (self.ends - self.rows)[batches]
-        single = self.picker.readable[batches] if self.scattered else np.zeros(ids.size, dtype=bool)
+        # Rows are read one by one under an exact shuffle, and in any group that uses few of
+        # the rows of the record batches it touches (a block shuffle's first batch).
+        sparse = self.scattered or (ids.size * SPARSE < int(self.rows[np.unique(batches)].sum()))
+        single = self.picker.readable[batches] if sparse else np.zeros(ids.size, dtype=bool)
         needed = np.unique(batches[~single])
         spans, starts, lengths = self.region_ranges(needed)
         whole_bytes = int(lengths.sum())
@@ -635,12 +643,14 @@ class ArrowRows:
             picks = self.picker.first(batches[single], in_batch[single])
             starts = np.concatenate([starts, picks.starts])
             lengths = np.concatenate([lengths, picks.lengths])
-        buffer = yield Read(self.file_map.plan(starts, lengths, gap))
+        empty = np.empty(0, dtype=np.uint8)
+        # Nothing to read first once every record batch's offsets are kept.
+        buffer = (yield Read(self.file_map.plan(starts, lengths, gap))) if starts.size else empty
         second = None
         if picks is not None:
             picked = buffer[whole_bytes:]
-            second_plan = self.picker.second(picks, picked)
-            second = yield Read(self.file_map.plan(*second_plan, gap))
+            at, sizes = self.picker.second(picks, picked)
+            second = (yield Read(self.file_map.plan(at, sizes, gap))) if at.size else empty
 
         def decode() -> dict[str, Any]:
             pa, _ = pyarrow_modules()

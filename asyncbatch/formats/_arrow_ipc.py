@@ -119,45 +119,93 @@ def _root(data: bytes, where: str) -> _Table:
     return _Table(data, int.from_bytes(data[:4], "little"), where)
 
 
-def _pairs(table: _Table, index: int) -> Int64Array:
-    start, count = table.structs(index, 16)
-    return np.frombuffer(table.data, dtype="<i8", count=2 * count, offset=start).reshape(count, 2)
+_u8 = struct.Struct("<B").unpack_from
+_i8 = struct.Struct("<b").unpack_from
+_u16 = struct.Struct("<H").unpack_from
+_i32 = struct.Struct("<i").unpack_from
+_u32 = struct.Struct("<I").unpack_from
+_i64 = struct.Struct("<q").unpack_from
+
+
+def _fields(meta: bytes, table: int) -> tuple[int, ...]:
+    """The offsets (0: absent) of the fields of the FlatBuffers table at ``table``."""
+    vtable = table - _i32(meta, table)[0]
+    size = _u16(meta, vtable)[0]
+    if vtable < 0 or size < 4 or size % 2:
+        raise struct.error(f"bad vtable at {vtable}")
+    return struct.unpack_from(f"<{(size - 4) // 2}H", meta, vtable + 4)
+
+
+def _at(fields: tuple[int, ...], index: int) -> int:
+    return fields[index] if index < len(fields) else 0
+
+
+def _vector(meta: bytes, field: int, width: int) -> Int64Array:
+    """The vector of ``width``-byte structs of int64 pairs whose offset is at ``field``
+    (none: empty), as ``[n, 2]``."""
+    if not field:
+        return np.zeros((0, 2), dtype=np.int64)
+    target = field + _u32(meta, field)[0]
+    count = _u32(meta, target)[0]
+    if target + 4 + count * width > len(meta):
+        raise struct.error("a vector runs out")
+    return np.frombuffer(meta, dtype="<i8", count=2 * count, offset=target + 4).reshape(count, 2)
 
 
 def parse_message(data: bytes, start: int, url: str) -> Message:
     """The message whose encapsulated bytes (prefix and whole metadata) are ``data``, found
     at byte ``start`` of ``url``."""
-    where = f"{url}: message at byte {start}"
     if data[:4] != CONTINUATION:
         raise FormatError(
-            f"{where}: bad continuation marker {bytes(data[:4]).hex()} (expected ffffffff;"
-            " streams written before Arrow 0.15 are not read)"
+            f"{url}: message at byte {start}: bad continuation marker {bytes(data[:4]).hex()}"
+            " (expected ffffffff; streams written before Arrow 0.15 are not read)"
         )
     length = int.from_bytes(data[4:8], "little", signed=True)
-    if length <= 0 or len(data) != 8 + length:
-        raise FormatError(f"{where}: metadata length {length} does not fit the bytes read")
-    root = _root(bytes(data[8:]), where)
-    kind = root.scalar(1, "<B")
-    body = root.scalar(3, "<q")
-    if body < 0:
-        raise FormatError(f"{where}: negative body length {body}")
-    message = Message(start, 8 + length, kind, body)
-    if kind != RECORD_BATCH:
-        return message
-    header = root.table(2)
-    if header is None:
-        raise FormatError(f"{where}: a record batch message without its header")
-    nodes, buffers = _pairs(header, 1).astype(np.int64), _pairs(header, 2).astype(np.int64)
-    compression = header.table(3)
-    codec = NO_CODEC if compression is None else compression.scalar(0, "<b")
+    if length < 8 or len(data) != 8 + length:
+        raise FormatError(
+            f"{url}: message at byte {start}: metadata length {length} does not fit the bytes read"
+        )
+    meta = bytes(data[8:])
+    try:
+        root = _u32(meta, 0)[0]
+        fields = _fields(meta, root)
+        kind = _u8(meta, root + _at(fields, 1))[0] if _at(fields, 1) else 0
+        body = _i64(meta, root + _at(fields, 3))[0] if _at(fields, 3) else 0
+        if body < 0:
+            raise FormatError(f"{url}: message at byte {start}: negative body length {body}")
+        if kind != RECORD_BATCH:
+            return Message(start, 8 + length, kind, body)
+        if not _at(fields, 2):
+            raise FormatError(
+                f"{url}: message at byte {start}: a record batch message without its header"
+            )
+        field = root + _at(fields, 2)
+        header = field + _u32(meta, field)[0]
+        own = _fields(meta, header)
+        rows = _i64(meta, header + _at(own, 0))[0] if _at(own, 0) else 0
+        nodes = _vector(meta, header + _at(own, 1) if _at(own, 1) else 0, 16)
+        buffers = _vector(meta, header + _at(own, 2) if _at(own, 2) else 0, 16)
+        codec = NO_CODEC
+        if _at(own, 3):
+            field = header + _at(own, 3)
+            compression = field + _u32(meta, field)[0]
+            codec_at = _at(_fields(meta, compression), 0)
+            codec = _i8(meta, compression + codec_at)[0] if codec_at else 0
+    except struct.error as exc:
+        raise FormatError(
+            f"{url}: message at byte {start}: corrupt FlatBuffers metadata ({exc})"
+        ) from exc
     if codec != NO_CODEC and codec not in CODECS:
-        raise FormatError(f"{where}: unknown body compression {codec}")
+        raise FormatError(f"{url}: message at byte {start}: unknown body compression {codec}")
     # Offset and length each within the body (their sum could overflow int64).
-    if buffers.size and ((buffers < 0).any() or (buffers[:, 1] > body - buffers[:, 0]).any()):
-        raise FormatError(f"{where}: a buffer lies outside its body of {body} bytes")
-    rows = header.scalar(0, "<q")
-    if rows < 0 or (nodes < 0).any():
-        raise FormatError(f"{where}: negative lengths in the record batch header")
+    if buffers.size and (buffers.min() < 0 or (buffers[:, 1] > body - buffers[:, 0]).any()):
+        raise FormatError(
+            f"{url}: message at byte {start}: a buffer lies outside its body of {body} bytes"
+        )
+    if rows < 0 or (nodes.size and nodes.min() < 0):
+        raise FormatError(
+            f"{url}: message at byte {start}: negative lengths in the record batch header"
+        )
     return Message(start, 8 + length, kind, body, rows, nodes, buffers, codec)
 
 

@@ -146,6 +146,9 @@ class RowPicker:
         cached = bool(var) and int(counts.sum()) * 8 * len(var) <= OFFSETS_CACHE
         self.flat = {c: np.zeros(int(counts.sum()), dtype=np.int64) for c in var if cached}
         self.loaded = {c: np.zeros(source.rows.size, dtype=bool) for c in self.flat}
+        #: Whether every record batch's offsets of the column are kept.
+        self.complete = {c: False for c in self.flat}
+        self.none = np.zeros(0, dtype=np.int64)
 
     def _buffer(self, batches: Int64Array, k: int) -> tuple[Int64Array, Int64Array]:
         """Where buffer ``k`` of each of ``batches`` starts (file-concatenated) and its length."""
@@ -172,7 +175,9 @@ class RowPicker:
             assert layout is not None
             parts.append(at_part)
             if c in self.flat:  # whole offsets buffers of the batches not read yet
-                new = np.unique(batches[~self.loaded[c][batches]])
+                new = (
+                    self.none if self.complete[c] else np.unique(batches[~self.loaded[c][batches]])
+                )
                 at, size = self._buffer(new, layout.offsets)
                 whole = (self.source.rows[new] + 1) * layout.width
                 self._check(new, whole, size, "the offsets")
@@ -214,6 +219,7 @@ class RowPicker:
             first = np.repeat(self.flat_base[new] - (np.cumsum(counts) - counts), counts)
             self.flat[c][first + np.arange(values.size)] = values
             self.loaded[c][new] = True
+            self.complete[c] = bool(self.loaded[c].all())
         row = self.flat_base[picks.batches] + picks.rows
         return self.flat[c][row], self.flat[c][row + 1]
 

@@ -145,6 +145,17 @@ class ReadsScattered(Protocol):
 
 
 @runtime_checkable
+class ReadsRowsAlone(Protocol):
+    """Optional: a group that uses fewer than 1 in ``reads_rows_alone`` of the samples of
+    the blocks it touches reads its samples without the rest of those blocks (an Arrow
+    record batch's rows, by their byte ranges); 0: never. A block-shuffle run whose windows
+    hold more batches than that starts with its first batch alone, so that the first batch
+    waits only for its own reads, not its window's."""
+
+    reads_rows_alone: int
+
+
+@runtime_checkable
 class DescribesFiles(Protocol):
     """Optional: what the manifests record of files the plans name beyond the shards (a
     documents dataset's per-shard indexes): ``{url: (bytes, checksum or None)}``. The engine

@@ -90,6 +90,10 @@ Int64Array = npt.NDArray[np.int64]
 #: Reads (``pread``) one pool job does before a group is split across threads: fewer, larger
 #: jobs win on few cores, since each job costs a thread hop and the reads run without the GIL.
 RANGES_PER_JOB = 512
+#: Reads of at most this many ranges and bytes, from mapped pages in memory, are copied on
+#: the event loop itself (a copy of a few KiB costs microseconds, a thread's hop ~100 us).
+INLINE_READS = 16
+INLINE_BYTES = 256 << 10
 #: :attr:`LocalStore.coalesce_gap` when it copies from mappings.
 MAPPED_COALESCE_GAP = 512
 #: Destination bytes per thread job of :meth:`LocalStore.read_windows`, and of copies from
@@ -216,6 +220,15 @@ class LocalFiles:
             entry[1] += 1
             self._fds.move_to_end(url)
         return entry
+
+    def mappings(self, urls: Sequence[str]) -> list[int] | None:
+        """The mapping address of each of ``urls``, when every one is open and mapped in
+        this run (else None: opening or checking one is left to a thread)."""
+        with self._lock:
+            entries = [self._fds.get(url) for url in urls]
+            if any(e is None or e[3] < 0 or e[4] != self._run for e in entries):
+                return None
+            return [e[2] for e in entries if e is not None]
 
     def check_pins(self, urls: Sequence[str], stats: Sequence[os.stat_result]) -> None:
         """Pin each of ``urls`` at its version in ``stats`` if not yet pinned, else require
@@ -535,6 +548,9 @@ class LocalStore(Unbounded):
         if count == 0:
             return
         self._files.follow(current_run())
+        if self._resident(urls, which, starts, ends):  # a small copy: here, no thread's hop
+            self._read_job(urls, which, starts, ends, dest, dest_offsets, convert)
+            return
         loop = asyncio.get_running_loop()
         if self._files.mmap:  # copies from mappings: a range costs far less than a pread
             jobs = max(1, min(self._threads, int((ends - starts).sum()) // GATHER_JOB_BYTES))
@@ -557,6 +573,26 @@ class LocalStore(Unbounded):
                 for a, b in itertools.pairwise(bounds)
             )
         )
+
+    def _resident(
+        self, urls: Sequence[str], which: Int64Array, starts: Int64Array, ends: Int64Array
+    ) -> bool:
+        """Whether the reads are a small copy from mappings of files open in this run whose
+        pages are all in memory: one that waits for no disk and no file system call, cheaper
+        made on the loop than a hop to a thread and back (a header, a footer, a few rows)."""
+        count = int(starts.size)
+        if count > INLINE_READS or _preadv is None or not self._files.mmap:
+            return False
+        lengths = ends - starts
+        if int(lengths.sum()) > INLINE_BYTES:
+            return False
+        used = np.unique(which)
+        bases = self._files.mappings([urls[i] for i in used.tolist()])
+        if bases is None:
+            return False
+        base_of = np.zeros(len(urls), dtype=np.int64)
+        base_of[used] = bases
+        return _preadv.resident(base_of[which], starts, lengths)
 
     def _read_job(
         self,

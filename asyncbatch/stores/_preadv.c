@@ -26,6 +26,11 @@
  *   the fastest version this CPU runs; "u2>i8:c" (":sse2", ":avx2") one version, as listed
  *   by conversion_versions().
  *
+ * resident(bases, offsets, lengths) -> bool
+ *   Whether every page of each range [bases[i] + offsets[i], + lengths[i]) of mappings is
+ *   in memory (mincore), so that a copy from it waits for no disk: a small read can then be
+ *   made where it is asked for instead of on a thread.
+ *
  * gather(bases, limits, ends, headers, itemsize, starts, window, dest[, convert])
  *     -> (done, shard, start, end, errno)
  *   Plans and copies a group of fixed windows of a dataset's element stream in one call:
@@ -45,6 +50,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -585,7 +591,61 @@ done:
     return result;
 }
 
+static PyObject *resident(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2])) return NULL;
+    Py_buffer views[3] = {{0}};
+    PyObject *result = NULL;
+    unsigned char *vec = NULL;
+    for (int k = 0; k < 3; k++) {
+        if (get_array(objs[k], &views[k], 8, "resident", 0) < 0) goto done;
+    }
+    Py_ssize_t count = views[0].len / 8;
+    if (views[1].len / 8 != count || views[2].len / 8 != count) {
+        PyErr_SetString(PyExc_ValueError, "resident: arrays of different lengths");
+        goto done;
+    }
+    const int64_t *bases = views[0].buf, *offsets = views[1].buf, *lengths = views[2].buf;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    size_t vec_size = 0;
+    int all = 1;
+    for (Py_ssize_t i = 0; i < count && all; i++) {
+        if (lengths[i] <= 0) continue;
+        uintptr_t start = (uintptr_t)bases[i] + (uintptr_t)offsets[i];
+        uintptr_t first = start & ~(page - 1);
+        size_t pages = (start + (uintptr_t)lengths[i] - first + page - 1) / page;
+        if (pages > vec_size) {
+            unsigned char *grown = realloc(vec, pages);
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            vec = grown;
+            vec_size = pages;
+        }
+        if (mincore((void *)first, pages * page, vec) != 0) {
+            all = 0;  /* not a mapping we know: say no, the caller reads on a thread */
+            break;
+        }
+        for (size_t p = 0; p < pages; p++) {
+            if (!(vec[p] & 1)) {
+                all = 0;
+                break;
+            }
+        }
+    }
+    result = PyBool_FromLong(all);
+done:
+    free(vec);
+    for (int k = 0; k < 3; k++) {
+        if (views[k].obj) PyBuffer_Release(&views[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"resident", resident, METH_VARARGS,
+     "resident(bases, offsets, lengths) -> whether every page of the ranges is in memory"},
     {"read_many", read_many, METH_VARARGS,
      "read_many(fds, offsets, lengths, dest, dest_offsets) -> (done, got, errno)"},
     {"map_file", map_file, METH_VARARGS, "map_file(fd, length) -> address"},
