@@ -4,7 +4,8 @@ Writes ``--rows`` rows (an ``input_ids`` list<int32> column of documents of geom
 mean ``--mean-tokens``, and a ``text`` column of ~100 bytes) with ``Dataset.save_to_disk``
 in ``--shards`` shards (Arrow IPC streams, record batches of 1,000 rows), offline, then
 reads the token column in batches of ``--batch-size`` (16) from local files, warm page cache,
-no worker processes, each line for ``--batches`` batches, in ``--rounds`` rounds alternated
+no worker processes, each line for ``--batches`` batches (0, the default: one epoch), in
+``--rounds`` rounds alternated
 so that every ratio is paired within a round:
 
 * ``datasets shuffle``: ``load_from_disk(...).select_columns(["input_ids"]).shuffle(seed)``
@@ -25,14 +26,16 @@ leaves them), and each line starts after a ``gc.collect()``: otherwise a full co
 tens of milliseconds over that heap, falls at random into about one run in three of a few
 thousand batches, whichever line it is, and decides the ratios more than the lines do.
 
-Rows/s and tokens/s over the batches read, and the time to the first batch from nothing
-open (``load_from_disk`` / ``open_dataset`` included). Every batch is made usable as the
-loader gives it: the tokens and offsets as numpy arrays (``datasets``) or tensors (asyncbatch).
+Rows/s and tokens/s over the batches after the first (a whole epoch by default: every row
+once), and the time to the first batch from nothing open (``load_from_disk`` /
+``open_dataset`` and the first ``next()`` included), each line timed alike. Every batch is
+made usable as the loader gives it: the tokens and offsets as numpy arrays (``datasets``) or
+tensors (asyncbatch).
 Then the folder is opened over the HTTP test server (``tests/servers.py``), counting the
 requests and bytes it served at open, against the files' size.
 
 Usage: ``.venv/bin/python benchmarks/bench_arrow.py [--rows 200000] [--mean-tokens 256]
-[--shards 8] [--batches 1500] [--window 8] [--rounds 3] [--no-freeze]`` (needs ``datasets``:
+[--shards 8] [--batches 0] [--window 8] [--rounds 3] [--no-freeze]`` (needs ``datasets``:
 the dev extra).
 """
 
@@ -85,17 +88,21 @@ def write_folder(folder: Path, args: argparse.Namespace) -> int:
 def read(
     batches: Iterator[Any], limit: int, tokens_of: Callable[[Any], tuple[int, int]]
 ) -> dict[str, float]:
-    """Reads ``limit`` batches (from the first ``next()``): seconds, rows, tokens, first."""
+    """Reads ``limit`` batches (0: to the end of the epoch): the time to the first from the
+    first ``next()``, and the seconds, rows and tokens of the batches after it."""
     start = time.perf_counter()
-    first, tokens, rows = 0.0, 0, 0
+    first, after, tokens, rows = 0.0, 0.0, 0, 0
     for count, batch in enumerate(batches, 1):
         got, n = tokens_of(batch)
-        tokens, rows = tokens + got, rows + n
         if count == 1:
-            first = time.perf_counter() - start
+            after = time.perf_counter()
+            first = after - start
+        else:
+            tokens, rows = tokens + got, rows + n
         if count == limit:
             break
-    return {"seconds": time.perf_counter() - start, "first": first, "rows": rows, "tokens": tokens}
+    seconds = time.perf_counter() - after
+    return {"seconds": seconds, "first": first, "rows": rows, "tokens": tokens}
 
 
 def arrow_tokens(batch: Any) -> tuple[int, int]:
@@ -132,8 +139,9 @@ def datasets_shuffle(
     start = time.perf_counter()
     ds = datasets.load_from_disk(str(folder)).select_columns(["input_ids"]).shuffle(seed=seed)
     batches = ds.with_format(kind).iter(batch_size=args.batch_size)
+    opened = time.perf_counter()
     out = read(batches, args.batches, FORMATS[kind])
-    out["first"] += time.perf_counter() - start - out["seconds"]
+    out["first"] += opened - start
     return out
 
 
@@ -148,8 +156,9 @@ def datasets_iterable(
         seed=seed, buffer_size=args.window * RECORD_BATCH
     )
     batches = iterable.with_format(kind).iter(batch_size=args.batch_size)
+    opened = time.perf_counter()
     out = read(batches, args.batches, FORMATS[kind])
-    out["first"] += time.perf_counter() - start - out["seconds"]
+    out["first"] += opened - start
     return out
 
 
@@ -160,8 +169,9 @@ def asyncbatch_line(
     dataset = ab.open_dataset(str(folder), options={"columns": ["input_ids"]})
     extra: dict[str, Any] = {"window": args.window} if shuffle == "block" else {}
     with ab.Loader(dataset, batch_size=args.batch_size, shuffle=shuffle, seed=seed, **extra) as lo:
+        opened = time.perf_counter()
         out = read(iter(lo), args.batches, torch_tokens)
-    out["first"] += time.perf_counter() - start - out["seconds"]
+    out["first"] += opened - start
     return out
 
 
@@ -187,7 +197,7 @@ def main() -> None:
     parser.add_argument("--mean-tokens", type=positive, default=256)
     parser.add_argument("--shards", type=positive, default=8)
     parser.add_argument("--batch-size", type=positive, default=16)
-    parser.add_argument("--batches", type=positive, default=1500)
+    parser.add_argument("--batches", type=int, default=0, help="per line (0: an epoch)")
     parser.add_argument("--window", type=positive, default=8)
     parser.add_argument("--rounds", type=positive, default=3)
     parser.add_argument("--no-freeze", action="store_true", help="leave gc.freeze() out")
@@ -206,7 +216,8 @@ def main() -> None:
             f"asyncbatch {git_revision()}, datasets {datasets.__version__}, pyarrow"
             f" {pa.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs;"
             f" {args.rows} rows, {tokens} tokens, {args.shards} shards, {size / 2**20:.0f} MiB;"
-            f" batches of {args.batch_size}, {args.batches} per line, window {args.window}"
+            f" batches of {args.batch_size}, {args.batches or 'an epoch of'} per line, window"
+            f" {args.window}"
         )
         lines: dict[str, Callable[[int], dict[str, float]]] = {
             "datasets shuffle": lambda seed: datasets_shuffle(folder, args, seed, "arrow"),
