@@ -38,7 +38,7 @@ from ._batch import Batch
 from ._dataset import Dataset
 from ._defaults import PREFETCH_BYTES
 from ._device import READY, ToDevice, ready
-from ._engine import Engine, group_size
+from ._engine import GROUPS_IN_QUEUE, LOCAL_GROUPS_IN_QUEUE, Engine, group_size
 from ._errors import ConfigError, LoaderClosedError, ResumeStateError, ShardChangedError
 from ._handoff import (
     WAIT_SLICE,
@@ -327,7 +327,11 @@ class _LoaderBase:
         if config.prefetch is None:
             most = MAX_LOCAL_DEFAULT_PREFETCH if local else MAX_DEFAULT_PREFETCH
             default = max(2, min(most, PREFETCH_BYTES // batch_bytes))
-            self.prefetch = max(default, 2 * want)
+            # Windows in the queue as groups are: local, four (one's copies, without the
+            # GIL, run beside the next one's planning and the one before's hand-over).
+            self.prefetch = max(
+                default, (LOCAL_GROUPS_IN_QUEUE if local else GROUPS_IN_QUEUE) * want
+            )
         self._engine = Engine(
             source,
             order,
@@ -613,7 +617,8 @@ class Loader(_LoaderBase):
             ``"none"``: in order.
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
-            2 to 128 (512 when every dataset is local files), or two block-shuffle windows.
+            2 to 128 (512 when every dataset is local files), or two block-shuffle windows
+            (four of local files).
         max_inflight: Read requests in flight at once.
         next_token: One more token per window, for next-token targets.
         dtype: Output dtype (numpy or torch); ``None``: as stored. One that cannot hold

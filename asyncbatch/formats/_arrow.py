@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._batch import FieldSchema
+from .._buffers import BufferPool
 from .._checksums import digest, format_digest
 from .._dataset import Dataset, join_url
 from .._errors import ConfigError, FormatError, NotFoundError
@@ -78,6 +79,8 @@ HEADER_READ = 4 << 10
 #: A group that uses fewer than 1 in ``SPARSE`` of the rows of the record batches it touches
 #: reads its rows one by one (where they can be) rather than those record batches whole.
 SPARSE = 8
+#: Bytes of free memory kept for the rows copied out of whole record batches.
+GATHERED_KEPT = 64 << 20
 #: open_dataset's options for Arrow.
 OPTIONS = ("columns", "nulls")
 # Dataset.arrays keys.
@@ -616,6 +619,9 @@ class ArrowRows:
         #: Set by the loader under an exact shuffle: rows then read one by one where they can.
         self.scattered = False
         self.picker = RowPicker(self)
+        #: Memory of the rows copied out of whole record batches, reused once their batches
+        #: are gone (fresh memory costs a page fault per 4 KiB at its first touch).
+        self.gathered = BufferPool(GATHERED_KEPT)
         #: A group of few rows reads them alone (a block shuffle's first batch, say).
         self.reads_rows_alone = SPARSE if self.picker.readable.any() else 0
 
@@ -776,7 +782,9 @@ class ArrowRows:
             self._pieces(buffer, needed, spans, c)  # validated, never used
             # Where each row's record batch keeps each of its buffers, in ``buffer``.
             placed = (at[rows_of, c] - spans[rows_of, c, 0])[:, None] + batch_buffers
-            out[column.name] = gathered(buffer, layout, column.kind, placed, in_batch)
+            out[column.name] = gathered(
+                buffer, layout, column.kind, placed, in_batch, self.gathered.empty
+            )
         return out
 
     def _array(self, batch: int, column: Column, region: memoryview, base: int) -> Any:

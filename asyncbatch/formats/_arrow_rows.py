@@ -19,7 +19,7 @@ per row would be one more read each), are read whole instead (:class:`RowPicker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -344,10 +344,12 @@ def gathered(
     kind: Any,
     placed: Int64Array,
     rows: Int64Array,
+    empty: Callable[[int], npt.NDArray[np.uint8]],
 ) -> Any:
     """The batch field of rows ``rows`` of a column laid out as ``layout`` (not ``bits``),
     copied out of ``buffer``, where ``placed[i, k]`` is the byte at which row ``i``'s record
-    batch keeps its buffer ``k``; the record batches' arrays validated already."""
+    batch keeps its buffer ``k``, into buffers from ``empty(nbytes)``; the record batches'
+    arrays validated already."""
     from ._parquet import pyarrow_modules
 
     pa, _ = pyarrow_modules()
@@ -355,7 +357,7 @@ def gathered(
     if layout.kind == "fixed":
         source = placed[:, layout.values] + rows * layout.width
         lengths = np.full(n, layout.width, dtype=np.int64)
-        dest = np.empty(n * layout.width, dtype=np.uint8)
+        dest = empty(n * layout.width)
         copy_pieces(buffer, source, lengths, dest, np.arange(n, dtype=np.int64) * layout.width)
         if pa.types.is_fixed_size_list(kind):
             return _tensor(dest, kind.value_type, pa, (n, kind.list_size))
@@ -367,7 +369,7 @@ def gathered(
     counts = bounds[:, 1] - bounds[:, 0]
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    dest = np.empty(int(offsets[-1]) * layout.item, dtype=np.uint8)
+    dest = empty(int(offsets[-1]) * layout.item)
     source = placed[:, layout.values] + bounds[:, 0] * layout.item
     copy_pieces(buffer, source, counts * layout.item, dest, offsets[:-1] * layout.item)
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
