@@ -316,7 +316,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="batches read ahead (default: the loader's, as many as fit in"
-        f" {PREFETCH_BYTES >> 20} MiB, 2 to 128; 512 for local files)",
+        f" {PREFETCH_BYTES >> 20} MiB, 2 to 128; 1024 for local files)",
     )
     run.add_argument(
         "--max-inflight",

@@ -67,16 +67,16 @@ if TYPE_CHECKING:
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
 MAX_GROUP_BYTES = 16 * 2**20
-#: Groups the prefetch queue holds at once. Local files: four groups of up to 128 batches,
+#: Groups the prefetch queue holds at once. Local files: four groups of up to 256 batches,
 #: so that while the consumer takes one, one group's copies (without the GIL) run beside
 #: the planning of the next. Remote stores: two, each group's requests overlapping anyway.
 GROUPS_IN_QUEUE = 2
-MAX_LOCAL_GROUP = 128
+MAX_LOCAL_GROUP = 256
 LOCAL_GROUPS_IN_QUEUE = 4
 
 
 def group_size(prefetch: int, batch_bytes: int, want: int = 0, local: bool = False) -> int:
-    """Batches per group: two groups fit in the prefetch queue (four, of up to 128 batches,
+    """Batches per group: two groups fit in the prefetch queue (four, of up to 256 batches,
     for ``local`` files), and one stays under 16 MiB unless ``want`` (a block shuffle's
     window) asks for more and the queue holds two."""
     most, depth = (

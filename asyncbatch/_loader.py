@@ -78,7 +78,7 @@ T = TypeVar("T")
 STATE_VERSION = 3
 MAX_DEFAULT_PREFETCH = 128
 #: The same for runs that read local files only (their groups copy without the GIL).
-MAX_LOCAL_DEFAULT_PREFETCH = 512
+MAX_LOCAL_DEFAULT_PREFETCH = 1024
 #: After Ctrl-C in ``next()``, how long to wait for the engine thread before re-raising (it
 #: goes on stopping by itself; interpreter exit joins it). Stopping takes milliseconds; the
 #: bound is for a machine so loaded that closing connections and pools takes seconds.
@@ -617,7 +617,7 @@ class Loader(_LoaderBase):
             ``"none"``: in order.
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
-            2 to 128 (512 when every dataset is local files), or two block-shuffle windows
+            2 to 128 (1024 when every dataset is local files), or two block-shuffle windows
             (four of local files).
         max_inflight: Read requests in flight at once.
         next_token: One more token per window, for next-token targets.

@@ -43,7 +43,7 @@ def test_engine_error_reaches_the_consumer_after_good_batches(tmp_path: Path) ->
 
 def test_default_prefetch_fits_in_a_memory_budget(dataset: ab.Dataset) -> None:
     with ab.Loader(dataset, batch_size=4, seq_len=16) as small:
-        assert small.prefetch == 512  # local files: up to 512 (remote stores: 128)
+        assert small.prefetch == 1024  # local files: up to 1024 (remote stores: 128)
     # 4096 windows × 10000 tokens × 2 bytes = 78 MiB per batch: the minimum of 2. (The data
     # holds fewer samples: drop_last=False keeps the one short batch the loader needs.)
     with ab.Loader(dataset, batch_size=4096, seq_len=10_000, drop_last=False) as big:
