@@ -639,9 +639,16 @@ class ArrowRows:
         in_batch = ids - (self.ends - self.rows)[batches]
         # Rows are read one by one under an exact shuffle, and in any group that uses few of
         # the rows of the record batches it touches (a block shuffle's first batch).
-        sparse = self.scattered or (ids.size * SPARSE < int(self.rows[np.unique(batches)].sum()))
-        single = self.picker.readable[batches] if sparse else np.zeros(ids.size, dtype=bool)
-        needed = np.unique(batches[~single])
+        touched = (
+            None
+            if self.scattered
+            else np.flatnonzero(np.bincount(batches, minlength=self.rows.size))
+        )
+        if touched is None or ids.size * SPARSE < int(self.rows[touched].sum()):
+            single = self.picker.readable[batches]
+            needed = np.unique(batches[~single])
+        else:
+            single, needed = np.zeros(ids.size, dtype=bool), touched
         spans, starts, lengths = self.region_ranges(needed)
         whole_bytes = int(lengths.sum())
         picks = None
