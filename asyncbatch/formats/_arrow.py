@@ -9,7 +9,10 @@ A stream layout (what ``save_to_disk`` writes) is walked from byte 0: a first re
 :data:`HEAD_PROBE` bytes holds the schema and often several headers; a header past what is
 at hand is read with :data:`HEADER_READ` bytes of read-ahead, from the end of the previous
 body (the stream says where a header is only once the one before is parsed). A small file is
-all in its tail: one request. A ``save_to_disk`` folder is recognised by its ``state.json``,
+all in its tail: one request. Each file's walk is sans I/O (it yields the ranges it wants);
+:func:`walk_files` runs the files' walks in rounds, each round's reads of all files in one
+store call where the store takes a group (locally: one copy), else all at once. A
+``save_to_disk`` folder is recognised by its ``state.json``,
 which names the data files in order (so it opens over HTTP too, which cannot list).
 
 A dataset is a ``Manifest("arrow")`` with one shard per file (its elements: its rows) and,
@@ -30,9 +33,9 @@ so a corrupt body is a FormatError, never wrong rows. Fields, nulls and packing
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,99 +174,127 @@ class FileHeaders:
     batches: list[ipc.Message]
 
 
-class Reads:
-    """Reads of several files' headers, issued by their walks at once: on a store that reads
-    a group of ranges into one buffer (``supports_read_into``: the local
-    store, one thread job) those waiting together go in one call; elsewhere one call each."""
+#: What a file's walk yields: ranges ``(start, end)`` of its bytes, all wanted at once; it
+#: gets their bytes back, in order.
+Walk = Generator[list[tuple[int, int]], list[bytes], FileHeaders]
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.pending: list[tuple[str, int, int, asyncio.Future[bytes]]] = []
-        self.tasks: set[asyncio.Task[None]] = set()
 
-    async def read(self, url: str, start: int, end: int) -> bytes:
-        if not self.store.supports_read_into:
-            return await read_range(self.store, url, start, end)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bytes] = loop.create_future()
-        self.pending.append((url, start, end, future))
-        if len(self.pending) == 1:
-            loop.call_soon(self._flush)
-        return await future
+async def walk_files(store: Store, urls: Sequence[str], walks: list[Walk]) -> list[FileHeaders]:
+    """Runs the walks of files ``urls`` together, in rounds: each round's ranges of every file
+    in one store call where the store reads a group into one buffer (``supports_read_into``:
+    the local store, one thread job or a copy in place), elsewhere one request per range,
+    all at once; returns what each walk returned."""
+    out: list[FileHeaders | None] = [None] * len(walks)
+    wants: dict[int, list[tuple[int, int]]] = {}
+    for k, walk in enumerate(walks):
+        _advance(walks, k, walk.send, None, wants, out)
+    while wants:
+        got = await _read_round(store, urls, wants)
+        for k, data in got.items():
+            _advance(walks, k, walks[k].send, data, wants, out)
+    assert all(headers is not None for headers in out)
+    return [headers for headers in out if headers is not None]
 
-    def _flush(self) -> None:
-        group, self.pending = self.pending, []
-        task = asyncio.ensure_future(self._read(group))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
-    async def _read(self, group: list[tuple[str, int, int, asyncio.Future[bytes]]]) -> None:
-        assert self.store.supports_read_into
-        urls = sorted({g[0] for g in group})
-        starts = np.array([g[1] for g in group], dtype=np.int64)
-        ends = np.array([g[2] for g in group], dtype=np.int64)
-        offsets = np.cumsum(ends - starts) - (ends - starts)
-        dest = np.empty(int((ends - starts).sum()), dtype=np.uint8)
-        which = np.array([urls.index(g[0]) for g in group], dtype=np.int64)
-        try:
-            await self.store.read_into(urls, which, starts, ends, dest, offsets)
-        except BaseException as exc:
-            for *_, future in group:
-                if not future.done():
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        data = dest.tobytes()
-        for k, (*_, future) in enumerate(group):
-            if not future.done():
-                future.set_result(data[int(offsets[k]) : int(offsets[k] + ends[k] - starts[k])])
+def _advance(
+    walks: list[Walk],
+    k: int,
+    step: Any,
+    value: Any,
+    wants: dict[int, list[tuple[int, int]]],
+    out: list[FileHeaders | None],
+) -> None:
+    """Walk ``k`` one step on: what it wants next, or what it returned."""
+    try:
+        wants[k] = step(value)
+    except StopIteration as stop:
+        wants.pop(k, None)
+        out[k] = stop.value
+
+
+async def _read_round(
+    store: Store, urls: Sequence[str], wants: dict[int, list[tuple[int, int]]]
+) -> dict[int, list[bytes]]:
+    """The bytes of every file's wanted ranges."""
+    order = list(wants)
+    if not store.supports_read_into:
+        reads = [read_range(store, urls[k], a, b) for k in order for a, b in wants[k]]
+        flat = iter(await gather_limited(reads))
+        return {k: [next(flat) for _ in wants[k]] for k in order}
+    which = np.array([k for k in order for _ in wants[k]], dtype=np.int64)
+    starts = np.array([a for k in order for a, _ in wants[k]], dtype=np.int64)
+    ends = np.array([b for k in order for _, b in wants[k]], dtype=np.int64)
+    offsets = np.cumsum(ends - starts) - (ends - starts)
+    dest = np.empty(int((ends - starts).sum()), dtype=np.uint8)
+    await store.read_into(urls, which, starts, ends, dest, offsets)
+    data = dest.tobytes()
+    pieces = iter(zip(offsets.tolist(), (ends - starts).tolist(), strict=True))
+    return {k: [data[a : a + n] for a, n in itertools.islice(pieces, len(wants[k]))] for k in order}
 
 
 class _Bytes:
     """The bytes of one file fetched so far (its tail, the last read-ahead window); a
-    range not at hand is fetched with ``ahead`` bytes more."""
+    range not at hand is asked for (a step of the walk) with ``ahead`` bytes more."""
 
-    def __init__(self, reads: Reads, url: str, size: int, tail: bytes) -> None:
-        self.reads, self.store, self.url, self.size = reads, reads.store, url, size
+    def __init__(self, url: str, size: int, tail: bytes, gap: int) -> None:
+        self.url, self.size, self.gap = url, size, gap
         self.held = [(size - len(tail), tail)]
 
-    async def get(self, start: int, end: int, ahead: int = 0) -> bytes:
+    def get(self, start: int, end: int, ahead: int = 0) -> Generator[Any, Any, bytes]:
         for at, data in self.held:
             if at <= start and end <= at + len(data):
                 return data[start - at : end - at]
         stop = min(self.size, max(end, start + ahead))
-        data = await self.reads.read(self.url, start, stop)
+        (data,) = yield [(start, stop)]
         self.held[1:] = [(start, data)]
-        return data[: end - start]
+        return bytes(data[: end - start])
 
 
-async def read_headers(
-    store: Store, url: str, info: ObjectInfo | None = None, reads: Reads | None = None
-) -> FileHeaders:
-    """The schema and record batch headers of the Arrow IPC file ``url`` (either layout);
-    ``reads`` gathers the reads of files opened together."""
-    if info is None:
-        tail, info = await fetch_tail(store, url, TAIL_PROBE)
-    else:
-        tail, info = await tail_by_stat(store, url, TAIL_PROBE, info)
-    size = info.size
-    data = _Bytes(reads or Reads(store), url, size, bytes(tail))
+async def read_headers(store: Store, url: str, info: ObjectInfo | None = None) -> FileHeaders:
+    """The schema and record batch headers of the Arrow IPC file ``url`` (either layout)."""
+    (walk,) = await open_walks(store, [url], {} if info is None else {url: info})
+    (headers,) = await walk_files(store, [url], [walk])
+    return headers
+
+
+async def open_walks(
+    store: Store, urls: Sequence[str], known: Mapping[str, ObjectInfo]
+) -> list[Walk]:
+    """The walk of each file's headers, from its tail (fetched here, all at once)."""
+
+    async def tail(url: str) -> tuple[Any, ObjectInfo]:
+        info = known.get(url)
+        if info is None:
+            return await fetch_tail(store, url, TAIL_PROBE)
+        return await tail_by_stat(store, url, TAIL_PROBE, info)
+
+    tails = await gather_limited(tail(url) for url in urls)
+    return [
+        walk_headers(url, info.size, info.version, bytes(data), store.coalesce_gap)
+        for url, (data, info) in zip(urls, tails, strict=True)
+    ]
+
+
+def walk_headers(url: str, size: int, version: str | None, tail: bytes, gap: int) -> Walk:
+    """The walk of one file's headers (sans I/O), given its last bytes ``tail``."""
+    data = _Bytes(url, size, tail, gap)
     if size >= 2 * 8 + 4 and tail[-6:] == ipc.FILE_MAGIC:
-        schema, footer, batches = await _file_layout(data, url, size)
-        return FileHeaders(size, info.version, schema, footer, batches)
-    return await _stream_layout(data, url, size, info.version)
+        schema, footer, batches = yield from _file_layout(data, url, size)
+        return FileHeaders(size, version, schema, footer, batches)
+    return (yield from _stream_layout(data, url, size, version))
 
 
-async def _file_layout(data: _Bytes, url: str, size: int) -> tuple[bytes, int, list[ipc.Message]]:
+def _file_layout(
+    data: _Bytes, url: str, size: int
+) -> Generator[Any, Any, tuple[bytes, int, list[ipc.Message]]]:
     """The file layout's schema, the byte its footer starts at, its record batches' headers:
-    the footer, then every header in one call."""
+    the footer, then every header in one step."""
     pa, _ = pyarrow_modules()
-    length = int.from_bytes(await data.get(size - 10, size - 6), "little", signed=True)
+    length = int.from_bytes((yield from data.get(size - 10, size - 6)), "little", signed=True)
     start = size - 10 - length
     if length <= 0 or start < 8:
         raise FormatError(f"{url}: its footer length {length} does not fit its {size} bytes")
-    footer = await data.get(start, size - 10)
+    footer = yield from data.get(start, size - 10)
     blocks = ipc.parse_footer(footer, url, start)
     # pyarrow reads the schema (dictionaries' types too) from the footer alone.
     try:
@@ -277,7 +308,7 @@ async def _file_layout(data: _Bytes, url: str, size: int) -> tuple[bytes, int, l
             f"{url}: a record batch at byte {bad[0][0]} ({bad[0][1]} + {bad[0][2]} bytes)"
             f" lies outside the data before its footer at byte {start} (truncated or corrupt)"
         )
-    headers = await _read_blocks(data, [(b[0], b[0] + b[1]) for b in blocks])
+    headers = yield from _read_blocks(data, [(b[0], b[0] + b[1]) for b in blocks])
     batches = []
     for (offset, _meta, body), header in zip(blocks, headers, strict=True):
         message = ipc.parse_message(header, offset, url)
@@ -290,9 +321,9 @@ async def _file_layout(data: _Bytes, url: str, size: int) -> tuple[bytes, int, l
     return schema.serialize().to_pybytes(), start, batches
 
 
-async def _read_blocks(data: _Bytes, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """Bytes of ``ranges`` of a file: those not at hand in one call of the store, ranges
-    closer than its ``coalesce_gap`` read as one."""
+def _read_blocks(data: _Bytes, ranges: list[tuple[int, int]]) -> Generator[Any, Any, list[bytes]]:
+    """Bytes of ``ranges`` of a file: those not at hand in one step, ranges closer than
+    the store's ``coalesce_gap`` read as one."""
     out: list[bytes | None] = [None] * len(ranges)
     missing = []
     for k, (start, end) in enumerate(ranges):
@@ -302,22 +333,15 @@ async def _read_blocks(data: _Bytes, ranges: list[tuple[int, int]]) -> list[byte
         else:
             missing.append(k)
     merged: list[list[int]] = []  # [start, end, first range, last range]
-    gap = data.store.coalesce_gap
     for k in sorted(missing, key=lambda k: ranges[k]):
         start, end = ranges[k]
-        if merged and start - merged[-1][1] <= gap:
+        if merged and start - merged[-1][1] <= data.gap:
             merged[-1][1] = max(merged[-1][1], end)
             merged[-1][3] = k
         else:
             merged.append([start, end, k, k])
     if merged:
-        buffers = [bytearray(m[1] - m[0]) for m in merged]
-        await data.store.read_ranges(
-            data.url,
-            starts=[m[0] for m in merged],
-            ends=[m[1] for m in merged],
-            buffers=[memoryview(b) for b in buffers],
-        )
+        buffers = yield [(m[0], m[1]) for m in merged]
         which = 0
         for k in sorted(missing, key=lambda k: ranges[k]):
             while not merged[which][0] <= ranges[k][0] < merged[which][1]:
@@ -327,11 +351,11 @@ async def _read_blocks(data: _Bytes, ranges: list[tuple[int, int]]) -> list[byte
     return [b or b"" for b in out]
 
 
-async def _stream_layout(data: _Bytes, url: str, size: int, version: str | None) -> FileHeaders:
+def _stream_layout(data: _Bytes, url: str, size: int, version: str | None) -> Walk:
     """The stream layout, walked header by header from byte 0."""
     if size < 8:
         raise FormatError(f"{url}: {size} bytes is too short for an Arrow IPC stream")
-    head = await data.get(0, 8, HEAD_PROBE)
+    head = yield from data.get(0, 8, HEAD_PROBE)
     if head[:6] == ipc.FILE_MAGIC:
         raise FormatError(
             f"{url}: starts as an Arrow file (ARROW1) but does not end with ARROW1 at byte"
@@ -342,7 +366,7 @@ async def _stream_layout(data: _Bytes, url: str, size: int, version: str | None)
     while pos < size:
         if pos + 8 > size:
             raise FormatError(f"{url}: a message at byte {pos} is cut off by the end at {size}")
-        prefix = await data.get(pos, pos + 8, ahead)
+        prefix = yield from data.get(pos, pos + 8, ahead)
         length = int.from_bytes(prefix[4:8], "little", signed=True)
         if prefix[:4] == ipc.CONTINUATION and length == 0:
             break  # the end-of-stream marker
@@ -351,7 +375,7 @@ async def _stream_layout(data: _Bytes, url: str, size: int, version: str | None)
                 f"{url}: the message at byte {pos} has {length} bytes of metadata, past the"
                 f" file's end at {size} (truncated)"
             )
-        header = await data.get(pos, pos + 8 + max(length, 0), ahead)
+        header = yield from data.get(pos, pos + 8 + max(length, 0), ahead)
         message = ipc.parse_message(header, pos, url)
         if message.end > size:
             raise FormatError(
@@ -442,8 +466,7 @@ async def _open_files(
         raise ConfigError(f"options nulls={nulls!r}: expected one of {NULLS}")
     pa, _ = pyarrow_modules()
     known = known or {}
-    reads = Reads(store)
-    files = await gather_limited(read_headers(store, u, known.get(u), reads) for u in urls)
+    files = await walk_files(store, urls, await open_walks(store, urls, known))
     # Schemas are small (and most are alike): parsed here, not worth a thread's hop.
     schemas = [_schema(f, u) for f, u in zip(files, urls, strict=True)]
     schema = schemas[0]

@@ -127,17 +127,18 @@ _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 
 
+#: Zeros past a table's last field: the fields its vtable leaves out are absent.
+_ABSENT = (0,) * 8
+
+
 def _fields(meta: bytes, table: int) -> tuple[int, ...]:
-    """The offsets (0: absent) of the fields of the FlatBuffers table at ``table``."""
+    """The offsets (0: absent) of the fields of the FlatBuffers table at ``table``, the
+    first eight at least."""
     vtable = table - _i32(meta, table)[0]
     size = _u16(meta, vtable)[0]
     if vtable < 0 or size < 4 or size % 2:
         raise struct.error(f"bad vtable at {vtable}")
-    return struct.unpack_from(f"<{(size - 4) // 2}H", meta, vtable + 4)
-
-
-def _at(fields: tuple[int, ...], index: int) -> int:
-    return fields[index] if index < len(fields) else 0
+    return struct.unpack_from(f"<{(size - 4) // 2}H", meta, vtable + 4) + _ABSENT
 
 
 def _vector(meta: bytes, field: int, width: int) -> Int64Array:
@@ -169,27 +170,27 @@ def parse_message(data: bytes, start: int, url: str) -> Message:
     try:
         root = _u32(meta, 0)[0]
         fields = _fields(meta, root)
-        kind = _u8(meta, root + _at(fields, 1))[0] if _at(fields, 1) else 0
-        body = _i64(meta, root + _at(fields, 3))[0] if _at(fields, 3) else 0
+        kind = _u8(meta, root + fields[1])[0] if fields[1] else 0
+        body = _i64(meta, root + fields[3])[0] if fields[3] else 0
         if body < 0:
             raise FormatError(f"{url}: message at byte {start}: negative body length {body}")
         if kind != RECORD_BATCH:
             return Message(start, 8 + length, kind, body)
-        if not _at(fields, 2):
+        if not fields[2]:
             raise FormatError(
                 f"{url}: message at byte {start}: a record batch message without its header"
             )
-        field = root + _at(fields, 2)
+        field = root + fields[2]
         header = field + _u32(meta, field)[0]
         own = _fields(meta, header)
-        rows = _i64(meta, header + _at(own, 0))[0] if _at(own, 0) else 0
-        nodes = _vector(meta, header + _at(own, 1) if _at(own, 1) else 0, 16)
-        buffers = _vector(meta, header + _at(own, 2) if _at(own, 2) else 0, 16)
+        rows = _i64(meta, header + own[0])[0] if own[0] else 0
+        nodes = _vector(meta, header + own[1] if own[1] else 0, 16)
+        buffers = _vector(meta, header + own[2] if own[2] else 0, 16)
         codec = NO_CODEC
-        if _at(own, 3):
-            field = header + _at(own, 3)
+        if own[3]:
+            field = header + own[3]
             compression = field + _u32(meta, field)[0]
-            codec_at = _at(_fields(meta, compression), 0)
+            codec_at = _fields(meta, compression)[0]
             codec = _i8(meta, compression + codec_at)[0] if codec_at else 0
     except struct.error as exc:
         raise FormatError(
