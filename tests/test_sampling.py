@@ -308,3 +308,18 @@ def test_global_batches_do_not_depend_on_the_world_size(
             [np.sort(np.concatenate(parts)).tolist() for parts in zip(*per_rank, strict=True)]
         )
     assert contents[0] == contents[1]
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_a_few_ids_alone_are_those_of_their_block(shuffle: str) -> None:
+    """A run's first batch computes its ids alone (not its whole block of ``ID_BLOCK``):
+    they are the same ids, and later batches of that block come from the block."""
+    options: dict[str, Any] = dict(
+        shuffle=shuffle, seed=7, rank=1, world_size=3, block_size=64, window=4
+    )
+    whole = EpochOrder(3 * ID_BLOCK + 1000, 16, **options)
+    want = whole.sample_ids(2, 0, whole.batches_per_epoch)
+    for first in [0, 5, ID_BLOCK // 16 + 3, whole.batches_per_epoch - 2]:
+        order = EpochOrder(3 * ID_BLOCK + 1000, 16, **options)
+        got = [order.sample_ids(2, first, first + 1), order.sample_ids(2, first + 1, first + 40)]
+        np.testing.assert_array_equal(np.concatenate(got), want[first * 16 : (first + 40) * 16])
