@@ -22,9 +22,11 @@ so that every ratio is paired within a round:
 
 Before the lines run, the objects of the imports (torch, pyarrow, datasets: a million or
 more) are frozen out of the garbage collector's scans (``gc.freeze()``; ``--no-freeze``
-leaves them), and each line starts after a ``gc.collect()``: otherwise a full collection,
-tens of milliseconds over that heap, falls at random into about one run in three of a few
-thousand batches, whichever line it is, and decides the ratios more than the lines do.
+leaves them), and each line starts after a ``gc.collect()`` and a ``gc.freeze()`` of what
+the lines before it left alive: otherwise full collections over that heap, tens of
+milliseconds each, fall into whichever line runs, most often into those that keep the most
+objects in flight (the block shuffle's four windows of batches), and decide the ratios more
+than the lines do.
 
 Rows/s and tokens/s over the batches after the first (a whole epoch by default: every row
 once), and the time to the first batch from nothing open (``load_from_disk`` /
@@ -234,6 +236,8 @@ def main() -> None:
         for seed in range(args.rounds):
             for name, line in lines.items():
                 gc.collect()
+                if not args.no_freeze:  # what the lines before left alive too
+                    gc.freeze()
                 results[name].append(line(seed))
         print(f"{'line':<24} {'rows/s':>10} {'Mtok/s':>8} {'first batch':>12}")
         for name, runs in results.items():
