@@ -3,6 +3,7 @@ layout, by the openers of the registered formats), and nothing else."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -59,8 +60,16 @@ async def open_dataset_async(
             if extra:
                 raise ConfigError(f"options={extra!r}: a dataset with a manifest takes none")
             return dataset
-        for opener in known_openers:
-            if opener.probe is not None and await _probe(opener, url, store):
+        # Every layout looked for at once (a remote probe is a round trip); the first found,
+        # in the openers' order, opens it, as if they had been tried one after another.
+        probing = [opener for opener in known_openers if opener.probe is not None]
+        found = await asyncio.gather(
+            *(_probe(opener, url, store) for opener in probing), return_exceptions=True
+        )
+        for opener, result in zip(probing, found, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            if result:
                 return await opener.open(url, store, store_options, extra)
         if not known_openers:
             raise missing

@@ -532,6 +532,23 @@ def test_a_bad_continuation_marker(tmp_path: Path) -> None:
         ab.open_dataset(str(tmp_path))
 
 
+def test_a_column_of_other_length_than_its_record_batch(tmp_path: Path) -> None:
+    """A field node that says 36 values in a record batch of 37 rows (its header edited):
+    a FormatError naming the file and the record batch's byte, found at open."""
+    data = ipc_bytes(pa.table({"id": pa.array(np.arange(37, dtype=np.int64))}), 37, "stream")
+    # The nodes vector: its count (one), then the node (length 37, no nulls).
+    node = (1).to_bytes(4, "little") + (37).to_bytes(8, "little") + bytes(8)
+    assert data.count(node) == 1
+    (tmp_path / "b.arrow").write_bytes(
+        data.replace(node, node[:4] + (36).to_bytes(8, "little") + bytes(8))
+    )
+    with pytest.raises(
+        FormatError,
+        match=r"b\.arrow: the record batch at byte \d+ has columns of other lengths than its 37",
+    ):
+        ab.open_dataset(str(tmp_path / "b.arrow"))
+
+
 def test_schemas_that_differ_between_files(tmp_path: Path) -> None:
     good_files(tmp_path)
     other = make_table(80, 5).drop_columns(["vec"])

@@ -501,20 +501,25 @@ async def _open_files(
                     f" {len(message.nodes)} field nodes and {len(message.buffers)} buffers;"
                     f" its schema has {num_nodes} and {num_buffers}"
                 )
-            if (message.nodes[tops, 0] != message.rows).any():
-                raise FormatError(
-                    f"{file_url}: the record batch at byte {message.start} has columns of"
-                    f" other lengths than its {message.rows} rows"
-                )
     batches = [m for f in files for m in f.batches]
     counts = [len(f.batches) for f in files]
+    rows = np.array([m.rows for m in batches], dtype=np.int64)
+    nodes = np.array([m.nodes for m in batches], dtype=np.int64).reshape(-1, num_nodes, 2)
+    other = np.flatnonzero((nodes[:, tops, 0] != rows[:, None]).any(axis=1))
+    if other.size:  # checked for all at once; the first named
+        message = batches[int(other[0])]
+        file_url = urls[int(np.searchsorted(np.cumsum(counts), other[0], side="right"))]
+        raise FormatError(
+            f"{file_url}: the record batch at byte {message.start} has columns of"
+            f" other lengths than its {message.rows} rows"
+        )
     arrays = {
-        ROWS: np.array([m.rows for m in batches], dtype=np.int64),
+        ROWS: rows,
         FILE: np.repeat(np.arange(len(urls), dtype=np.int64), counts),
         LOCAL: np.concatenate([np.arange(n, dtype=np.int64) for n in counts]),
         BODY: np.array([m.body_start for m in batches], dtype=np.int64),
         CODEC: np.array([m.codec for m in batches], dtype=np.int64),
-        NODES: np.array([m.nodes for m in batches], dtype=np.int64).reshape(-1, num_nodes, 2),
+        NODES: nodes,
         BUFFERS: np.array([m.buffers for m in batches], dtype=np.int64).reshape(-1, num_buffers, 2),
         SCHEMA: np.frombuffer(files[0].schema, dtype=np.uint8),
     }
