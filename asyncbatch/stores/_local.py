@@ -299,6 +299,9 @@ class LocalStore(Unbounded):
         self._closed = False
         #: Per loop, the stat calls waiting for this turn's shared job (see :meth:`_stat`).
         self._stats: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[Any]]]] = {}
+        self._tails: dict[
+            asyncio.AbstractEventLoop, list[tuple[str, int, asyncio.Future[Any]]]
+        ] = {}
 
     async def size(self, url: str) -> int:
         return (await self._stat(url)).st_size
@@ -311,12 +314,42 @@ class LocalStore(Unbounded):
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and identity: a ``stat`` and a
-        ``pread`` in one pool job (one thread hop, not two); pins the file as :meth:`stat`."""
+        ``pread`` in one pool job (one thread hop, not two); pins the file as :meth:`stat`.
+        The tails asked for in one turn of the loop (a dataset's files, opened together)
+        share one job."""
         if self._closed:
             raise StoreError(f"store closed before reading {url}", url)
         self._files.follow(current_run())
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._read_tail, url, length)
+        waiter: asyncio.Future[tuple[bytes, ObjectInfo]] = loop.create_future()
+        pending = self._tails.setdefault(loop, [])
+        if not pending:
+            loop.call_soon(self._tails_pending, loop)
+        pending.append((url, length, waiter))
+        return await waiter
+
+    def _tails_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        pending = self._tails.pop(loop, [])
+        asks = [(url, length) for url, length, _ in pending]
+        waiters = [(url, waiter) for url, _, waiter in pending]
+        try:
+            job = loop.run_in_executor(self._pool, self._read_tails, asks)
+        except RuntimeError:  # the pool is shut down: the store closed meanwhile
+            for url, waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(StoreError(f"store closed before reading {url}", url))
+            return
+        job.add_done_callback(functools.partial(_hand_out, waiters))
+
+    def _read_tails(self, asks: Sequence[tuple[str, int]]) -> list[Any]:
+        """:meth:`_read_tail` of each ``(url, length)``, or the error it raised."""
+        found: list[Any] = []
+        for url, length in asks:
+            try:
+                found.append(self._read_tail(url, length))
+            except Exception as exc:  # noqa: BLE001 - handed to that URL's caller
+                found.append(exc)
+        return found
 
     def _read_tail(self, url: str, length: int) -> tuple[bytes, ObjectInfo]:
         stat = _stat_path(url)
@@ -361,7 +394,7 @@ class LocalStore(Unbounded):
                 if not waiter.done():
                     waiter.set_exception(exc)
             return
-        job.add_done_callback(functools.partial(_hand_out_stats, pending))
+        job.add_done_callback(functools.partial(_hand_out, pending))
 
     async def list(self, url: str) -> list[str]:
         path = local_path(url)
@@ -726,12 +759,12 @@ def _stat_paths(urls: Sequence[str]) -> list[os.stat_result | Exception]:
     return found
 
 
-def _hand_out_stats(
+def _hand_out(
     pending: Sequence[tuple[str, asyncio.Future[Any]]],
-    job: asyncio.Future[list[os.stat_result | Exception]],
+    job: asyncio.Future[list[Any]],
 ) -> None:
-    """Each waiter of ``pending`` gets its result of ``job``, unless its caller stopped
-    waiting."""
+    """Each waiter of ``pending`` gets its result of ``job`` (a result or an error per
+    waiter, in order), unless its caller stopped waiting."""
     failed = asyncio.CancelledError() if job.cancelled() else job.exception()
     if failed is not None:  # the job did not run (no executor left at the loop's end)
         for _, waiter in pending:
