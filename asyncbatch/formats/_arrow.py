@@ -250,13 +250,6 @@ class _Bytes:
         return bytes(data[: end - start])
 
 
-async def read_headers(store: Store, url: str, info: ObjectInfo | None = None) -> FileHeaders:
-    """The schema and record batch headers of the Arrow IPC file ``url`` (either layout)."""
-    (walk,) = await open_walks(store, [url], {} if info is None else {url: info})
-    (headers,) = await walk_files(store, [url], [walk])
-    return headers
-
-
 async def open_walks(
     store: Store, urls: Sequence[str], known: Mapping[str, ObjectInfo]
 ) -> list[Walk]:

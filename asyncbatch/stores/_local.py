@@ -299,6 +299,7 @@ class LocalStore(Unbounded):
         self._closed = False
         #: Per loop, the stat calls waiting for this turn's shared job (see :meth:`_stat`).
         self._stats: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[Any]]]] = {}
+        #: Per loop, the tails waiting for this turn's shared job (see :meth:`read_tail`).
         self._tails: dict[
             asyncio.AbstractEventLoop, list[tuple[str, int, asyncio.Future[Any]]]
         ] = {}
