@@ -7,11 +7,13 @@ writes its dataset once (from the same random token stream) and returns the load
 Every case is timed in interleaved rounds (the order rotated each round; the machine is
 shared and noisy) from constructing its ``ab.Loader`` to holding its ``--batches``-th batch
 (default: the whole epoch locally, 64 batches on S3). Reported: median tokens/s (tokens
-actually delivered: a document batch counts its documents' lengths), read requests per batch
-(ranges the engine asked the store for, counted by wrapping ``Reader.read_plan``: one GET
-each on S3 or HTTP, one ``pread`` locally), bytes fetched per useful byte (merged reads fetch
-the gaps between neighbours too), and the median over rounds of the ratio to the tokens
-baseline of the same round.
+actually delivered: a document batch counts its documents' lengths), reads per batch (the
+ranges the engine asked the store for, counted by wrapping ``Reader.read_plan``: one GET each
+on S3 or HTTP, one ``pread`` or copy locally; plus the windows the local store copies out of
+its mappings itself, counted by wrapping ``LocalStore.read_windows``: one copy each), bytes
+fetched per useful byte (merged reads fetch the gaps between neighbours too; a copied window
+fetches its own bytes), and the median over rounds of the ratio to the tokens baseline of the
+same round.
 
 Data: ``--size-mb`` of uint16 tokens (random below 50257) cut into documents of geometric
 lengths (mean ``--mean-doc`` tokens), written with ``ab.write_tokens`` and
@@ -36,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from asyncbatch._batch import Jagged
 from asyncbatch._engine import Engine, Reader
 from asyncbatch._layout import ReadPlan
 from asyncbatch._portal import run_sync
+from asyncbatch.stores._local import LocalStore
 from asyncbatch.stores._registry import open_store
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -85,12 +88,17 @@ class Case:
 
 class ReadCounter:
     """Counts what every engine of this process reads: ranges and bytes (wrapping
-    ``Reader.read_plan``) and the batches they were for (wrapping ``Engine._read_group``),
-    prefetched ones included, so that ratios of the two hold whatever the run's length."""
+    ``Reader.read_plan``), windows the local store copies itself (wrapping
+    ``LocalStore.read_windows``: each window one copy of its bytes, none fetched beside them;
+    a call that declines is planned as ranges and counted there), and the batches they were
+    for (wrapping ``Engine._read_group``), prefetched ones included, so that ratios of the
+    two hold whatever the run's length. Install it before any store is opened: store layers
+    bind ``read_windows`` when they are built."""
 
     def __init__(self) -> None:
         self.reads = self.fetched = self.useful = self.batches = 0
         read_plan, read_group = Reader.read_plan, Engine._read_group
+        read_windows = LocalStore.read_windows
 
         async def counted_plan(
             reader: Reader, plan: ReadPlan, convert: Any = None
@@ -100,12 +108,34 @@ class ReadCounter:
             self.useful += plan.nbytes
             return await read_plan(reader, plan, convert)
 
+        async def counted_windows(
+            store: LocalStore,
+            urls: Sequence[str],
+            ends: npt.NDArray[np.int64],
+            offsets: npt.NDArray[np.int64],
+            itemsize: int,
+            starts: npt.NDArray[np.int64],
+            window: int,
+            dest: npt.NDArray[np.uint8],
+            convert: Any = None,
+        ) -> bool:
+            copied = await read_windows(
+                store, urls, ends, offsets, itemsize, starts, window, dest, convert
+            )
+            if copied:
+                nbytes = int(starts.size) * window * itemsize
+                self.reads += int(starts.size)
+                self.fetched += nbytes
+                self.useful += nbytes
+            return copied
+
         async def counted_group(engine: Engine, *args: Any) -> Any:
             # The group's batches are its one range argument, wherever the signature puts it.
             self.batches += sum(len(arg) for arg in args if isinstance(arg, range))
             return await read_group(engine, *args)
 
         Reader.read_plan = counted_plan  # type: ignore[method-assign]
+        LocalStore.read_windows = counted_windows  # type: ignore[method-assign]
         Engine._read_group = counted_group  # type: ignore[method-assign]
 
     def snapshot(self) -> tuple[int, int, int, int]:
