@@ -423,22 +423,16 @@ class Engine:
             else:
                 sizes = None
         cuts = list(itertools.accumulate(lengths, initial=0))
-        if len(names) == 1:  # the common case, a little cheaper per batch
-            (name,) = names
-            group = [
-                Batch(ids[a:b], {name: part}, schema, {"epoch": epoch, "batch": n})
-                for n, a, b, part in zip(batches, cuts[:-1], cuts[1:], columns[0], strict=True)
-            ]
+        if len(names) == 1:  # the common case: no zip per batch
+            fields_of = [{names[0]: part} for part in columns[0]]
         else:
-            group = [
-                Batch(
-                    ids[a:b],
-                    dict(zip(names, parts, strict=True)),
-                    schema,
-                    {"epoch": epoch, "batch": n},
-                )
-                for n, a, b, *parts in zip(batches, cuts[:-1], cuts[1:], *columns, strict=True)
+            fields_of = [
+                dict(zip(names, parts, strict=True)) for parts in zip(*columns, strict=True)
             ]
+        group = [
+            Batch(ids[a:b], fields, schema, {"epoch": epoch, "batch": n})
+            for n, a, b, fields in zip(batches, cuts[:-1], cuts[1:], fields_of, strict=True)
+        ]
         # Each batch's share of the stored bytes, by its samples (exact for equal samples).
         shares = [held.planned * cut // max(1, cuts[-1]) for cut in cuts]
         return group, [b - a for a, b in itertools.pairwise(shares)], sizes

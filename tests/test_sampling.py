@@ -312,8 +312,8 @@ def test_global_batches_do_not_depend_on_the_world_size(
 
 @pytest.mark.parametrize("shuffle", ["global", "block"])
 def test_a_few_ids_alone_are_those_of_their_block(shuffle: str) -> None:
-    """A run's first batch computes its ids alone (not its whole block of ``ID_BLOCK``):
-    they are the same ids, and later batches of that block come from the block."""
+    """A small group (a run's first batch) computes its ids alone, not its whole block of
+    ``ID_BLOCK``: they are the same ids as the block's, which larger groups slice."""
     options: dict[str, Any] = dict(
         shuffle=shuffle, seed=7, rank=1, world_size=3, block_size=64, window=4
     )

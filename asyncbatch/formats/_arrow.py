@@ -23,12 +23,15 @@ cumulative row counts.
 
 Reading a group of batches fetches, of each record batch it touches, the byte range of each
 selected column in the body (a column's buffers are contiguous, depth first). Under an exact
-shuffle (``scattered``), rows of uncompressed record batches without nulls in the selected
-columns are read one by one instead (:mod:`~asyncbatch.formats._arrow_rows`): the bytes of the
-row in each buffer, offsets first. pyarrow builds the arrays from the fetched bytes
+shuffle (``scattered``), and in any group that uses under 1 in :data:`SPARSE` of the rows of
+the record batches it touches, rows of uncompressed record batches without nulls in the
+selected columns are read one by one instead (:mod:`~asyncbatch.formats._arrow_rows`): the
+bytes of the row in each buffer, offsets first. pyarrow builds the arrays from the fetched bytes
 (``pyarrow.Array.from_buffers``, codecs by ``pyarrow.decompress``) and validates them fully,
-so a corrupt body is a FormatError, never wrong rows. Fields, nulls and packing
-(``seq_len=``) are the Parquet reader's (:mod:`~asyncbatch.formats._parquet`).
+so a corrupt body is a FormatError, never wrong rows; numbers, lists of numbers and strings
+then reach the batch as tensors over those bytes (rows of whole record batches copied out in
+one GIL-free call per column). Other fields, nulls and packing (``seq_len=``) are the Parquet
+reader's (:mod:`~asyncbatch.formats._parquet`).
 """
 
 from __future__ import annotations
@@ -187,26 +190,26 @@ async def walk_files(store: Store, urls: Sequence[str], walks: list[Walk]) -> li
     out: list[FileHeaders | None] = [None] * len(walks)
     wants: dict[int, list[tuple[int, int]]] = {}
     for k, walk in enumerate(walks):
-        _advance(walks, k, walk.send, None, wants, out)
+        _advance(walk, k, None, wants, out)
     while wants:
         got = await _read_round(store, urls, wants)
         for k, data in got.items():
-            _advance(walks, k, walks[k].send, data, wants, out)
+            _advance(walks[k], k, data, wants, out)
     assert all(headers is not None for headers in out)
     return [headers for headers in out if headers is not None]
 
 
 def _advance(
-    walks: list[Walk],
+    walk: Walk,
     k: int,
-    step: Any,
     value: Any,
     wants: dict[int, list[tuple[int, int]]],
     out: list[FileHeaders | None],
 ) -> None:
-    """Walk ``k`` one step on: what it wants next, or what it returned."""
+    """Walk ``k`` one step on (``value``: the bytes it asked for): what it wants next, or
+    what it returned."""
     try:
-        wants[k] = step(value)
+        wants[k] = walk.send(value)
     except StopIteration as stop:
         wants.pop(k, None)
         out[k] = stop.value
@@ -660,11 +663,7 @@ class ArrowRows:
         in_batch = ids - (self.ends - self.rows)[batches]
         # Rows are read one by one under an exact shuffle, and in any group that uses few of
         # the rows of the record batches it touches (a block shuffle's first batch).
-        touched = (
-            None
-            if self.scattered
-            else np.flatnonzero(np.bincount(batches, minlength=self.rows.size))
-        )
+        touched = None if self.scattered else np.unique(batches)
         if touched is None or ids.size * SPARSE < int(self.rows[touched].sum()):
             single = self.picker.readable[batches]
             needed = np.unique(batches[~single])

@@ -47,9 +47,9 @@ TAILS: tuple[Tail, ...] = get_args(Tail)
 
 #: Positions whose sample ids are computed (and cached) together.
 ID_BLOCK = 16384
-#: So few ids of a block not computed yet are computed alone (a run's first batch waits for
-#: its own ids, not for a block's ~0.5 ms).
-FEW_IDS = 1024
+#: So few ids are computed alone, not sliced from their block (a run's first, small groups
+#: wait for their own ids, not for a block's ~0.5 ms; larger groups share cached blocks).
+FEW_IDS = 256
 
 
 def normalize_shuffle(shuffle: bool | str) -> str:
@@ -269,8 +269,6 @@ class EpochOrder:
                 ),
             )
         self._block = lru_cache(maxsize=4)(self._make_block)
-        #: Blocks asked for whole once (a few ids of another block are computed alone).
-        self._made: set[tuple[int, History, int]] = set()
 
     def first_batch(self, history: History) -> int:
         """The batch where the current stretch of ``history`` starts: the rank windows
@@ -324,11 +322,8 @@ class EpochOrder:
         # that a few hundred ids would not amortise.
         first, last = start // ID_BLOCK, (stop - 1) // ID_BLOCK
         if first == last:
-            if stop - start <= FEW_IDS and (epoch, history, first) not in self._made:
-                return self._ids(epoch, history, start, stop)  # a run's first batch: now
-            if len(self._made) > 1024:  # epochs long past
-                self._made.clear()
-            self._made.add((epoch, history, first))
+            if stop - start <= FEW_IDS:
+                return self._ids(epoch, history, start, stop)
             offset = first * ID_BLOCK
             return self._block(epoch, history, first)[start - offset : stop - offset]
         parts = [self._block(epoch, history, b) for b in range(first, last + 1)]
