@@ -500,35 +500,55 @@ def test_resident_tells_pages_in_memory_from_those_not() -> None:
             area.close()
 
 
-def test_small_reads_of_resident_pages_are_made_without_a_thread(tmp_path: Path) -> None:
-    """A few ranges of open, mapped files whose pages are in memory are copied on the loop;
-    the first read of a file (which opens it) and larger reads go to a thread."""
+def _counting_jobs(store: LocalStore, jobs: list[int]) -> None:
+    """Record the ranges of each read job the store hands its threads."""
+    submit = store._pool.submit
+
+    def counted(fn: Any, *args: Any) -> Any:
+        if fn == store._read_job:
+            jobs.append(len(args[2]))
+        return submit(fn, *args)
+
+    store._pool.submit = counted  # type: ignore[method-assign]
+
+
+async def _read_checked(
+    store: LocalStore, urls: list[str], data: npt.NDArray[np.uint8], count: int, size: int
+) -> None:
+    """``count`` reads of ``size`` bytes spread over ``urls``, checked against ``data``."""
+    which = np.arange(count, dtype=np.int64) * len(urls) // count  # each file's together
+    starts = np.arange(count, dtype=np.int64) * 7919 % (data.size - size)
+    dest = np.zeros(count * size, dtype=np.uint8)
+    at = np.arange(count, dtype=np.int64) * size
+    await store.read_into(urls, which, starts, starts + size, dest, at)
+    for k in range(count):
+        np.testing.assert_array_equal(
+            dest[at[k] : at[k] + size], data[starts[k] : starts[k] + size]
+        )
+
+
+def _files(tmp_path: Path, count: int) -> tuple[list[str], npt.NDArray[np.uint8]]:
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     urls = []
-    for i in range(2):
+    for i in range(count):
         (tmp_path / f"f{i}").write_bytes(data.tobytes())
         urls.append(str(tmp_path / f"f{i}"))
+    return urls, data
+
+
+def test_small_reads_of_pages_in_memory_are_made_without_a_thread(tmp_path: Path) -> None:
+    """A few ranges of files open in this run whose bytes are in memory are read on the
+    loop (``pread`` with ``RWF_NOWAIT``, the files not mapped); the first read of a file
+    (which opens it) and larger reads go to a thread."""
+    urls, data = _files(tmp_path, 2)
     jobs: list[int] = []
 
     async def main() -> None:
         store = LocalStore()
-        submit = store._pool.submit
-
-        def counted(fn: Any, *args: Any) -> Any:
-            jobs.append(len(args[2]) if fn == store._read_job else -1)
-            return submit(fn, *args)
-
-        store._pool.submit = counted  # type: ignore[method-assign]
+        _counting_jobs(store, jobs)
         try:
             for count, size in [(4, 100), (4, 100), (16, 4096), (17, 100), (2, 200_000)]:
-                which = np.arange(count, dtype=np.int64) % 2
-                starts = np.arange(count, dtype=np.int64) * 7919 % ((1 << 20) - size)
-                dest = np.zeros(count * size, dtype=np.uint8)
-                at = np.arange(count, dtype=np.int64) * size
-                await store.read_into(urls, which, starts, starts + size, dest, at)
-                for k in range(count):
-                    got = dest[at[k] : at[k] + size]
-                    np.testing.assert_array_equal(got, data[starts[k] : starts[k] + size])
+                await _read_checked(store, urls, data, count, size)
         finally:
             await store.close()
 
@@ -536,3 +556,103 @@ def test_small_reads_of_resident_pages_are_made_without_a_thread(tmp_path: Path)
     # The first read opens the files on a thread; the next two are small; 17 ranges are
     # too many; 400 KB too much.
     assert jobs == [4, 17, 2]
+
+
+def test_files_are_mapped_for_many_ranges_then_copied_from_on_the_loop(tmp_path: Path) -> None:
+    """A few reads leave a file unmapped (``pread`` costs less than a mapping, its faults
+    and its unmapping); a read of many ranges maps it, and later small reads of its pages
+    in memory copy from that mapping on the loop."""
+    urls, data = _files(tmp_path, 2)
+    jobs: list[int] = []
+
+    async def main() -> None:
+        store = LocalStore()
+        _counting_jobs(store, jobs)
+
+        def mapped() -> list[bool]:
+            return [store._files._fds[url][3] >= 0 for url in urls]
+
+        try:
+            await _read_checked(store, urls, data, 4, 100)
+            assert mapped() == [False, False]
+            await _read_checked(store, urls, data, 64, 100)
+            assert mapped() == [True, True]
+            await _read_checked(store, urls, data, 8, 4096)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    assert jobs == [4, 64]
+
+
+def test_a_small_read_of_bytes_not_in_memory_waits_on_a_thread(tmp_path: Path) -> None:
+    """Bytes the page cache does not hold (dropped with ``POSIX_FADV_DONTNEED``) are never
+    waited for on the loop: the ``RWF_NOWAIT`` read fails and a thread reads them."""
+    import mmap
+
+    from asyncbatch.stores import _preadv
+
+    urls, data = _files(tmp_path, 1)
+    jobs: list[int] = []
+    starts = np.arange(4, dtype=np.int64) * 7919  # _read_checked's 4 reads of 100 bytes
+
+    def drop_pages() -> bool:
+        """Drop the file's pages from the page cache; whether those of the reads went."""
+        fd = os.open(urls[0], os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            area = mmap.mmap(fd, data.size, prot=mmap.PROT_READ)
+            try:
+                view = np.frombuffer(area, dtype=np.uint8)
+                base = np.full(4, view.__array_interface__["data"][0], dtype=np.int64)
+                held = _preadv.resident(base, starts, np.full(4, 100, dtype=np.int64))
+                del view
+            finally:
+                with contextlib.suppress(BufferError):
+                    area.close()
+        finally:
+            os.close(fd)
+        return not held
+
+    async def main() -> None:
+        store = LocalStore()
+        _counting_jobs(store, jobs)
+        try:
+            await _read_checked(store, urls, data, 4, 100)  # opens the file
+            if not drop_pages():
+                pytest.skip("this filesystem keeps a file's pages in memory (tmpfs)")
+            await _read_checked(store, urls, data, 4, 100)
+            await _read_checked(store, urls, data, 4, 100)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    # The second read met pages not in memory: a thread read them (and brought them back).
+    assert jobs == [4, 4]
+
+
+def test_a_file_stated_is_opened_so_its_first_small_read_needs_no_thread(tmp_path: Path) -> None:
+    """A few files' ``stat`` (a loader's size check before its first read of each) opens
+    them in the same job, so their first small reads of bytes in memory are made on the
+    loop; many at once are only stated (opening thousands would churn the open files)."""
+    urls, data = _files(tmp_path, 2)
+    many = [str(tmp_path / f"g{i}") for i in range(2)]
+    for url in many:
+        Path(url).write_bytes(b"x")
+    jobs: list[int] = []
+
+    async def main() -> None:
+        store = LocalStore(max_open_files=8)  # a job opens up to 8 // 4 files
+        _counting_jobs(store, jobs)
+        try:
+            await asyncio.gather(*(store.stat(url) for url in urls))
+            assert sorted(store._files._fds) == sorted(urls)
+            await _read_checked(store, urls, data, 4, 100)
+            assert jobs == []
+            await asyncio.gather(*(store.stat(url) for url in [*many, *urls]))
+            assert sorted(store._files._fds) == sorted(urls)
+        finally:
+            await store.close()
+
+    asyncio.run(main())

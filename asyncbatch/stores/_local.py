@@ -7,7 +7,11 @@ search over the cumulative counts and copies (and widens, with ``dtype=``) strai
 files' mappings, so no Python runs per window and no read plan is built.
 :meth:`LocalStore.read_into` does the same for any group of planned byte ranges. By default the
 helper copies from a read-only mapping of each file (``mmap``): for the small windows of a
-global shuffle this costs about half a ``pread`` call, which is mostly system-call overhead. A
+global shuffle this costs about half a ``pread`` call, which is mostly system-call overhead.
+A file is mapped for the first read that copies many ranges from it; a few reads (headers, a
+first batch's rows) use ``pread``, which costs less than a mapping, its page faults and its
+unmapping. A few small reads of bytes in memory are made on the loop itself (see
+:meth:`LocalFiles.copy_resident`). A
 file truncated under its mapping would kill the process with SIGBUS; the helper catches the
 fault inside its copy loop and the read fails with a
 :class:`~asyncbatch._errors.ShardChangedError` instead. ``storage_options= {"mmap": False}``
@@ -46,6 +50,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from stat import S_ISREG
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -90,10 +95,17 @@ Int64Array = npt.NDArray[np.int64]
 #: Reads (``pread``) one pool job does before a group is split across threads: fewer, larger
 #: jobs win on few cores, since each job costs a thread hop and the reads run without the GIL.
 RANGES_PER_JOB = 512
-#: Reads of at most this many ranges and bytes, from mapped pages in memory, are copied on
-#: the event loop itself (a copy of a few KiB costs microseconds, a thread's hop ~100 us).
+#: Reads of at most this many ranges and bytes, of files open and bytes in memory, are made on
+#: the event loop itself (a copy of a few KiB costs microseconds, a thread's hop ~100 us); a
+#: file is mapped for a read of more ranges than this.
 INLINE_READS = 16
 INLINE_BYTES = 256 << 10
+#: :class:`LocalFiles` entries' mapped bytes of a file not mapped yet, and of one that cannot
+#: be (read with ``pread``).
+NOT_MAPPED = -1
+UNMAPPABLE = -2
+#: ``pread`` that fails with EAGAIN where it would wait for the disk (Linux 4.14), if any.
+RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 #: :attr:`LocalStore.coalesce_gap` when it copies from mappings.
 MAPPED_COALESCE_GAP = 512
 #: Destination bytes per thread job of :meth:`LocalStore.read_windows`, and of copies from
@@ -138,7 +150,8 @@ class LocalFiles:
         self.max_open_files = max_open_files
         #: Whether reads copy from mappings (needs the C helper) rather than call pread.
         self.mmap = mmap and _preadv is not None
-        #: url -> [fd, readers, mapping address, mapped bytes (-1: not mapped), run checked]
+        #: url -> [fd, readers, mapping address, mapped bytes (NOT_MAPPED, UNMAPPABLE), run
+        #: checked, size pinned]
         self._fds: OrderedDict[str, list[int]] = OrderedDict()
         self._pins: dict[str, Version] = {}  # url -> version when first opened
         self._lock = threading.Lock()
@@ -157,20 +170,29 @@ class LocalFiles:
                 self._run = run
 
     def acquire(self, url: str) -> tuple[int, int, int]:
-        """(descriptor, mapping address, mapped bytes or -1) of ``url``, held open until the
-        matching :meth:`release`."""
+        """(descriptor, mapping address, mapped bytes or a negative value) of ``url``, held
+        open until the matching :meth:`release`; not mapped by this call."""
         return self.acquire_many([url])[0]
 
-    def acquire_many(self, urls: Sequence[str]) -> list[tuple[int, int, int]]:
+    def acquire_many(self, urls: Sequence[str], mapped: bool = False) -> list[tuple[int, int, int]]:
         """:meth:`acquire` of each of ``urls`` (no repeats), held until :meth:`release_many`;
-        files already open and checked in this run are taken under one hold of the lock."""
+        files already open and checked in this run are taken under one hold of the lock.
+        ``mapped``: map those not mapped yet (with ``mmap``). A file is mapped for the
+        reads that copy many ranges from it, not for the first few: a few small reads cost
+        less with ``pread`` than the mapping, its page faults and its unmapping."""
         with self._lock:
             entries = [self._held(url) for url in urls]
             run = self._run
         got: list[tuple[int, int, int]] = []
         try:
             for url, entry in zip(urls, entries, strict=True):
-                got.append(self._open(url) if entry is None else self._recheck(url, entry, run))
+                if entry is None:
+                    entry = self._open(url)
+                else:
+                    self._recheck(url, entry, run)
+                if mapped:
+                    self._map(entry)
+                got.append((entry[0], entry[2], entry[3]))
         except BaseException:
             # Held: those acquired, and those taken above (the one that failed too).
             held = zip(urls, entries, strict=True)
@@ -178,27 +200,23 @@ class LocalFiles:
             raise
         return got
 
-    def _recheck(self, url: str, entry: list[int], run: int) -> tuple[int, int, int]:
-        """An open file's entry; kept from an earlier run, checked against its path first."""
+    def _recheck(self, url: str, entry: list[int], run: int) -> None:
+        """An open file's entry kept from an earlier run: checked against its path first."""
         if entry[4] != run:  # is the path still this file?
             self.check_pins([url], [_stat_path(url)])
             entry[4] = run
-        return entry[0], entry[2], entry[3]
 
-    def _open(self, url: str) -> tuple[int, int, int]:
-        """Open, pin and map ``url`` into the LRU, held once."""
+    def _open(self, url: str) -> list[int]:
+        """Open and pin ``url`` into the LRU, held once: its entry."""
         try:
             fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:  # typed; EIO retried by the stack, a missing file not
             raise map_error(exc, url) from exc
-        opened = [fd, 1, 0, -1, self._run]
+        opened = [fd, 1, 0, NOT_MAPPED, self._run, 0]
         try:
             stat = os.fstat(fd)
             self.check_pins([url], [stat])
-            if self.mmap and _preadv is not None:
-                # The pinned size is mapped; a file that cannot be mapped is read with pread.
-                with contextlib.suppress(OSError):
-                    opened[2], opened[3] = _preadv.map_file(fd, stat.st_size), stat.st_size
+            opened[5] = stat.st_size
         except BaseException:
             _close_entry(opened)
             raise
@@ -206,10 +224,28 @@ class LocalFiles:
             entry = self._held(url)
             if entry is not None:  # another thread opened it meanwhile
                 _close_entry(opened)
-                return entry[0], entry[2], entry[3]
+                return entry
             self._fds[url] = opened
             self._evict_idle()
-        return opened[0], opened[2], opened[3]
+        return opened
+
+    def _map(self, entry: list[int]) -> None:
+        """Map a held file's pinned size, once; one that cannot be mapped is read with
+        pread."""
+        if entry[3] != NOT_MAPPED or not self.mmap:
+            return
+        assert _preadv is not None
+        size = entry[5]
+        try:
+            address = _preadv.map_file(entry[0], size)
+        except OSError:
+            address, size = 0, UNMAPPABLE
+        with self._lock:
+            if entry[3] == NOT_MAPPED:
+                entry[2], entry[3] = address, size
+                return
+        if size > 0:  # another thread mapped it meanwhile
+            _preadv.unmap_file(address, size)
 
     def _held(self, url: str) -> list[int] | None:
         """``url``'s entry with one more reader, if open; called with the lock held."""
@@ -221,14 +257,56 @@ class LocalFiles:
             self._fds.move_to_end(url)
         return entry
 
-    def mappings(self, urls: Sequence[str]) -> list[int] | None:
-        """The mapping address of each of ``urls``, when every one is open and mapped in
-        this run (else None: opening or checking one is left to a thread)."""
+    def copy_resident(
+        self,
+        urls: Sequence[str],
+        which: Int64Array,
+        starts: Int64Array,
+        lengths: Int64Array,
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: Int64Array,
+        convert: str | None,
+    ) -> bool:
+        """Make a few reads of files open and checked in this run whose bytes are all in
+        memory, here, under the lock (no other thread unmaps or closes them meanwhile):
+        copied from the files' mappings when ``mincore`` finds every page in memory, or,
+        from files not mapped, read with ``pread(RWF_NOWAIT)``, which fails rather than wait
+        for the disk. Then the files' pins are checked, as after every read. False when one
+        is not so: the caller reads as usual (and meets any error there)."""
+        places = which.tolist()
         with self._lock:
-            entries = [self._fds.get(url) for url in urls]
-            if any(e is None or e[3] < 0 or e[4] != self._run for e in entries):
-                return None
-            return [e[2] for e in entries if e is not None]
+            if self._closed:
+                return False
+            entries: dict[int, list[int]] = {}
+            for i in set(places):
+                entry = self._fds.get(urls[i])
+                if entry is None or entry[4] != self._run:
+                    return False
+                entries[i] = entry
+            mapped = [entry[3] >= 0 for entry in entries.values()]
+            if all(mapped):
+                assert _preadv is not None
+                bases = np.array([entries[i][2] for i in places], dtype=np.int64)
+                limits = np.array([entries[i][3] for i in places], dtype=np.int64)
+                if (starts + lengths > limits).any() or not _preadv.resident(
+                    bases, starts, lengths
+                ):
+                    return False
+                extra = () if convert is None else (convert,)
+                done, _, _ = _preadv.copy_many(
+                    bases, limits, starts, lengths, dest, dest_offsets, *extra
+                )
+                if done < len(places):
+                    return False
+            else:
+                fds = [entries[i][0] for i in places]
+                if any(mapped) or convert is not None or RWF_NOWAIT is None:
+                    return False
+                if not _read_nowait(fds, starts, lengths, dest, dest_offsets):
+                    return False
+            stats = [os.fstat(entry[0]) for entry in entries.values()]
+        self.check_pins([urls[i] for i in entries], stats)
+        return True
 
     def check_pins(self, urls: Sequence[str], stats: Sequence[os.stat_result]) -> None:
         """Pin each of ``urls`` at its version in ``stats`` if not yet pinned, else require
@@ -377,6 +455,7 @@ class LocalStore(Unbounded):
         """``os.stat`` of ``url``'s path, off the loop. The calls made in one turn of the loop
         share one thread job: a run's first groups check every shard they touch at once
         (thousands, in a global shuffle), and a job each cost about 0.2 ms of thread hops."""
+        self._files.follow(current_run())
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[os.stat_result] = loop.create_future()
         pending = self._stats.setdefault(loop, [])
@@ -389,18 +468,35 @@ class LocalStore(Unbounded):
         pending = self._stats.pop(loop, [])
         urls = [url for url, _ in pending]
         try:
-            job = loop.run_in_executor(None, _stat_paths, urls)
-        except RuntimeError as exc:  # the loop is shutting its executor down
-            for _, waiter in pending:
+            job = loop.run_in_executor(self._pool, self._stat_files, urls)
+        except RuntimeError:  # the pool is shut down: the store closed meanwhile
+            for url, waiter in pending:
                 if not waiter.done():
-                    waiter.set_exception(exc)
+                    waiter.set_exception(StoreError(f"store closed before a stat of {url}", url))
             return
         job.add_done_callback(functools.partial(_hand_out, pending))
 
+    def _stat_files(self, urls: Sequence[str]) -> list[os.stat_result | Exception]:
+        """:func:`_stat_paths`; when they are few, the regular files among them are opened
+        too, as their reads will (a loader checks the size of each shard before its first
+        read of it): a small read of bytes in memory then needs no thread. A file that does
+        not open is left to its read, which says why."""
+        found = _stat_paths(urls)
+        if len(urls) <= self._files.max_open_files // 4:
+            for url, stat in zip(urls, found, strict=True):
+                if isinstance(stat, os.stat_result) and S_ISREG(stat.st_mode):
+                    with contextlib.suppress(Exception):
+                        self._files.acquire(url)
+                        self._files.release(url)
+        return found
+
     async def list(self, url: str) -> list[str]:
         path = local_path(url)
+        loop = asyncio.get_running_loop()
         try:
-            names = await aiofiles.os.listdir(path)
+            names = await loop.run_in_executor(self._pool, os.listdir, path)
+        except RuntimeError as exc:  # the pool is shut down: the store closed meanwhile
+            raise StoreError(f"store closed before listing {url}", url) from exc
         except (FileNotFoundError, PermissionError) as exc:
             raise map_error(exc, url) from exc
         return sorted(os.path.join(url, name) for name in names)
@@ -532,7 +628,8 @@ class LocalStore(Unbounded):
         if self._closed:  # a job queued before close(), which waits for it
             raise StoreError(f"store closed while reading {urls[int(used[0])]}", urls[int(used[0])])
         held = [urls[index] for index in used.tolist()]
-        opened = np.array(self._files.acquire_many(held), dtype=np.int64).reshape(-1, 3).T
+        opened = np.array(self._files.acquire_many(held, mapped=True), dtype=np.int64)
+        opened = opened.reshape(-1, 3).T
         try:
             if (opened[2] < 0).any():  # a file that could not be mapped: read with pread
                 return False
@@ -582,8 +679,7 @@ class LocalStore(Unbounded):
         if count == 0:
             return
         self._files.follow(current_run())
-        if self._resident(urls, which, starts, ends):  # a small copy: here, no thread's hop
-            self._read_job(urls, which, starts, ends, dest, dest_offsets, convert)
+        if self._copied_here(urls, which, starts, ends, dest, dest_offsets, convert):
             return
         loop = asyncio.get_running_loop()
         if self._files.mmap:  # copies from mappings: a range costs far less than a pread
@@ -608,25 +704,26 @@ class LocalStore(Unbounded):
             )
         )
 
-    def _resident(
-        self, urls: Sequence[str], which: Int64Array, starts: Int64Array, ends: Int64Array
+    def _copied_here(
+        self,
+        urls: Sequence[str],
+        which: Int64Array,
+        starts: Int64Array,
+        ends: Int64Array,
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: Int64Array,
+        convert: str | None,
     ) -> bool:
-        """Whether the reads are a small copy from mappings of files open in this run whose
-        pages are all in memory: one that waits for no disk and no file system call, cheaper
-        made on the loop than a hop to a thread and back (a header, a footer, a few rows)."""
-        count = int(starts.size)
-        if count > INLINE_READS or _preadv is None or not self._files.mmap:
+        """Whether the reads were a small copy from mappings of files open in this run whose
+        pages are all in memory, and so were made here: one that waits for no disk and no
+        file system call costs less on the loop than a hop to a thread and back (a header, a
+        footer, a few rows). False: nothing was copied."""
+        if int(starts.size) > INLINE_READS:
             return False
         lengths = ends - starts
         if int(lengths.sum()) > INLINE_BYTES:
             return False
-        used = np.unique(which)
-        bases = self._files.mappings([urls[i] for i in used.tolist()])
-        if bases is None:
-            return False
-        base_of = np.zeros(len(urls), dtype=np.int64)
-        base_of[used] = bases
-        return _preadv.resident(base_of[which], starts, lengths)
+        return self._files.copy_resident(urls, which, starts, lengths, dest, dest_offsets, convert)
 
     def _read_job(
         self,
@@ -667,7 +764,9 @@ class LocalStore(Unbounded):
         if self._closed:  # a job queued before close(), which waits for it
             raise StoreError(f"store closed while reading {urls[used[0]]}", urls[used[0]])
         held = [urls[index] for index in used]
-        opened = np.array(self._files.acquire_many(held), dtype=np.int64).T
+        # Many ranges copy faster from a mapping; a few read with pread cost less than one.
+        mapped = starts.size > INLINE_READS
+        opened = np.array(self._files.acquire_many(held, mapped), dtype=np.int64).T
         try:
             fd_of = np.full(len(urls), -1, dtype=np.int32)
             base_of = np.zeros(len(urls), dtype=np.int64)
@@ -796,7 +895,7 @@ def _close_entries(entries: OrderedDict[str, list[int]]) -> None:
 
 def _close_entry(entry: list[int]) -> None:
     """Unmap and close one open file of the LRU."""
-    fd, _, address, length, _ = entry
+    fd, _, address, length, _, _ = entry
     if length > 0 and _preadv is not None:
         _preadv.unmap_file(address, length)
     try:
@@ -804,6 +903,27 @@ def _close_entry(entry: list[int]) -> None:
     except OSError as exc:  # pragma: no cover - already closed
         if exc.errno != errno.EBADF:
             raise
+
+
+def _read_nowait(
+    fds: Sequence[int],
+    starts: Int64Array,
+    lengths: Int64Array,
+    dest: npt.NDArray[np.uint8],
+    dest_offsets: Int64Array,
+) -> bool:
+    """``pread``s that take only bytes in memory (``RWF_NOWAIT``): False at the first that
+    would wait for the disk, comes back short or fails (read again on a thread)."""
+    assert RWF_NOWAIT is not None
+    view = memoryview(dest)  # type: ignore[arg-type]
+    places = zip(fds, starts.tolist(), lengths.tolist(), dest_offsets.tolist(), strict=True)
+    for fd, start, length, at in places:
+        try:
+            if os.preadv(fd, [view[at : at + length]], start, RWF_NOWAIT) != length:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _read_many_python(
