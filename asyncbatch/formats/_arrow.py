@@ -489,13 +489,11 @@ async def _open_files(
     tops = np.array([c[0] for c in layout], dtype=np.int64)
     for file_url, headers in zip(urls, files, strict=True):
         for message in headers.batches:
-            assert message.nodes is not None
-            assert message.buffers is not None
-            if len(message.nodes) != num_nodes or len(message.buffers) != num_buffers:
+            if len(message.nodes) != 2 * num_nodes or len(message.buffers) != 2 * num_buffers:
                 raise FormatError(
                     f"{file_url}: the record batch at byte {message.start} has"
-                    f" {len(message.nodes)} field nodes and {len(message.buffers)} buffers;"
-                    f" its schema has {num_nodes} and {num_buffers}"
+                    f" {len(message.nodes) // 2} field nodes and {len(message.buffers) // 2}"
+                    f" buffers; its schema has {num_nodes} and {num_buffers}"
                 )
     batches = [m for f in files for m in f.batches]
     counts = [len(f.batches) for f in files]

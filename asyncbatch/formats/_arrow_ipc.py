@@ -21,12 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from .._errors import FormatError
-
-Int64Array = npt.NDArray[np.int64]
 
 #: The first and last six bytes of the file layout (the first padded to 8).
 FILE_MAGIC = b"ARROW1"
@@ -44,16 +39,16 @@ NO_CODEC = -1
 class Message:
     """One encapsulated message: where it starts, its metadata length (with the 8-byte
     prefix), its header type, body length and, for a record batch, its rows, nodes
-    ``[n, 2]`` (length, null count), buffers ``[n, 2]`` (offset, length in the body) and
-    codec (:data:`NO_CODEC` when uncompressed)."""
+    (length, null count of each, flat), buffers (offset, length in the body of each, flat)
+    and codec (:data:`NO_CODEC` when uncompressed)."""
 
     start: int
     metadata_length: int
     kind: int
     body_length: int
     rows: int = 0
-    nodes: Int64Array | None = None
-    buffers: Int64Array | None = None
+    nodes: tuple[int, ...] = ()
+    buffers: tuple[int, ...] = ()
     codec: int = NO_CODEC
 
     @property
@@ -141,16 +136,16 @@ def _fields(meta: bytes, table: int) -> tuple[int, ...]:
     return struct.unpack_from(f"<{(size - 4) // 2}H", meta, vtable + 4) + _ABSENT
 
 
-def _vector(meta: bytes, field: int, width: int) -> Int64Array:
-    """The vector of ``width``-byte structs of int64 pairs whose offset is at ``field``
-    (none: empty), as ``[n, 2]``."""
+def _vector(meta: bytes, field: int) -> tuple[int, ...]:
+    """The vector of structs of two int64 whose offset is at ``field`` (none: empty),
+    flat: a tuple is cheaper than an array for the few a header holds."""
     if not field:
-        return np.zeros((0, 2), dtype=np.int64)
+        return ()
     target = field + _u32(meta, field)[0]
     count = _u32(meta, target)[0]
-    if target + 4 + count * width > len(meta):
+    if target + 4 + count * 16 > len(meta):
         raise struct.error("a vector runs out")
-    return np.frombuffer(meta, dtype="<i8", count=2 * count, offset=target + 4).reshape(count, 2)
+    return struct.unpack_from(f"<{2 * count}q", meta, target + 4)
 
 
 def parse_message(data: bytes, start: int, url: str) -> Message:
@@ -184,8 +179,8 @@ def parse_message(data: bytes, start: int, url: str) -> Message:
         header = field + _u32(meta, field)[0]
         own = _fields(meta, header)
         rows = _i64(meta, header + own[0])[0] if own[0] else 0
-        nodes = _vector(meta, header + own[1] if own[1] else 0, 16)
-        buffers = _vector(meta, header + own[2] if own[2] else 0, 16)
+        nodes = _vector(meta, header + own[1] if own[1] else 0)
+        buffers = _vector(meta, header + own[2] if own[2] else 0)
         codec = NO_CODEC
         if own[3]:
             field = header + own[3]
@@ -199,11 +194,12 @@ def parse_message(data: bytes, start: int, url: str) -> Message:
     if codec != NO_CODEC and codec not in CODECS:
         raise FormatError(f"{url}: message at byte {start}: unknown body compression {codec}")
     # Offset and length each within the body (their sum could overflow int64).
-    if buffers.size and (buffers.min() < 0 or (buffers[:, 1] > body - buffers[:, 0]).any()):
+    pairs = zip(buffers[::2], buffers[1::2], strict=True)
+    if buffers and (min(buffers) < 0 or any(n > body - at for at, n in pairs)):
         raise FormatError(
             f"{url}: message at byte {start}: a buffer lies outside its body of {body} bytes"
         )
-    if rows < 0 or (nodes.size and nodes.min() < 0):
+    if rows < 0 or (nodes and min(nodes) < 0):
         raise FormatError(
             f"{url}: message at byte {start}: negative lengths in the record batch header"
         )
