@@ -73,6 +73,10 @@ MAX_GROUP_BYTES = 16 * 2**20
 GROUPS_IN_QUEUE = 2
 MAX_LOCAL_GROUP = 256
 LOCAL_GROUPS_IN_QUEUE = 4
+#: Seconds a run waits, once its first group is queued, for the consumer to take it before
+#: it plans more: a consumer already waiting takes it in a fraction of a millisecond, where
+#: beside the engine's work it may wait for a core or the GIL for milliseconds.
+FIRST_TAKEN_WAIT = 0.005
 
 
 def group_size(prefetch: int, batch_bytes: int, want: int = 0, local: bool = False) -> int:
@@ -210,9 +214,13 @@ class Engine:
                     previous.add_done_callback(tasks.discard)
                     if first:
                         # The first group alone, then the rest: planned and read beside
-                        # the prefetch's later groups, it would wait on their work.
+                        # the prefetch's later groups, it would wait on their work; and its
+                        # batch handed over before that work begins, for the same reason.
                         first = False
                         await asyncio.wait({previous})
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(FIRST_TAKEN_WAIT):
+                                await queue.taken()
                 if not infinite or per_epoch == 0:
                     break
                 done += max(0, per_epoch - first_batch)

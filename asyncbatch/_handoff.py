@@ -92,6 +92,7 @@ class BatchQueue:
         self._space_waiter: asyncio.Future[None] | None = None
         self._space_wanted = 0  # slots the waiting producer needs
         self._item_waiter: asyncio.Future[None] | None = None
+        self._taken_waiter: asyncio.Future[None] | None = None  # see taken()
 
     async def reserve(self, count: int = 1) -> None:
         """Wait for ``count`` free slots (at most ``capacity``) and take them (engine side)."""
@@ -105,6 +106,19 @@ class BatchQueue:
                 waiter = self._space_waiter = self._loop.create_future()
                 self._space_wanted = count
             await waiter
+
+    async def taken(self) -> None:
+        """Wait until the consumer has taken every batch queued (engine side)."""
+        with self._lock:
+            if not self._items:
+                return
+            waiter = self._taken_waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            with self._lock:
+                if self._taken_waiter is waiter:
+                    self._taken_waiter = None
 
     def add_bytes(self, nbytes: int) -> None:
         """Count ``nbytes`` more (or fewer, if negative) bytes held by the engine (engine side).
@@ -149,20 +163,24 @@ class BatchQueue:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _pop(self) -> Any:
-        """Pop the head (lock held) and free its slot."""
+    def _pop(self) -> tuple[Any, list[asyncio.Future[None]]]:
+        """Pop the head (lock held) and free its slot; the producer's waiters to wake."""
         item, nbytes, stored = self._items.popleft()
         if not isinstance(item, Final):
             self._reserved -= 1
             self._bytes -= nbytes
             self.delivered.batches += 1
             self.delivered.bytes += stored
+        wake = []
         # Wake the producer only once it can take the whole group it waits for.
         waiter = self._space_waiter
         if waiter is not None and self._reserved + self._space_wanted <= self.capacity:
             self._space_waiter = None
-            return item, waiter
-        return item, None
+            wake.append(waiter)
+        if self._taken_waiter is not None and not self._items:
+            wake.append(self._taken_waiter)
+            self._taken_waiter = None
+        return item, wake
 
     def get(self, alive: Callable[[], bool] = lambda: True) -> Any:
         """Next item, for a consumer in another thread; ``alive()`` false means none will come."""
@@ -171,8 +189,8 @@ class BatchQueue:
                 if not alive():
                     raise RuntimeError("the asyncbatch engine thread stopped without a result")
                 self._not_empty.wait(WAIT_SLICE)
-            item, waiter = self._pop()
-        if waiter is not None:
+            item, wake = self._pop()
+        for waiter in wake:
             self._loop.call_soon_threadsafe(_wake, waiter)
         return item
 
@@ -181,11 +199,11 @@ class BatchQueue:
         while True:
             with self._lock:
                 if self._items:
-                    item, waiter = self._pop()
+                    item, wake = self._pop()
                     break
                 item_waiter = self._item_waiter = self._loop.create_future()
             await item_waiter
-        if waiter is not None:
+        for waiter in wake:
             _wake(waiter)
         return item
 

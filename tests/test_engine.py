@@ -1,10 +1,11 @@
 """The engine (``_engine.py``): an error reaches the consumer after every good batch before
 it; the default prefetch fits its memory budget; the local fast path is as short as
 docs/design.md says; a group's fields cut into batches as slicing would, with the bytes the
-queue counts."""
+queue counts; a run's first batch handed over before more is read."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import traceback
 from pathlib import Path
@@ -112,3 +113,55 @@ def test_a_group_cut_into_batches_as_slicing_would(lengths: list[int]) -> None:
             else:
                 assert torch.equal(part, want)
             assert size == fields_bytes({"x": part})
+
+
+def _traced_run(
+    dataset: ab.Dataset, monkeypatch: pytest.MonkeyPatch, wait: float, take_after: float
+) -> list[tuple[str, int]]:
+    """The order of a run's group reads (by first batch) and of the batches taken, the
+    engine waiting ``wait`` seconds for its first batch to be taken and the consumer
+    taking each ``take_after`` seconds after it is asked for."""
+    import time
+
+    from asyncbatch import _engine
+    from asyncbatch._handoff import BatchQueue
+
+    events: list[tuple[str, int]] = []
+    read_group, get = _engine.Engine._read_group, BatchQueue.get
+
+    async def traced(self: Any, *args: Any) -> Any:
+        events.append(("read", args[5].start))
+        return await read_group(self, *args)
+
+    def taken(self: BatchQueue, *args: Any) -> Any:
+        time.sleep(take_after)
+        item = get(self, *args)
+        events.append(("taken", int(item.extra["batch"])))
+        return item
+
+    monkeypatch.setattr(_engine, "FIRST_TAKEN_WAIT", wait)
+    monkeypatch.setattr(_engine.Engine, "_read_group", traced)
+    monkeypatch.setattr(BatchQueue, "get", taken)
+    with ab.Loader(dataset, batch_size=2, seq_len=16, shuffle=True, seed=3) as loader:
+        got = [batch.global_indexes.tolist() for batch in itertools.islice(loader, 3)]
+    with ab.Loader(dataset, batch_size=2, seq_len=16, shuffle=True, seed=3) as loader:
+        assert got == [batch.global_indexes.tolist() for batch in itertools.islice(loader, 3)]
+    return events
+
+
+def test_a_runs_first_batch_is_taken_before_the_engine_reads_more(
+    dataset: ab.Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's first group is read alone and its batch handed over before the next group is
+    planned and read: beside that work, the consumer would wait for a core or the GIL."""
+    events = _traced_run(dataset, monkeypatch, wait=60.0, take_after=0.0)
+    assert events[:3] == [("read", 0), ("taken", 0), ("read", 1)]
+
+
+def test_a_consumer_late_for_the_first_batch_holds_the_run_up_briefly(
+    dataset: ab.Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine waits for the first batch to be taken for a bounded time only."""
+    events = _traced_run(dataset, monkeypatch, wait=0.001, take_after=0.2)
+    assert events[:2] == [("read", 0), ("read", 1)]
+    assert events.index(("read", 1)) < events.index(("taken", 0))
