@@ -547,14 +547,14 @@ def test_small_reads_of_pages_in_memory_are_made_without_a_thread(tmp_path: Path
         store = LocalStore()
         _counting_jobs(store, jobs)
         try:
-            for count, size in [(4, 100), (4, 100), (16, 4096), (17, 100), (2, 200_000)]:
+            for count, size in [(4, 100), (4, 100), (16, 4096), (17, 100), (2, 600_000)]:
                 await _read_checked(store, urls, data, count, size)
         finally:
             await store.close()
 
     asyncio.run(main())
     # The first read opens the files on a thread; the next two are small; 17 ranges are
-    # too many; 400 KB too much.
+    # too many; 1.2 MB too much.
     assert jobs == [4, 17, 2]
 
 

@@ -243,10 +243,17 @@ class _Bytes:
         self.url, self.size, self.gap = url, size, gap
         self.held = [(size - len(tail), tail)]
 
-    def get(self, start: int, end: int, ahead: int = 0) -> Generator[Any, Any, bytes]:
+    def at_hand(self, start: int, end: int) -> bytes | None:
+        """The bytes ``[start, end)`` if fetched already (no step of the walk), else None."""
         for at, data in self.held:
             if at <= start and end <= at + len(data):
                 return data[start - at : end - at]
+        return None
+
+    def get(self, start: int, end: int, ahead: int = 0) -> Generator[Any, Any, bytes]:
+        held = self.at_hand(start, end)
+        if held is not None:
+            return held
         stop = min(self.size, max(end, start + ahead))
         (data,) = yield [(start, stop)]
         self.held[1:] = [(start, data)]
@@ -362,7 +369,8 @@ def _stream_layout(data: _Bytes, url: str, size: int, version: str | None) -> Wa
     while pos < size:
         if pos + 8 > size:
             raise FormatError(f"{url}: a message at byte {pos} is cut off by the end at {size}")
-        prefix = yield from data.get(pos, pos + 8, ahead)
+        # Most headers are at hand (read ahead): taken without a generator's step.
+        prefix = data.at_hand(pos, pos + 8) or (yield from data.get(pos, pos + 8, ahead))
         length = int.from_bytes(prefix[4:8], "little", signed=True)
         if prefix[:4] == ipc.CONTINUATION and length == 0:
             break  # the end-of-stream marker
@@ -371,7 +379,8 @@ def _stream_layout(data: _Bytes, url: str, size: int, version: str | None) -> Wa
                 f"{url}: the message at byte {pos} has {length} bytes of metadata, past the"
                 f" file's end at {size} (truncated)"
             )
-        header = yield from data.get(pos, pos + 8 + max(length, 0), ahead)
+        end = pos + 8 + max(length, 0)
+        header = data.at_hand(pos, end) or (yield from data.get(pos, end, ahead))
         message = ipc.parse_message(header, pos, url)
         if message.end > size:
             raise FormatError(

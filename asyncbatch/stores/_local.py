@@ -99,7 +99,7 @@ RANGES_PER_JOB = 512
 #: the event loop itself (a copy of a few KiB costs microseconds, a thread's hop ~100 us); a
 #: file is mapped for a read of more ranges than this.
 INLINE_READS = 16
-INLINE_BYTES = 256 << 10
+INLINE_BYTES = 1 << 20
 #: :class:`LocalFiles` entries' mapped bytes of a file not mapped yet, and of one that cannot
 #: be (read with ``pread``).
 NOT_MAPPED = -1
