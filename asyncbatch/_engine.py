@@ -469,6 +469,13 @@ def split_rows(value: Any, lengths: Sequence[int]) -> Sequence[Any]:
     a tensor is cut in one call, a jagged column of numbers in a few, the rest by slicing."""
     if isinstance(value, torch.Tensor):
         return torch.split_with_sizes(value, list(lengths))
+    if (  # one batch (a run's first, say): the column itself, where slicing would rebuild it
+        isinstance(value, Jagged)
+        and len(lengths) == 1
+        and int(value.offsets[0]) == 0
+        and int(value.offsets[-1]) == len(value.values)
+    ):
+        return [value]
     if isinstance(value, Jagged) and isinstance(value.values, torch.Tensor) and len(lengths) > 1:
         # Slicing a Jagged costs ~35 us of torch calls; here every part's values come from one
         # split, and the offsets of the parts of the first length from one numpy gather.
