@@ -714,10 +714,10 @@ class LocalStore(Unbounded):
         dest_offsets: Int64Array,
         convert: str | None,
     ) -> bool:
-        """Whether the reads were a small copy from mappings of files open in this run whose
-        pages are all in memory, and so were made here: one that waits for no disk and no
-        file system call costs less on the loop than a hop to a thread and back (a header, a
-        footer, a few rows). False: nothing was copied."""
+        """Whether the reads were few and small, of files open in this run whose bytes are
+        all in memory, and so were made here (:meth:`LocalFiles.copy_resident`): a read that
+        waits for no disk and no file system call costs less on the loop than a hop to a
+        thread and back (a header, a footer, a few rows). False: nothing was read."""
         if int(starts.size) > INLINE_READS:
             return False
         lengths = ends - starts
