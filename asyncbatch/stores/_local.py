@@ -1,6 +1,7 @@
 """Local and HPC filesystem store: reads straight into the caller's buffers.
 
-Reads run in a bounded thread pool, never on the event loop. The engine's path for token
+Reads that may wait for a disk run in a bounded thread pool, never on the event loop (a few
+small ones of bytes in memory are made on the loop). The engine's path for token
 windows, :meth:`LocalStore.read_windows`, plans and copies a whole group in a single call of
 the small C helper ``_preadv`` with the GIL released: it finds each window's shard by binary
 search over the cumulative counts and copies (and widens, with ``dtype=``) straight out of the
