@@ -191,8 +191,9 @@ def test_persistent_503_costs_exactly_max_attempts(remote: Remote, attempts: int
     assert remote.server.count("GET", path_of(url)) == attempts
     message = str(caught.value)
     assert url in message and "bytes [10, 20010)" in message
-    # The cause every attempt shared is said once, with the count.
-    assert message.count("503") == 1
+    # The cause every attempt shared is said once, with the count (the URL taken out: its
+    # port may hold "503" too).
+    assert message.replace(url, "").count("503") == 1
     assert f"after {attempts} attempts, each: HTTP 503" in message or attempts == 1
     assert len(set(caught.value.attempts)) == 1  # type: ignore[attr-defined]
     assert isinstance(caught.value.__cause__, ThrottledError)
