@@ -49,7 +49,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from stat import S_ISREG
 from typing import Any
@@ -92,6 +92,8 @@ except ImportError:  # pragma: no cover - built without a C compiler
     _preadv = None  # type: ignore[assignment]
 
 Int64Array = npt.NDArray[np.int64]
+#: One ask waiting for its turn's shared job: its URL, what is asked, where the answer goes.
+Asked = tuple[str, Any, asyncio.Future[Any]]
 
 #: Reads (``pread``) one pool job does before a group is split across threads: fewer, larger
 #: jobs win on few cores, since each job costs a thread hop and the reads run without the GIL.
@@ -376,12 +378,10 @@ class LocalStore(Unbounded):
         self._threads = max_threads
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="asyncbatch-local")
         self._closed = False
-        #: Per loop, the stat calls waiting for this turn's shared job (see :meth:`_stat`).
-        self._stats: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Future[Any]]]] = {}
-        #: Per loop, the tails waiting for this turn's shared job (see :meth:`read_tail`).
-        self._tails: dict[
-            asyncio.AbstractEventLoop, list[tuple[str, int, asyncio.Future[Any]]]
-        ] = {}
+        #: Per loop, the stat calls and the tails waiting for this turn's shared job (see
+        #: :meth:`_in_turn`).
+        self._stats: dict[asyncio.AbstractEventLoop, list[Asked]] = {}
+        self._tails: dict[asyncio.AbstractEventLoop, list[Asked]] = {}
 
     async def size(self, url: str) -> int:
         return (await self._stat(url)).st_size
@@ -400,26 +400,47 @@ class LocalStore(Unbounded):
         if self._closed:
             raise StoreError(f"store closed before reading {url}", url)
         self._files.follow(current_run())
+        tail: tuple[bytes, ObjectInfo] = await self._in_turn(
+            self._tails, url, (url, length), self._read_tails, "reading"
+        )
+        return tail
+
+    async def _in_turn(
+        self,
+        asked: dict[asyncio.AbstractEventLoop, list[Asked]],
+        url: str,
+        ask: Any,
+        job: Callable[[list[Any]], list[Any]],
+        what: str,
+    ) -> Any:
+        """What ``job`` gives for ``ask``: the asks made of ``job`` in one turn of the loop
+        share one pool job (``job`` takes them all, and returns a result or an error for
+        each), since a thread's hop each would cost more than their work."""
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[tuple[bytes, ObjectInfo]] = loop.create_future()
-        pending = self._tails.setdefault(loop, [])
+        waiter: asyncio.Future[Any] = loop.create_future()
+        pending = asked.setdefault(loop, [])
         if not pending:
-            loop.call_soon(self._tails_pending, loop)
-        pending.append((url, length, waiter))
+            loop.call_soon(self._run_turn, loop, asked, job, what)
+        pending.append((url, ask, waiter))
         return await waiter
 
-    def _tails_pending(self, loop: asyncio.AbstractEventLoop) -> None:
-        pending = self._tails.pop(loop, [])
-        asks = [(url, length) for url, length, _ in pending]
+    def _run_turn(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        asked: dict[asyncio.AbstractEventLoop, list[Asked]],
+        job: Callable[[list[Any]], list[Any]],
+        what: str,
+    ) -> None:
+        pending = asked.pop(loop, [])
         waiters = [(url, waiter) for url, _, waiter in pending]
         try:
-            job = loop.run_in_executor(self._pool, self._read_tails, asks)
+            done = loop.run_in_executor(self._pool, job, [ask for _, ask, _ in pending])
         except RuntimeError:  # the pool is shut down: the store closed meanwhile
             for url, waiter in waiters:
                 if not waiter.done():
-                    waiter.set_exception(StoreError(f"store closed before reading {url}", url))
+                    waiter.set_exception(StoreError(f"store closed before {what} {url}", url))
             return
-        job.add_done_callback(functools.partial(_hand_out, waiters))
+        done.add_done_callback(functools.partial(_hand_out, waiters))
 
     def _read_tails(self, asks: Sequence[tuple[str, int]]) -> list[Any]:
         """:meth:`_read_tail` of each ``(url, length)``, or the error it raised."""
@@ -457,25 +478,10 @@ class LocalStore(Unbounded):
         share one thread job: a run's first groups check every shard they touch at once
         (thousands, in a global shuffle), and a job each cost about 0.2 ms of thread hops."""
         self._files.follow(current_run())
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[os.stat_result] = loop.create_future()
-        pending = self._stats.setdefault(loop, [])
-        if not pending:
-            loop.call_soon(self._stat_pending, loop)
-        pending.append((url, waiter))
-        return await waiter
-
-    def _stat_pending(self, loop: asyncio.AbstractEventLoop) -> None:
-        pending = self._stats.pop(loop, [])
-        urls = [url for url, _ in pending]
-        try:
-            job = loop.run_in_executor(self._pool, self._stat_files, urls)
-        except RuntimeError:  # the pool is shut down: the store closed meanwhile
-            for url, waiter in pending:
-                if not waiter.done():
-                    waiter.set_exception(StoreError(f"store closed before a stat of {url}", url))
-            return
-        job.add_done_callback(functools.partial(_hand_out, pending))
+        stat: os.stat_result = await self._in_turn(
+            self._stats, url, url, self._stat_files, "a stat of"
+        )
+        return stat
 
     def _stat_files(self, urls: Sequence[str]) -> list[os.stat_result | Exception]:
         """:func:`_stat_paths`; when they are few, the regular files among them are opened
