@@ -338,7 +338,11 @@ def test_windows_longer_than_shards(
         assert stats.bytes_fetched == stats.bytes_delivered == 600 * 2
 
 
-def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "pread"])
+def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path, mapped: bool) -> None:
+    """A file truncated in place between two reads: copied from its mapping (a bus error
+    caught in the copy) or, read a few ranges at a time and never mapped, with ``pread``
+    (a short read): either way a ShardChangedError naming both sizes."""
     from asyncbatch._errors import ShardChangedError
     from asyncbatch.stores._local import LocalStore
 
@@ -350,6 +354,13 @@ def test_file_truncated_under_its_mapping_is_shard_changed(tmp_path: Path) -> No
         try:
             buffer = bytearray(100)
             view = [memoryview(buffer)]
+            # Many ranges at once: the file is mapped for them (a few reads use pread).
+            count = 32 if mapped else 4
+            many = [memoryview(bytearray(10)) for _ in range(count)]
+            starts = list(range(0, count * 1000, 1000))
+            ends = [s + 10 for s in starts]
+            await store.read_ranges(str(path), starts=starts, ends=ends, buffers=many)
+            assert (store._files._fds[str(path)][3] == 65536) == mapped
             await store.read_ranges(str(path), starts=[20000], ends=[20100], buffers=view)
             assert bytes(buffer) == (bytes(range(256)) * 256)[20000:20100]
             os.truncate(path, 4096)  # in place: same inode, the mapping stays
