@@ -943,3 +943,22 @@ def test_millions_of_documents_open_from_the_manifest_over_s3(
                 pass
         gets = [n for (m, p), n in proxy.requests.items() if m == "GET" and p.endswith(".idx")]
         assert gets and set(gets) == {1} and len(gets) < 50
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_local_documents_in_fewer_ranges_than_jobs(
+    local_docs: ab.Dataset, documents: Documents, shuffle: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Copy jobs of 64 bytes, no reads made on the loop: a group's few documents are fewer
+    # than the jobs their bytes make (at the defaults, the same with documents of megabytes).
+    from asyncbatch.stores import _local
+
+    monkeypatch.setattr(_local, "GATHER_JOB_BYTES", 64)
+    monkeypatch.setattr(_local, "INLINE_BYTES", 0)
+    seen = []
+    extra = {"block_size": 8, "window": 3} if shuffle == "block" else {}
+    with ab.Loader(local_docs, batch_size=4, shuffle=shuffle, drop_last=False, **extra) as loader:
+        for batch in loader:
+            check_jagged(batch, documents)
+            seen += batch.global_indexes.tolist()
+    assert sorted(seen) == list(range(len(documents)))

@@ -667,3 +667,53 @@ def test_a_file_stated_is_opened_so_its_first_small_read_needs_no_thread(tmp_pat
             await store.close()
 
     asyncio.run(main())
+
+
+# Every shape of one local read: one range, fewer ranges than threads or jobs, ranges larger
+# than a job, many ranges (mapped), through the C helper (mapped or not) and pure Python.
+READ_SHAPES = {
+    "one small range": [(1, 0, 100)],
+    "one range larger than a job": [(0, 10, 9000)],
+    "fewer ranges than threads": [(0, 0, 3000), (1, 5, 7000), (2, 100, 2000)],
+    "ranges larger than a job": [(0, 0, 6000), (0, 7000, 9000), (1, 1, 5000), (2, 0, 9500)],
+    "one large range then small ones": [
+        (0, 0, 9000),
+        *[(1, i * 50, i * 50 + 10) for i in range(40)],
+    ],
+    "many small ranges": [(i % 3, i * 37, i * 37 + 29) for i in range(200)],
+}
+
+
+@pytest.mark.parametrize("shape", list(READ_SHAPES))
+@pytest.mark.parametrize("mode", ["mmap", "pread", "python"])
+def test_every_read_shape_reads_its_bytes(
+    shape: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Jobs of 1 KiB so a few KiB of ranges split into more jobs than the ranges (8 MiB each by
+    # default: the same shapes at real sizes).
+    monkeypatch.setattr(local_store, "GATHER_JOB_BYTES", 1024)
+    monkeypatch.setattr(local_store, "RANGES_PER_JOB", 4)
+    if mode == "python":
+        monkeypatch.setattr(local_store, "_preadv", None)
+    rng = np.random.default_rng(0)
+    files = [rng.integers(0, 256, 10_000, dtype=np.uint8) for _ in range(3)]
+    urls = []
+    for i, data in enumerate(files):
+        (tmp_path / f"f{i}").write_bytes(data.tobytes())
+        urls.append(str(tmp_path / f"f{i}"))
+    ranges = np.array(READ_SHAPES[shape], dtype=np.int64).reshape(-1, 3)
+    which, starts, ends = ranges.T.copy()
+    lengths = ends - starts
+    offsets = np.cumsum(lengths) - lengths
+    dest = np.zeros(int(lengths.sum()), dtype=np.uint8)
+
+    async def read() -> None:
+        store = LocalStore(max_threads=4, mmap=mode == "mmap")
+        try:
+            await store.read_into(urls, which, starts, ends, dest, offsets)
+        finally:
+            await store.close()
+
+    asyncio.run(read())
+    expected = np.concatenate([files[w][s:e] for w, s, e in ranges.tolist()])
+    np.testing.assert_array_equal(dest, expected)

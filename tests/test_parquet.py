@@ -789,3 +789,25 @@ def test_a_mixture_of_parquet_and_tokens_is_refused(tmp_path: Path) -> None:
     tokens = ab.write_tokens(str(tmp_path / "tokens"), np.arange(100, dtype=np.uint16))
     with pytest.raises(ab.ConfigError, match=r"one format.*\(parquet\).*\(tokens\)"):
         ab.mix([ab.open_dataset(str(tmp_path / "p-0.parquet")), tokens])
+
+
+@pytest.mark.parametrize("shuffle", ["block", True])
+def test_local_reads_of_fewer_ranges_than_jobs(
+    shuffle: Any, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Copy jobs of 64 bytes, no reads made on the loop: a group's few pages are fewer than
+    # the jobs their bytes make (at the defaults, the same with pages of megabytes).
+    from asyncbatch.stores import _local
+
+    monkeypatch.setattr(_local, "GATHER_JOB_BYTES", 64)
+    monkeypatch.setattr(_local, "INLINE_BYTES", 0)
+    root, write, _ = writer_for("local", request, tmp_path)
+    names = [f"part-{n}.parquet" for n in range(len(FILES))]
+    total = write_files(write, names)
+    extra = {"window": 2} if shuffle == "block" else {}
+    with ab.Loader(root, batch_size=6, shuffle=shuffle, drop_last=False, **extra) as loader:
+        seen = []
+        for batch in loader:
+            check_batch(batch)
+            seen.extend(batch.global_indexes.tolist())
+    assert sorted(seen) == list(range(total))

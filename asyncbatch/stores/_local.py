@@ -690,10 +690,16 @@ class LocalStore(Unbounded):
             return
         loop = asyncio.get_running_loop()
         if self._files.mmap:  # copies from mappings: a range costs far less than a pread
-            jobs = max(1, min(self._threads, int((ends - starts).sum()) // GATHER_JOB_BYTES))
+            # Parts of about equal bytes, each at least one range: a few large ranges give as
+            # many jobs as ranges at most, never an empty one.
+            done_by = np.cumsum(ends - starts)
+            total = int(done_by[-1])
+            jobs = max(1, min(self._threads, count, total // GATHER_JOB_BYTES))
+            cuts = np.searchsorted(done_by, np.arange(1, jobs) * (total / jobs), side="left")
+            bounds = np.unique(np.clip(np.r_[0, cuts + 1, count], 0, count)).tolist()
         else:
             jobs = max(1, min(self._threads, count // RANGES_PER_JOB))
-        bounds = [count * j // jobs for j in range(jobs + 1)]
+            bounds = [count * j // jobs for j in range(jobs + 1)]
         await asyncio.gather(
             *(
                 loop.run_in_executor(
