@@ -35,14 +35,12 @@ import torch
 
 from ._batch import Batch, Jagged
 from ._buffers import BufferPool
-from ._checks import DEFAULT_VERIFY, shard_checks
 from ._handoff import BatchQueue, Final
 from ._layout import ReadPlan, WindowPlan
-from ._resources import Resources, to_the_end
+from ._resources import Resources, StoreStack, to_the_end
 from ._transform import Transform, apply_transform
 from .formats._base import (
     Converts,
-    DescribesFiles,
     OffLoop,
     PlannedSource,
     Read,
@@ -54,15 +52,13 @@ from .formats._base import (
 from .sampling._batches import BatchOrder
 from .sampling._order import EpochOrder
 from .sampling._windows import History
-from .stores._base import Conversion, ObjectInfo, Store
+from .stores._base import Conversion, Store
 from .stores._copying import c_conversion, copy_pieces
 from .stores._ranged import read_by_ranges, run_all
-from .stores._retry import RetryPolicy
 from .stores._runs import begin_run
 
 if TYPE_CHECKING:
-    from .stores._counting import ReadCounts
-    from .stores._disk_cache import DiskCache
+    pass
 
 #: The most batches planned and read as one group, and the most bytes one group may hold.
 MAX_GROUP = 64
@@ -98,16 +94,12 @@ class Engine:
         source: Source,
         order: EpochOrder | BatchOrder,
         *,
-        max_inflight: int,
+        stack: StoreStack,
         group: int = 1,
         coalesce_gap: int | None = None,
         worker: int = 0,
         stride: int = 1,
         unit: int = 1,
-        retry: RetryPolicy | None = None,
-        verify: str = DEFAULT_VERIFY,
-        counts: ReadCounts | None = None,
-        cache: DiskCache | None = None,
         transform: Transform | None = None,
         keep_bytes: int = 0,
     ) -> None:
@@ -122,27 +114,10 @@ class Engine:
         )
         #: Applied to every batch before it is queued (None: delivered as decoded).
         self.transform = transform
-        self.retry = retry
-        #: Where the stores count their byte-range reads (kept across runs by the loader).
-        self.counts = counts
-        #: The node-local cache every store of a run reads through (None: none), and the
-        #: objects it has stat'ed, kept across runs so later epochs read hits without a HEAD.
-        self.cache = cache
-        self.seen: dict[str, ObjectInfo] = {}
-        #: What the stores check of each shard, and which shards passed (kept across
-        #: runs); None with ``verify="off"``. The cache checks the blocks it fetches
-        #: against the manifests' block checksums, whatever the level but "off".
-        files = source.described_files if isinstance(source, DescribesFiles) else None
-        expected = shard_checks(
-            source.datasets,
-            verify,
-            urls=source.shard_urls,
-            files=files,
-            blocks=True if cache is not None and verify != "off" else None,
-        )
-        self.expected = expected if verify != "off" else None
+        #: The layers of the stores its runs read through (retries, read counts, the cache,
+        #: the checks of each shard), assembled by the loader; kept across runs.
+        self.stack = stack
         self.order = order
-        self.max_inflight = max_inflight
         #: Groups are whole multiples of ``unit`` batches (a block shuffle's window) and
         #: start on them, when a group can hold one.
         self.unit = unit if group >= unit else 1
@@ -260,12 +235,7 @@ class Engine:
                 loop,
                 self.source.datasets,
                 self.source.shard_dataset,
-                max_inflight=self.max_inflight,
-                retry=self.retry,
-                counts=self.counts,
-                cache=self.cache,
-                seen=self.seen,
-                expected=self.expected,
+                stack=self.stack,
                 # A dtype conversion touches every byte: it runs off the loop.
                 decodes=not isinstance(self.source, Converts) or self.source.converts,
                 transforms=self.transform is not None,

@@ -35,6 +35,7 @@ import torch
 
 from . import _lifecycle as lifecycle
 from ._batch import Batch
+from ._checks import shard_checks
 from ._dataset import Dataset
 from ._defaults import PREFETCH_BYTES
 from ._device import READY, ToDevice, ready
@@ -51,9 +52,11 @@ from ._handoff import (
 from ._mixture import Mixture
 from ._open import open_dataset_async
 from ._options import LoaderConfig, LoaderOptions, takes_options
+from ._resources import StoreStack
 from ._transform import Transform
 from .formats._base import (
     AlignedBlocks,
+    DescribesFiles,
     ReadsScattered,
     Source,
     StoredAsBatches,
@@ -335,16 +338,12 @@ class _LoaderBase:
         self._engine = Engine(
             source,
             order,
-            max_inflight=config.max_inflight,
+            stack=self._store_stack(source),
             group=group_size(self.prefetch, batch_bytes, want, local),
             coalesce_gap=config.coalesce_gap,
             worker=worker,
             stride=stride,
             unit=max(1, want),
-            retry=config.retry,
-            verify=config.verify,
-            counts=self._read_counts,
-            cache=self.cache,
             transform=(
                 config.transform if self.device is None else ToDevice(self.device, config.transform)
             ),
@@ -352,6 +351,29 @@ class _LoaderBase:
             keep_bytes=self.prefetch * batch_bytes,
         )
         return self._engine
+
+    def _store_stack(self, source: Source) -> StoreStack:
+        """The layers of the stores the engine reads through: what the checks layer
+        verifies of each shard (None with ``verify="off"``; the cache checks the blocks it
+        fetches against the manifests' block checksums at every other level), retries, read
+        counts and the cache."""
+        config = self.config
+        expected = None
+        if config.verify != "off":
+            expected = shard_checks(
+                source.datasets,
+                config.verify,
+                urls=source.shard_urls,
+                files=source.described_files if isinstance(source, DescribesFiles) else None,
+                blocks=True if self.cache is not None else None,
+            )
+        return StoreStack(
+            max_inflight=config.max_inflight,
+            retry=config.retry,
+            counts=self._read_counts,
+            cache=self.cache,
+            expected=expected,
+        )
 
     def _nothing_to_read(self, data: Dataset | Mixture, num_samples: int) -> str:
         """Why a loader over ``num_samples`` samples has no batch, with the sizes."""

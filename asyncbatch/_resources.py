@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,38 @@ from .stores._registry import scheme_of
 from .stores._retry import RetryPolicy
 
 
+@dataclass(eq=False)
+class StoreStack:
+    """The layers every store of an engine's runs is built with, as the loader assembled
+    them: requests in flight, retries, read counts, the node-local cache, and what the
+    checks layer verifies of each shard (None: nothing). The engine opens its stores through
+    :meth:`open` and knows none of these layers itself."""
+
+    max_inflight: int
+    retry: RetryPolicy | None = None
+    counts: ReadCounts | None = None
+    cache: DiskCache | None = None
+    expected: Expected | None = None
+    #: What the cache has stat'ed, kept across runs: later epochs read hits without a HEAD.
+    seen: dict[str, ObjectInfo] = field(default_factory=dict)
+
+    def open(
+        self, url: str, storage_options: Mapping[str, Any], pins: Mapping[str, str] | None
+    ) -> Store:
+        """A store of this stack for ``url``'s scheme, in the running loop."""
+        return open_store(
+            url,
+            storage_options,
+            max_inflight=self.max_inflight,
+            retry=self.retry,
+            counts=self.counts,
+            cache=self.cache,
+            seen=self.seen,
+            expected=self.expected,
+            pins=pins,
+        )
+
+
 class Resources:
     """The stores and threads of one engine in one loop; see the module docstring."""
 
@@ -39,12 +72,7 @@ class Resources:
         datasets: Sequence[Dataset],
         shard_dataset: npt.NDArray[np.int64],
         *,
-        max_inflight: int,
-        retry: RetryPolicy | None,
-        counts: ReadCounts | None,
-        cache: DiskCache | None,
-        seen: dict[str, ObjectInfo],
-        expected: Expected | None,
+        stack: StoreStack,
         decodes: bool,
         transforms: bool,
     ) -> None:
@@ -69,17 +97,7 @@ class Resources:
                 if key not in index:
                     index[key] = len(self.stores)
                     self.stores.append(
-                        open_store(
-                            dataset.url,
-                            dataset.storage_options,
-                            max_inflight=max_inflight,
-                            retry=retry,
-                            counts=counts,
-                            cache=cache,
-                            seen=seen,
-                            expected=expected,
-                            pins=pins.get(key),
-                        )
+                        stack.open(dataset.url, dataset.storage_options, pins.get(key))
                     )
                 of_dataset.append(index[key])
         except BaseException:

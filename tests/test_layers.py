@@ -146,3 +146,9 @@ def test_the_graph_sees_function_level_imports() -> None:
     """The check itself: an import inside a function body is an edge (cli imports the
     writer only when ``asyncbatch write`` runs)."""
     assert "_writer" in import_graph()["_cli"]
+
+
+def test_the_engine_knows_no_checksums() -> None:
+    """The loader assembles the store stack, checks layer included (``StoreStack``); the
+    engine reads through it and imports nothing of verification."""
+    assert not import_graph()["_engine"] & {"_checks", "_checksums", "stores/_checked"}
