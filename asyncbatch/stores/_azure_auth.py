@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from .._errors import ConfigError, CredentialsError, StoreTimeoutError
 
@@ -129,7 +129,8 @@ class SharedKey:
         self, method: str, path: str, query: Mapping[str, str], headers: dict[str, str]
     ) -> None:
         """Add ``Authorization`` to ``headers`` of a request for ``path`` (as sent: encoded)
-        with ``query`` (decoded values)."""
+        with ``query`` (decoded values, signed as they are: the service signs the values it
+        decoded, so a value holding ``%41`` is signed as ``%41``, not unquoted again)."""
         lower = {name.lower(): value for name, value in headers.items()}
         if lower.get("content-length") == "0":
             del lower["content-length"]  # signed as empty since version 2015-02-21
@@ -140,7 +141,7 @@ class SharedKey:
         ]
         resource = f"/{self.account}{path}"
         for name in sorted(query):
-            resource += f"\n{name.lower()}:{unquote(query[name])}"
+            resource += f"\n{name.lower()}:{query[name]}"
         lines.append(resource)
         digest = hmac.digest(self._key, "\n".join(lines).encode(), "sha256")
         headers["Authorization"] = f"SharedKey {self.account}:{base64.b64encode(digest).decode()}"
