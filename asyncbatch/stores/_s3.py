@@ -14,7 +14,9 @@ passes the pin in, which this transport sends as ``IfMatch``; every response's E
 compared with the pin (a server or proxy may ignore ``IfMatch``) and its ``ContentRange``
 with the range asked, before the body is read. botocore and aiohttp errors are mapped to
 typed errors naming the key and range (a missing bucket: a
-:class:`~asyncbatch._errors.BucketNotFoundError` naming it); none escapes raw.
+:class:`~asyncbatch._errors.BucketNotFoundError` naming it; a session token
+S3 refuses, even by a HEAD's bare 400: a :class:`~asyncbatch._errors.CredentialsError`
+saying so); none escapes raw.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ from ._validate import check_options
 
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+#: Codes of a session token S3 refused (with HTTP 400): expired, malformed, or one that
+#: must be renewed before it can be used.
+_BAD_TOKEN = {"ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", *_BAD_TOKEN}
 
 _NO_CREDENTIALS = (
     "no AWS credentials found: pass storage_options key= and secret= (or profile=), set"
@@ -217,6 +222,14 @@ class S3Store(FsspecStore):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if status == 412 or code == "PreconditionFailed":
                 return _Changed()
+            if code in _BAD_TOKEN:
+                said = str(exc.response.get("Error", {}).get("Message") or "").strip()
+                detail = (
+                    f"{endpoint} rejected the session token ({code}{': ' + said if said else ''}):"
+                    " renew the temporary credentials (a new STS session, `aws sso login`)"
+                    " and pass them (storage_options token=, AWS_SESSION_TOKEN or the profile)"
+                )
+                return fail(CredentialsError, detail, url, start, end)
             if code in _BAD_CREDENTIALS:
                 detail = (
                     f"{endpoint} rejected the credentials ({code}): check key, secret and profile"
@@ -276,26 +289,45 @@ class S3Store(FsspecStore):
         except Exception:  # noqa: BLE001, S110 - only explains an error being raised
             pass
 
+    async def _explain_fsspec(self, url: str, error: StoreError) -> None:
+        """Raise the typed error that s3fs's listings and writes turn into a plain
+        ``PermissionError`` or ``OSError``: a :class:`CredentialsError` for a rejected key
+        or session token (``ExpiredToken`` is a PermissionError there, ``InvalidToken`` an
+        EINVAL), a :class:`BucketNotFoundError` for a missing bucket."""
+        # Called outside the except that caught ``error``, as :meth:`_explain_head` is.
+        found = _client_error(error)
+        if found is not None:
+            client, _, _ = await self._client()
+            typed = self._error(found, client.meta.endpoint_url, url, error.start, error.end)
+            if isinstance(typed, CredentialsError | BucketNotFoundError):
+                raise typed from found
+        if isinstance(error, NotFoundError):
+            await self._explain_not_found(url, error)
+
     async def list(self, url: str) -> builtins.list[str]:
         try:
             return await super().list(url)
-        except NotFoundError as error:
-            await self._explain_not_found(url, error)
-            raise
+        except StoreError as exc:
+            error = exc
+        await self._explain_fsspec(url, error)
+        raise error
 
     async def list_info(self, url: str) -> builtins.list[tuple[str, ObjectInfo | None]]:
         try:
             return await super().list_info(url)
-        except NotFoundError as error:
-            await self._explain_not_found(url, error)
-            raise
+        except StoreError as exc:
+            error = exc
+        await self._explain_fsspec(url, error)
+        raise error
 
     async def write(self, url: str, data: Buffer | bytes) -> None:
         try:
             await super().write(url, data)
-        except NotFoundError as error:
-            await self._explain_not_found(url, error)
-            raise
+            return
+        except StoreError as exc:
+            error = exc
+        await self._explain_fsspec(url, error)
+        raise error
 
     async def _call_client(
         self, method: str, url: str, start: int | None, end: int | None, **kwargs: Any
@@ -366,15 +398,13 @@ class S3Store(FsspecStore):
                 head = await self._call_client(
                     "head_object", url, None, None, **self._where(fs, url)
                 )
-            except PermissionDeniedError as exc:
-                if not isinstance(exc, CredentialsError):
-                    await self._explain_forbidden(fs, url)
-                raise
-            except NotFoundError as exc:
-                await self._explain_not_found(url, exc)
-                raise
-        etag = head.get("ETag")
-        return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
+            except StoreError as exc:
+                error = exc
+            else:
+                etag = head.get("ETag")
+                return ObjectInfo(int(head["ContentLength"]), str(etag) if etag else None)
+            await self._explain_head(fs, url, error)
+        raise error
 
     async def read_tail(self, url: str, length: int) -> tuple[bytes | bytearray, ObjectInfo]:
         """The last ``min(length, size)`` bytes with the size and ETag, from one
@@ -417,6 +447,19 @@ class S3Store(FsspecStore):
             finally:
                 body.close()
 
+    async def _explain_head(self, fs: Any, url: str, error: StoreError) -> None:
+        """Raise what a HEAD's error means, where its answer had no body to say. Called
+        outside the ``except`` that caught ``error``: the explanation chains its own cause
+        only, not the HEAD's error and its causes too."""
+        if isinstance(error, CredentialsError):
+            return
+        if isinstance(error, PermissionDeniedError):
+            await self._explain_forbidden(fs, url)
+        elif isinstance(error, NotFoundError):
+            await self._explain_not_found(url, error)
+        elif _bare_bad_request(error.__cause__):
+            await self._explain_bad_request(fs, url, error)
+
     async def _explain_forbidden(self, fs: Any, url: str) -> None:
         """Raise the GET's error for a key whose HEAD was refused, if it is a
         :class:`CredentialsError`: a HEAD's 403 has no body, so it cannot tell a rejected
@@ -430,6 +473,54 @@ class S3Store(FsspecStore):
         except StoreError:
             return
         response["Body"].close()  # allowed after all: the HEAD's own error stands
+
+    async def _explain_bad_request(self, fs: Any, url: str, error: StoreError) -> None:
+        """Raise why a HEAD was answered 400, if a GET of one byte tells: S3 answers 400,
+        without a body for a HEAD, to an expired or invalid session token (``ExpiredToken``,
+        ``InvalidToken``, ``TokenRefreshRequired``) and to a malformed request. When the GET
+        has no body either and a session token signs the requests, a
+        :class:`CredentialsError` naming the token; else the HEAD's error stands."""
+        try:
+            response = await self._call_client(
+                "get_object", url, None, None, Range="bytes=0-0", **self._where(fs, url)
+            )
+        except CredentialsError:
+            raise
+        except StoreError as exc:
+            if _status(exc.__cause__) != 400:
+                return
+            if not _bare_bad_request(exc.__cause__):
+                raise  # the same refusal, with its reason
+            if not await self._session_token(fs):
+                return
+            client, _, _ = await self._client()
+            detail = (
+                f"{client.meta.endpoint_url} refused the request with HTTP 400 and no reason;"
+                " with a session token that is most often one that has expired or is not"
+                " valid (ExpiredToken, InvalidToken): renew the temporary credentials (a new"
+                " STS session, `aws sso login`) and pass them (storage_options token=,"
+                " AWS_SESSION_TOKEN or the profile)"
+            )
+            raise fail(CredentialsError, detail, url) from error.__cause__
+        response["Body"].close()  # the GET was answered: the HEAD's own error stands
+
+    async def _session_token(self, fs: Any) -> bool:
+        """Whether a session token signs this store's requests (given to s3fs, or in the
+        credentials the session found: ``AWS_SESSION_TOKEN``, SSO, an assumed role)."""
+        client_kwargs = dict(fs.client_kwargs or {})
+        if client_kwargs.get("aws_session_token", fs.token):
+            return True
+        if client_kwargs.get("aws_access_key_id", fs.key) is not None or fs.anon:
+            return False  # a key given without a token, or nothing signed
+        try:
+            async with asyncio.timeout(self.retry.first_byte_timeout):
+                credentials = await fs.session.get_credentials()  # found once, kept
+                frozen = None if credentials is None else credentials.get_frozen_credentials()
+                if inspect.isawaitable(frozen):
+                    frozen = await frozen
+        except Exception:  # noqa: BLE001 - only explains an error being raised
+            return False
+        return bool(getattr(frozen, "token", None))
 
     async def read_range(
         self,
@@ -510,6 +601,39 @@ class S3Store(FsspecStore):
                 await signed.close()
         finally:  # the client too, whatever became of the GETs' session
             await super().close()
+
+
+def _status(exc: BaseException | None) -> int | None:
+    """The HTTP status of botocore's ``ClientError`` (None for another exception)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status else None
+
+
+def _bare_bad_request(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is botocore's error for a 400 without a body to name its code (a
+    HEAD's: botocore then makes the status the code)."""
+    if _status(exc) != 400:
+        return False
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+    return code in (None, "", "400", "BadRequest")
+
+
+def _client_error(error: BaseException) -> Any | None:
+    """The botocore ``ClientError`` among ``error``'s causes, if there is one (s3fs chains
+    it to the ``OSError`` it makes of it)."""
+    from botocore.exceptions import ClientError
+
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ClientError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def s3_store(
