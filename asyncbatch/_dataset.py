@@ -15,6 +15,7 @@ import numpy.typing as npt
 from ._checksums import digest, format_digest
 from ._layout import ShardMap
 from ._manifest import Manifest
+from ._redact import redact
 from .stores._base import Store
 
 _DIGITS = re.compile(r"(\d+)")
@@ -86,8 +87,8 @@ class Dataset:
     def __repr__(self) -> str:
         m = self.manifest
         return (
-            f"Dataset({self.url!r}, format={m.format!r}, dtype={m.dtype}, shards={len(m.shards)},"
-            f" elements={m.total_elements})"
+            f"Dataset({redact(self.url)!r}, format={m.format!r}, dtype={m.dtype},"
+            f" shards={len(m.shards)}, elements={m.total_elements})"
         )
 
 

@@ -1,6 +1,9 @@
 """Exceptions raised by asyncbatch.
 
-Every error names what went wrong and where (URL, byte range, field and value) in its message.
+Every error names what went wrong and where (URL, byte range, field and value) in its message,
+and never a secret: every error and warning scrubs its message when built (``_redact.redact``:
+a URL's password, signed or SAS query values, secret-named options, private keys), and
+``url`` is kept scrubbed alike; another library's exception is chained as a scrubbed stand-in.
 Pickled, an error keeps every attribute (``url``, ``start``, ``end``, ``attempts``,
 ``retry_after``); one raised in a ``LoaderDataset``'s DataLoader worker reaches the caller
 whole (torch alone would rebuild it from its type and message)::
@@ -39,9 +42,11 @@ ShardChangedError, ChecksumError, a ConfigError or a FormatError.
 
 from __future__ import annotations
 
+from ._redact import Scrubbed, redact
 
-class AsyncBatchError(Exception):
-    """Base class of every asyncbatch error."""
+
+class AsyncBatchError(Scrubbed):
+    """Base class of every asyncbatch error (its message scrubbed of secrets when built)."""
 
 
 class ConfigError(AsyncBatchError, ValueError):
@@ -59,7 +64,7 @@ class StoreError(AsyncBatchError, OSError):
         self, message: str, url: str = "", start: int | None = None, end: int | None = None
     ):
         super().__init__(message)
-        self.url = url
+        self.url = redact(url)
         self.start = start
         self.end = end
 
@@ -145,7 +150,7 @@ class RecordError(FormatError):
 
     def __init__(self, message: str, url: str = "", location: str = "", unit: int | None = None):
         super().__init__(message)
-        self.url = url
+        self.url = redact(url)
         self.location = location
         self.unit = unit
 
@@ -186,12 +191,12 @@ def describe_range(url: str, start: int, end: int) -> str:
     return f"{url} bytes [{start}, {end})"
 
 
-class CacheWarning(UserWarning):
+class CacheWarning(Scrubbed, UserWarning):
     """The node-local cache could not be used (full, unwritable, deleted, or an object
     without a version); reads go on from the store. Warned once per cache and cause."""
 
 
-class SlowPathWarning(UserWarning):
+class SlowPathWarning(Scrubbed, UserWarning):
     """A store's configuration rules out its fast path, so it reads the slow way (the S3
     store's GETs through botocore's ``get_object``: several times the CPU per request). The
     message names the reason; warned once per process and reason."""

@@ -14,6 +14,7 @@ import numpy.typing as npt
 from ._dataset import Dataset
 from ._errors import ConfigError
 from ._open import open_dataset
+from ._redact import redact
 from .formats._registry import make_source, one_format
 
 
@@ -63,7 +64,7 @@ class Mixture:
         return which.astype(np.int64), ids - (ends - sizes)[which]
 
     def __repr__(self) -> str:
-        urls = ", ".join(d.url for d in self.datasets)
+        urls = ", ".join(redact(d.url) for d in self.datasets)
         return f"Mixture([{urls}], weights={self.weights}, seed={self.seed})"
 
 

@@ -32,6 +32,7 @@ from ._checks import DEFAULT_VERIFY, Verify, check_level
 from ._defaults import MAX_INFLIGHT
 from ._device import device_of
 from ._errors import ConfigError
+from ._redact import redact, redact_options
 from ._transform import Transform, check_transform
 from .sampling._order import TAILS, Shuffle, Tail, normalize_shuffle
 from .stores._disk_cache import DiskCache
@@ -79,7 +80,8 @@ class LoaderConfig:
     given; ``cache`` a ``DiskCache`` or None; ``device`` a ``torch.device`` or None (the
     CPU); the mappings are plain dicts; the flags bools. ``rank`` and ``world_size`` stay
     as given (checked): the loader asks ``torch.distributed`` for what is None when it is
-    built.
+    built. Its repr hides the values of ``storage_options`` but those of a few harmless
+    names (endpoint, region, ``anon``, ...): they may be credentials.
     """
 
     batch_size: int
@@ -146,6 +148,17 @@ class LoaderConfig:
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
+
+    def __repr__(self) -> str:
+        # Storage options hold credentials: every value is hidden but a few harmless ones
+        # (_redact.SHOWN_OPTIONS: endpoint, region, anon, ...), and the text is scrubbed.
+        shown = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "storage_options" and isinstance(value, Mapping):
+                value = redact_options(value)
+            shown.append(f"{field.name}={value!r}")
+        return redact(f"LoaderConfig({', '.join(shown)})")
 
     @classmethod
     def of(cls, owner: str, options: Mapping[str, Any]) -> LoaderConfig:

@@ -41,7 +41,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
@@ -55,6 +55,7 @@ from .._errors import (
     ShortReadError,
     StoreError,
 )
+from .._redact import stand_in
 from ._base import Buffer, ObjectInfo, Progress
 from ._gcs_auth import SCOPES, GcsCredentials, check_token
 from ._http import TLS_HINT, client_session, send_request
@@ -64,6 +65,7 @@ from ._ranged import (
     TailAnswer,
     connection_error,
     fail,
+    host_of,
     parse_retry_after,
     receive_range,
     receive_tail,
@@ -240,8 +242,7 @@ class GcsStore:
             sent = {**sent, "Content-Length": str(len(data))}
 
         def broken(exc: BaseException) -> StoreError:
-            endpoint = urlsplit(self.endpoint).netloc
-            return connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
+            return connection_error(exc, host_of(self.endpoint), url, start, end, tls_hint=TLS_HINT)
 
         response = await send_request(
             session, method, target, sent, self.retry, broken, url, start, end, data
@@ -273,7 +274,7 @@ class GcsStore:
             return self._changed(url, sent, await self._generation(url))
         if status == 401:
             detail = (
-                f"{urlsplit(self.endpoint).netloc} rejected the credentials (HTTP 401"
+                f"{host_of(self.endpoint)} rejected the credentials (HTTP 401"
                 f"{': ' + message if message else ''}): check GOOGLE_APPLICATION_CREDENTIALS,"
                 " `gcloud auth application-default login` or storage_options token="
             )
@@ -345,18 +346,28 @@ class GcsStore:
         """``stat`` outside the bound on requests in flight."""
         target = self._object_url(url, fields="size,generation")
         response = await self._request("GET", target, url)
-        try:
-            async with asyncio.timeout(self.retry.idle_timeout):
-                body = await response.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise fail(StoreError, f"metadata cut off ({exc!r})", url, retryable=True) from exc
-        finally:
-            response.release()
+        body = await self._body(response, "metadata", url)
         try:
             meta = json.loads(body)
             return ObjectInfo(int(meta["size"]), str(meta["generation"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise fail(StoreError, f"unreadable object metadata {body[:200]!r}", url) from exc
+
+    async def _body(
+        self, response: aiohttp.ClientResponse | Response, what: str, url: str
+    ) -> bytes:
+        """The whole body of a small answer (metadata, a listing page), then released; one
+        cut off is a retryable :class:`StoreError` chained to a scrubbed stand-in of
+        aiohttp's error (raised outside the ``except``: not its context either)."""
+        try:
+            async with asyncio.timeout(self.retry.idle_timeout):
+                return await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            error = fail(StoreError, f"{what} cut off ({exc!r})", url, retryable=True)
+            cause = stand_in(exc)
+        finally:
+            response.release()
+        raise error from cause
 
     async def read_range(
         self,
@@ -480,13 +491,7 @@ class GcsStore:
         _, limit = self._client()
         async with limit:
             response = await self._request("GET", target, url)
-            try:
-                async with asyncio.timeout(self.retry.idle_timeout):
-                    body = await response.read()
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise fail(StoreError, f"listing cut off ({exc!r})", url, retryable=True) from exc
-            finally:
-                response.release()
+            body = await self._body(response, "listing", url)
         try:
             page: dict[str, Any] = json.loads(body)
         except ValueError as exc:

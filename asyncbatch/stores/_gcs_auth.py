@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, CredentialsError, StoreError
+from .._redact import stand_in
 from ._ranged import fail
 
 #: OAuth scopes by gcsfs's ``access`` names.
@@ -63,16 +64,15 @@ _refresh_lock = threading.Lock()
 
 
 def check_token(token: object) -> None:
-    """Refuse a ``token`` option of no known form at once (a missing key file too)."""
+    """Refuse a ``token`` option of no known form at once (a missing key file too). A
+    string that is no file is quoted only if it looks like a path: it may be a key's JSON
+    or an access token, which no message may show."""
     if token is None or isinstance(token, dict) or token in TOKEN_KINDS:
         return
     if isinstance(token, str | os.PathLike):
         path = Path(token).expanduser()
         if not path.is_file():
-            raise ConfigError(
-                f"storage_options token={str(token)!r} is not a file, nor one of"
-                f" {', '.join(TOKEN_KINDS)}: give the path of a JSON key file"
-            )
+            raise ConfigError(f"storage_options {_not_a_file(str(token))}")
         return
     try:
         from google.auth.credentials import Credentials
@@ -84,6 +84,27 @@ def check_token(token: object) -> None:
             f" Credentials object or one of {', '.join(TOKEN_KINDS)}; got"
             f" {type(token).__name__}"
         )
+
+
+def _not_a_file(token: str) -> str:
+    """What is wrong with a ``token`` string that names no file, without showing a secret:
+    a path is quoted (``name='....json'`` passes the errors' scrubbing), a key's JSON or
+    an access token is not."""
+    kinds = ", ".join(TOKEN_KINDS)
+    if token.lstrip().startswith("{"):
+        return (
+            "token= looks like a key's JSON (a service account's or a user's), not the path"
+            " of its file: pass it parsed, as a dict (json.loads of the text), or the path"
+        )
+    if token.startswith(("/", "~", ".")) or token.endswith(".json") or os.sep in token:
+        shown = f"token={token!r}" if token.endswith(".json") else f"token= {token!r}"
+        return f"{shown} is not a file, nor one of {kinds}: give the path of a JSON key file"
+    return (
+        f"token= is a string of {len(token)} characters (not shown: it may be a secret) that"
+        f" is neither a file nor one of {kinds}: give the path of a JSON key file, a dict or"
+        " a google.auth Credentials object (an OAuth access token goes in"
+        " google.oauth2.credentials.Credentials(token))"
+    )
 
 
 def _from_info(info: object, scopes: list[str], what: str) -> Any:
@@ -103,12 +124,17 @@ def _from_info(info: object, scopes: list[str], what: str) -> Any:
             user: Any = credentials.Credentials
             return user.from_authorized_user_info(info, scopes=scopes)
     except (ValueError, KeyError) as exc:
-        raise ConfigError(f"{what} is not a valid {kind} key: {exc}") from exc
-    raise ConfigError(
-        f"{what} holds credentials of type {kind!r}: token= takes service_account and"
-        " authorized_user keys; for other kinds set GOOGLE_APPLICATION_CREDENTIALS to the file"
-        " or pass a google.auth Credentials object"
-    )
+        # Said by google-auth or cryptography about the key: chained scrubbed, from here.
+        error = ConfigError(f"{what} is not a valid {kind} key: {type(exc).__name__}: {exc}")
+        cause = stand_in(exc)
+    else:
+        error = ConfigError(
+            f"{what} holds credentials of type {kind!r}: token= takes service_account and"
+            " authorized_user keys; for other kinds set GOOGLE_APPLICATION_CREDENTIALS to the"
+            " file or pass a google.auth Credentials object"
+        )
+        cause = None
+    raise error from cause
 
 
 def _timed_request(timeout: float) -> Any:
@@ -182,7 +208,7 @@ class GcsCredentials:
         try:
             info = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"token={str(token)!r}: not a JSON key file ({exc})") from exc
+            raise ConfigError(f"the key file {str(path)!r} is not JSON ({exc})") from exc
         return _from_info(info, scopes, f"the key file {str(path)!r}")
 
     def _refresh(self, credentials: Any) -> None:
@@ -209,6 +235,9 @@ class GcsCredentials:
             return {}
         from google.auth import exceptions
 
+        # google-auth's errors may quote what it sent or got: each is chained as a scrubbed
+        # stand-in, raised after the except clause so that it is not the context either.
+        error: StoreError
         try:
             if self._credentials is None:
                 self._credentials = await asyncio.to_thread(self._load)
@@ -216,18 +245,22 @@ class GcsCredentials:
             if not credentials.valid:
                 await asyncio.to_thread(self._refresh, credentials)
         except CredentialsError as exc:
-            raise CredentialsError(f"{exc}: {url}", url) from exc.__cause__
+            error, cause = CredentialsError(f"{exc}: {url}", url), stand_in(exc.__cause__)
         except exceptions.RefreshError as exc:
             detail = f"the token request failed: {' '.join(str(exc).split())}"
             if getattr(exc, "retryable", False):
-                raise fail(StoreError, detail, url, retryable=True) from exc
-            raise fail(CredentialsError, f"{detail}; check the credentials", url) from exc
+                error = fail(StoreError, detail, url, retryable=True)
+            else:
+                error = fail(CredentialsError, f"{detail}; check the credentials", url)
+            cause = stand_in(exc)
         except exceptions.TransportError as exc:
             detail = f"no token: the token endpoint failed ({exc})"
-            raise fail(StoreError, detail, url, retryable=True) from exc
+            error, cause = fail(StoreError, detail, url, retryable=True), stand_in(exc)
         except exceptions.GoogleAuthError as exc:
             detail = f"the credentials cannot be used ({' '.join(str(exc).split())})"
-            raise fail(CredentialsError, detail, url) from exc
-        headers: dict[str, str] = {}
-        credentials.apply(headers)
-        return headers
+            error, cause = fail(CredentialsError, detail, url), stand_in(exc)
+        else:
+            headers: dict[str, str] = {}
+            credentials.apply(headers)
+            return headers
+        raise error from cause

@@ -20,12 +20,12 @@ import asyncio
 import ssl
 from collections.abc import Callable, Mapping
 from typing import Any, overload
-from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
 
 from .._errors import ConfigError, ShortReadError, StoreError, StoreTimeoutError
+from .._redact import stand_in
 from ._base import Buffer, ObjectInfo, Progress
 from ._fsspec_store import FsspecStore
 from ._ranged import (
@@ -35,6 +35,7 @@ from ._ranged import (
     changed,
     connection_error,
     fail,
+    host_of,
     if_match,
     paced,
     parse_retry_after,
@@ -119,7 +120,11 @@ async def send_request(
     """Send a request and wait for its headers, within the connect and first-byte timeouts
     (an upload's body in pieces, each moving the bound on); no connection in time, or no
     headers, is a :class:`StoreTimeoutError`, a broken connection ``broken(exc)``. Redirects
-    are not followed; the status is the caller's to check."""
+    are not followed; the status is the caller's to check.
+
+    aiohttp's exceptions quote the request URL, SAS or signature included: the error chains
+    a scrubbed stand-in (:func:`~asyncbatch._redact.stand_in`), raised outside the
+    ``except`` so that the original is not its ``__context__`` either."""
     wait = retry.connect_timeout + retry.first_byte_timeout
     try:
         async with asyncio.timeout(wait) as deadline:
@@ -132,12 +137,13 @@ async def send_request(
             )
     except (aiohttp.ConnectionTimeoutError, ConnectTimeout) as exc:
         detail = f"no connection within {retry.connect_timeout:g} s"
-        raise fail(StoreTimeoutError, detail, url, start, end) from exc
+        error, cause = fail(StoreTimeoutError, detail, url, start, end), stand_in(exc)
     except TimeoutError as exc:
         detail = f"no response headers within {wait:g} s"
-        raise fail(StoreTimeoutError, detail, url, start, end) from exc
+        error, cause = fail(StoreTimeoutError, detail, url, start, end), stand_in(exc)
     except (aiohttp.ClientError, OSError) as exc:
-        raise broken(exc) from exc
+        error, cause = broken(exc), stand_in(exc)
+    raise error from cause
 
 
 class HttpStore:
@@ -228,8 +234,7 @@ class HttpStore:
             session, target = found
 
         def broken(exc: BaseException) -> StoreError:
-            endpoint = urlsplit(url).netloc
-            return connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
+            return connection_error(exc, host_of(url), url, start, end, tls_hint=TLS_HINT)
 
         response = await send_request(
             session, method, target, headers, self.retry, broken, url, start, end

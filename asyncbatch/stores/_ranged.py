@@ -24,6 +24,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from .._errors import (
     CredentialsError,
@@ -38,6 +39,7 @@ from .._errors import (
     ThrottledError,
     describe_range,
 )
+from .._redact import redact, stand_in
 from ._base import Buffer, ObjectInfo, Progress, ResumesRanges, Store, Versioned, check_length
 from ._retry import refused
 
@@ -77,8 +79,8 @@ def fail(
     overrides what the error's type says about retrying.
     """
     where = url if start is None or end is None else describe_range(url, start, end)
-    error = cls(f"{detail}: {where}", url, start, end)
-    error.detail = detail  # type: ignore[attr-defined]
+    error = cls(f"{detail}: {where}", url, start, end)  # scrubbed of secrets by the error
+    error.detail = redact(detail)  # type: ignore[attr-defined]
     if retryable is not None:
         error.retryable = retryable  # type: ignore[attr-defined]
     if retry_after is not None and isinstance(error, ThrottledError):
@@ -130,6 +132,11 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         todo += [getattr(cause, name, None) for name in ("os_error", "certificate_error")]
         if isinstance(wrapped, BaseException):
             todo.append(wrapped)
+
+
+def host_of(url: str) -> str:
+    """``host:port`` of ``url`` as error messages name an endpoint: no user or password."""
+    return urlsplit(url).netloc.rpartition("@")[2]
 
 
 def connection_error(
@@ -454,6 +461,7 @@ async def fill(
     stop = progress.got + expected
     total = end - start
     while True:
+        broke: BaseException | None = None
         try:
             async with asyncio.timeout(idle_timeout):
                 chunk = await read()
@@ -468,16 +476,19 @@ async def fill(
         except StoreError:
             raise
         except Exception as exc:  # aiohttp, botocore: the connection broke mid-body
+            broke = exc
+        if broke is not None:
             if progress.got == stop:
                 break  # every byte asked for arrived; only the end of the body was lost
+            # Chained scrubbed (its text may quote the URL), outside the except clause.
             raise fail(
                 ShortReadError,
-                f"body broke off after {progress.got} of {total} bytes ({type(exc).__name__})",
+                f"body broke off after {progress.got} of {total} bytes ({type(broke).__name__})",
                 url,
                 start,
                 end,
                 retryable=True,
-            ) from exc
+            ) from stand_in(broke)
         if not chunk:
             break
         if progress.got + len(chunk) > stop:
