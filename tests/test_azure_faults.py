@@ -478,12 +478,32 @@ def entry(request: pytest.FixtureRequest, warm: None) -> Entry:
 def fails(expected: type[BaseException], call: Callable[[], object], within: float) -> str:
     """The message of the error ``call()`` raises, checked to be ``expected`` and to come
     within ``within`` seconds."""
+    return str(failure(expected, call, within))
+
+
+def failure(
+    expected: type[BaseException], call: Callable[[], object], within: float
+) -> BaseException:
+    """The error ``call()`` raises, checked as :func:`fails` checks it."""
     began = time.monotonic()
     with pytest.raises(expected) as caught:
         call()
     elapsed = time.monotonic() - began
     assert elapsed < within, f"{type(caught.value).__name__} after {elapsed:.1f} s"
-    return str(caught.value)
+    return caught.value
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """The exceptions chained below ``error``: causes, and contexts not suppressed."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo:
+        below = todo.pop()
+        for chained in (below.__cause__, None if below.__suppress_context__ else below.__context__):
+            if chained is not None and chained is not error and chained not in found:
+                found.append(chained)
+                todo.append(chained)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -582,10 +602,11 @@ def test_wrong_key_is_a_credentials_error_not_retried(
 
 def test_missing_container_says_so(entry: Entry, azurite_endpoint: str) -> None:
     url = "az://no-such-container/tokens"
-    message = fails(
+    error = failure(
         ab.BucketNotFoundError, lambda: entry(url, azure_options(azurite_endpoint)), AT_ONCE
     )
-    assert "the container 'no-such-container' does not exist" in message and url in message
+    assert "the container 'no-such-container' does not exist" in str(error) and url in str(error)
+    assert len(causes(error)) <= 1  # a typed error the user caused: no chain of layers
 
 
 def test_missing_blob_is_not_found(azurite_endpoint: str) -> None:

@@ -1,6 +1,7 @@
 """S3 errors a user causes, as a user meets them: an expired or invalid session token (a
 HEAD answered 400 with no body, GETs and listings with S3's token codes) is a
-:class:`CredentialsError`."""
+:class:`CredentialsError`, and a missing bucket a :class:`BucketNotFoundError` with one
+cause at most, not the chain of every layer it crossed."""
 
 from __future__ import annotations
 
@@ -174,3 +175,42 @@ def test_opening_a_dataset_with_an_expired_token_says_so(refusing: TokenServer) 
         ab.open_dataset("s3://bucket/dataset", with_token(refusing.url))
     with pytest.raises(ab.CredentialsError, match="ExpiredToken"):  # a folder: listed
         ab.open_dataset("s3://bucket/dataset", with_token(refusing.url), format="parquet")
+
+
+# -- a missing bucket ----------------------------------------------------------------------
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """The exceptions chained below ``error``: causes, and contexts not suppressed."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo:
+        below = todo.pop()
+        for chained in (
+            below.__cause__,
+            None if below.__suppress_context__ else below.__context__,
+        ):
+            if chained is not None and chained is not error and chained not in found:
+                found.append(chained)
+                todo.append(chained)
+    return found
+
+
+async def _write(url: str, options: dict[str, Any]) -> None:
+    store = open_store(url, options, retry=QUICK)
+    try:
+        await store.write(url, b"x")
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("how", ["open_dataset", "stat", "read", "list", "write"])
+def test_a_missing_bucket_is_named_with_one_cause_at_most(s3_endpoint: str, how: str) -> None:
+    url, options = "s3://no-such-bucket/x", s3_options(s3_endpoint)
+    calls = {"stat": _stat, "read": _read, "list": _list, "write": _write}
+    with pytest.raises(ab.BucketNotFoundError, match="'no-such-bucket' does not exist") as caught:
+        if how == "open_dataset":
+            ab.open_dataset(url, options)
+        else:
+            asyncio.run(calls[how](url, options))
+    assert len(causes(caught.value)) <= 1, [repr(cause) for cause in causes(caught.value)]

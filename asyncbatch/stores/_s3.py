@@ -14,7 +14,7 @@ passes the pin in, which this transport sends as ``IfMatch``; every response's E
 compared with the pin (a server or proxy may ignore ``IfMatch``) and its ``ContentRange``
 with the range asked, before the body is read. botocore and aiohttp errors are mapped to
 typed errors naming the key and range (a missing bucket: a
-:class:`~asyncbatch._errors.BucketNotFoundError` naming it; a session token
+:class:`~asyncbatch._errors.BucketNotFoundError` naming it, with one cause; a session token
 S3 refuses, even by a HEAD's bare 400: a :class:`~asyncbatch._errors.CredentialsError`
 saying so); none escapes raw.
 """
@@ -273,7 +273,9 @@ class S3Store(FsspecStore):
 
     async def _explain_not_found(self, url: str, error: StoreError) -> None:
         """Raise a :class:`BucketNotFoundError` naming the bucket if ``url``'s bucket does
-        not exist: a HEAD's 404 has no body, and s3fs's listings and writes bury the code."""
+        not exist: a HEAD's 404 has no body, and s3fs's listings and writes bury the code.
+        Its one cause is the bucket's own 404 (the object's, and the layers it crossed,
+        would only repeat "not found" at length)."""
         from botocore.exceptions import ClientError
 
         client, _, fs = await self._client()
@@ -285,7 +287,7 @@ class S3Store(FsspecStore):
             code = exc.response.get("Error", {}).get("Code")
             if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
                 start, end = error.start, error.end
-                raise fail(BucketNotFoundError, self._no_bucket(url), url, start, end) from error
+                raise fail(BucketNotFoundError, self._no_bucket(url), url, start, end) from exc
         except Exception:  # noqa: BLE001, S110 - only explains an error being raised
             pass
 
