@@ -351,14 +351,23 @@ def _child(inputs: Path, out: Path, workers: int, unit_size: int) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory, texts: list[str]) -> tuple[Path, int, Path]:
+    """``(input, unit size, output)`` of a run never interrupted, for the runs killed to
+    equal once resumed (one run for every victim)."""
+    folder = tmp_path_factory.mktemp("clean-run")
+    path = write_jsonl(folder / "a.jsonl", texts * 2)
+    unit_size = path.stat().st_size // 24 + 1
+    clean = folder / "clean"
+    subprocess.run(_child(path, clean, 2, unit_size), check=True, capture_output=True, timeout=120)
+    return path, unit_size, clean
+
+
 @pytest.mark.parametrize("victim", ["driver", "worker"])
 def test_kill_9_then_resume_equals_a_clean_run(
-    tmp_path: Path, texts: list[str], victim: str
+    tmp_path: Path, clean_run: tuple[Path, int, Path], victim: str
 ) -> None:
-    path = write_jsonl(tmp_path / "a.jsonl", texts * 2)
-    unit_size = path.stat().st_size // 24 + 1
-    clean = tmp_path / "clean"
-    subprocess.run(_child(path, clean, 2, unit_size), check=True, capture_output=True, timeout=120)
+    path, unit_size, clean = clean_run
     out = tmp_path / "out"
     process = subprocess.Popen(
         _child(path, out, 2, unit_size),
