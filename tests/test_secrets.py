@@ -375,3 +375,53 @@ def test_reprs(http_root: tuple[Path, RangeHTTPServer], caplog: pytest.LogCaptur
         texts += [repr(source), repr(ab.mix([dataset, dataset]))]
     assert "127.0.0.1" in repr(dataset)
     assert_hidden(texts + logged)
+
+
+class _QuotingTransport:
+    """Another library's transport whose exceptions quote the signed URL they failed on, as
+    aiohttp's and requests' do."""
+
+    coalesce_gap = 0
+
+    async def size(self, url: str) -> int:
+        raise ValueError(f"cannot reach https://user:{MARK}@host/x?X-Amz-Signature={MARK}")
+
+    async def read_ranges(self, url: str, *, starts: Any, ends: Any, buffers: Any) -> None:
+        raise ConnectionResetError(f"reset by https://host/x?sig={MARK}&se=2030-01-01")
+
+    async def write(self, url: str, data: Any) -> None:
+        raise RuntimeError(f"PUT https://user:{MARK}@host/x failed")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("call", ["size", "read", "write"])
+def test_a_transports_own_exception_is_chained_scrubbed(
+    call: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ab.register_store(
+        "quoting", lambda scheme, options, *, max_inflight: _QuotingTransport(), clobber=True
+    )
+
+    async def run() -> None:
+        store = open_store("quoting://bucket/x", retry=ONCE)
+        try:
+            if call == "size":
+                await store.size("quoting://bucket/x")
+            elif call == "read":
+                await store.read_ranges(
+                    "quoting://bucket/x", starts=[0], ends=[4], buffers=[bytearray(4)]
+                )
+            else:
+                await store.write("quoting://bucket/x", b"data")
+        finally:
+            await store.close()
+
+    error = raised(lambda: asyncio.run(run()), caplog)
+    assert isinstance(error, ab.StoreError)
+    # What failed and how stays told: the exception's type and the scrubbed URL.
+    assert any(
+        kind in "".join(texts_of(error))
+        for kind in ("ValueError", "ConnectionResetError", "RuntimeError")
+    )

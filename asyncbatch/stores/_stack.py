@@ -50,6 +50,7 @@ from .._errors import (
     StoreTimeoutError,
     describe_range,
 )
+from .._redact import stand_in
 from ._base import (
     Buffer,
     Conversion,
@@ -93,7 +94,7 @@ def map_error(
     else a :class:`StoreError` not retried (a bug does not pass by waiting)."""
     if isinstance(exc, AsyncBatchError):
         return exc
-    # The cause stays chained (``from exc``); the message says what it means.
+    # The cause stays chained (as its scrubbed stand-in); the message says what it means.
     # A path through a file (NotADirectoryError) names no object either.
     if isinstance(exc, FileNotFoundError | NotADirectoryError):
         return fail(NotFoundError, "not found", url, start, end)
@@ -390,7 +391,10 @@ class RetryingStore:
                 error = self._error(exc, bound, url, start, end)
                 if error is exc:
                     raise
-                raise error from exc
+                cause = stand_in(exc)
+            # Raised out of the handler, so another library's exception (whose text may
+            # quote a signed URL) is chained only as its scrubbed stand-in.
+            raise error from cause
 
         return attempt
 
@@ -489,11 +493,13 @@ class RetryingStore:
         async def attempt() -> None:
             try:
                 await inner.attempt_range(url, start, end, buffer, progress)
+                return
             except Exception as exc:
                 error = map_error(exc, url, start, end)
                 if error is exc:
                     raise
-                raise error from exc
+                cause = stand_in(exc)
+            raise error from cause  # out of the handler: see TransportStore.attempt
 
         what = f"read of {describe_range(url, start, end)}"
         await with_retries(self.policy, attempt, what=what, url=url, start=start, end=end)
@@ -588,11 +594,13 @@ class RetryingStore:
         # A write is not retried: the transport may have half-applied it.
         try:
             await self.inner.write(url, data)
+            return
         except Exception as exc:
             error = map_error(exc, url)
             if error is exc:
                 raise
-            raise error from exc
+            cause = stand_in(exc)
+        raise error from cause  # out of the handler: see TransportStore.attempt
 
     async def discard(self, url: str, start: int, end: int) -> None:
         await self.inner.discard(url, start, end)
