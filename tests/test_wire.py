@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -364,3 +365,358 @@ def test_the_http_store_refuses_headers_that_would_break_a_request() -> None:
 
     with pytest.raises(ab.ConfigError, match="storage_options headers: header 'X-Token'"):
         open_store("http://127.0.0.1:1/data", {"headers": {"X-Token": "a\r\nHost: evil"}})
+
+
+# Hostile servers: each answer below is one a review reproduced against the client.
+
+
+def one_byte_chunks(data: bytes) -> bytes:
+    return b"".join(b"1\r\n%c\r\n" % byte for byte in data) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("size", [None, 4096, 7])
+@run
+async def test_a_body_in_one_byte_chunks_costs_no_more_than_its_bytes(size: int | None) -> None:
+    # All buffered before any is read: each chunk used to copy the rest of what was buffered.
+    import tracemalloc
+
+    from asyncbatch.stores._wire import Headers, Response, _Connection
+
+    data = bytes(range(256)) * 64  # 16 KiB of body, 96 KiB on the wire
+    wired = one_byte_chunks(data)
+    conn = _Connection()
+    for at in range(0, len(wired), size or len(wired)):  # pieces as they came off the socket
+        conn.data_received(wired[at : at + (size or len(wired))])
+    headers = Headers({"transfer-encoding": "chunked"})
+    wire = Pool("http://127.0.0.1:1", keep=1, connect_timeout=1)
+    response = Response(wire, conn, "", 200, "OK", headers, "GET", True)
+    got, at = bytearray(len(data)), 0
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        while piece := await response.read():
+            got[at : at + len(piece)] = piece
+            at += len(piece)
+        peak = tracemalloc.get_traced_memory()[1] - baseline
+    finally:
+        tracemalloc.stop()
+    assert (bytes(got), at) == (data, len(data))
+    assert response.complete
+    # Nothing the size of the buffered rest (96 KiB) was ever copied: a chunk costs its size.
+    assert peak < 16 * 1024
+
+
+@pytest.mark.timeout(20)  # about 1 s here; 30 s and more when each chunk copied the rest
+@run
+async def test_a_large_body_in_one_byte_chunks_through_a_socket() -> None:
+    data = bytes(range(256)) * 1024  # 256 KiB
+
+    async def chunked(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(one_byte_chunks(data))
+        await writer.drain()
+        await reader.read()
+
+    async with serving(chunked) as server:
+        wire = pool(server)
+        response = await wire.request("GET", server.url + "/")
+        await asyncio.sleep(0.5)  # the 1.5 MiB on the wire buffered before any is read
+        pieces = []
+        while piece := await response.read(1 << 20):
+            pieces.append(piece)
+        assert b"".join(pieces) == data
+        response.release()
+        await wire.close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 64])
+@run
+async def test_a_head_and_chunks_split_anywhere_read_the_same(size: int) -> None:
+    from asyncbatch.stores._wire import _Connection, _parse_head
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\nA: 1\nB: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3;x=y\r\nabc\r\n2\nde\n0\r\nT: 1\n\r\nHTTP/1.1 204 No Content\n\nrest"
+    )
+    conn = _Connection()
+    for at in range(0, len(answer), size):
+        conn.data_received(answer[at : at + size])
+
+    def take(count: int) -> bytes:
+        taken = b""
+        while len(taken) < count:
+            taken += conn.take(count - len(taken))
+        return taken
+
+    status, _, headers, keep = _parse_head(await conn.head())
+    assert (status, keep) == (200, True)
+    assert headers == {"a": "1", "b": "2", "transfer-encoding": "chunked"}
+    assert [await conn.line(), take(3), await conn.line()] == [b"3;x=y", b"abc", b""]
+    assert [await conn.line(), take(1), take(1), await conn.line()] == [b"2", b"d", b"e", b""]
+    assert [await conn.line(), await conn.line(), await conn.line()] == [b"0", b"T: 1", b""]
+    assert _parse_head(await conn.head())[0] == 204
+    assert (take(4), conn.buffered, conn.offset, conn.pieces) == (b"rest", 0, 0, deque())
+
+
+@run
+async def test_bytes_arriving_on_an_idle_connection_close_it() -> None:
+    pooled = asyncio.Event()
+    junk = asyncio.Event()
+    gone = asyncio.Event()
+
+    async def chatty(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        if server.connections > 1:
+            await reader.read()
+            return
+        await pooled.wait()
+        try:
+            for _ in range(64):  # 4 MiB unasked for, as long as the client takes it
+                writer.write(b"x" * 65536)
+                junk.set()
+                await writer.drain()
+            await reader.read()  # b"" once the client closed it
+        except ConnectionError:  # or a reset
+            pass
+        gone.set()
+
+    async with serving(chatty) as server:
+        wire = pool(server)
+        response = await wire.request("GET", server.url + "/")
+        assert await body(response) == b"ok"
+        response.release()
+        (idle,) = wire._idle
+        pooled.set()
+        await asyncio.wait_for(junk.wait(), 5)
+        await asyncio.wait_for(gone.wait(), 5)
+        assert idle.buffered < 256 * 1024  # not HIGH_WATER's worth held
+        assert not wire._idle and not wire._open
+        response = await wire.request("GET", server.url + "/")
+        assert await body(response) == b"ok"
+        response.release()
+        await wire.close()
+    assert server.connections == 2
+
+
+@run
+async def test_a_flood_of_interim_answers_is_a_wire_error() -> None:
+    async def flood(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 10_000)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async with serving(flood) as server:
+        wire = pool(server)
+        with pytest.raises(WireError, match="interim answers"):
+            await wire.request("GET", server.url + "/")
+        assert not wire._open
+        await wire.close()
+
+
+@run
+async def test_a_bare_lf_ends_a_header_line() -> None:
+    async def bare(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(b'HTTP/1.1 200 OK\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\n\nok')
+            await writer.drain()
+
+    async with serving(bare) as server:
+        wire = pool(server)
+        for _ in range(2):
+            async with asyncio.timeout(5):
+                response = await wire.request("GET", server.url + "/")
+                assert response.headers == {"etag": '"a"', "x-evil": "1", "content-length": "2"}
+                assert await body(response) == b"ok"
+            response.release()
+        await wire.close()
+    assert server.connections == 1
+
+
+@run
+async def test_a_reflected_etag_cannot_add_a_header_to_the_next_request() -> None:
+    async def reflecting(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(b'HTTP/1.1 200 OK\r\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\r\n\r\nok')
+            await writer.drain()
+
+    async with serving(reflecting) as server:
+        wire = pool(server)
+        response = await wire.request("GET", server.url + "/")
+        etag = response.headers.get("etag")
+        assert await body(response) == b"ok"
+        response.release()
+        assert etag is not None
+        try:
+            response = await wire.request("GET", server.url + "/", {"If-Match": etag})
+            response.release()
+        except WireError:
+            pass
+        await wire.close()
+    for request in server.requests:
+        assert b"\nX-Evil" not in request
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ({"If-Match": '"a"\nX-Evil: 1'}, "header 'If-Match' .*line break .*at position 3"),
+        ({"If-Match": '"a"\r'}, "header 'If-Match' .*line break .*at position 3"),
+        ({"X-Amz-Date": "2024\x00"}, "header 'X-Amz-Date' .*NUL at position 4"),
+        ({"X-Token": "a\x01b"}, "header 'X-Token' .*control character .*at position 1"),
+        ({"X-Token": "a\u2019b"}, "header 'X-Token' .*not Latin-1 at position 1"),
+        ({"X-Bad Name": "v"}, "header 'X-Bad' .*name .* at position 5"),
+        ({"X-Bad:Name": "v"}, "header 'X-Bad' .*name .* at position 5"),
+        ({"": "v"}, "an empty header name"),
+    ],
+)
+@run
+async def test_every_request_header_is_checked_before_it_is_sent(
+    headers: dict[str, str], reason: str
+) -> None:
+    from asyncbatch.stores._wire import HeaderError
+
+    async with serving(keep_alive) as server:
+        wire = pool(server)
+        with pytest.raises(HeaderError, match=reason) as caught:
+            await wire.request("GET", server.url + "/", headers)
+        assert isinstance(caught.value, WireError)  # a request that failed, retried as one
+        with pytest.raises(HeaderError, match=reason):
+            Pool(server.url, keep=1, connect_timeout=1, headers=headers)
+        await wire.close()
+    assert server.requests == []
+
+
+def test_a_refused_header_value_is_never_quoted() -> None:
+    from asyncbatch.stores import open_store
+    from asyncbatch.stores._wire import check_headers
+
+    secret = "Bearer s3cr3t-t0ken"
+    for value in (f"{secret}\n", f"{secret}\x7f", f"{secret}\r\nX: y"):
+        with pytest.raises(ValueError, match="'Authorization'") as caught:
+            check_headers({"Authorization": value})
+        with pytest.raises(ab.ConfigError, match="'Authorization'") as configured:
+            open_store("http://127.0.0.1:1/data", {"headers": {"Authorization": value}})
+        for error in (caught.value, configured.value):
+            seen: BaseException | None = error
+            while seen is not None:
+                assert "s3cr3t" not in str(seen) and "s3cr3t" not in repr(seen)
+                seen = seen.__cause__ or seen.__context__
+
+
+@pytest.mark.parametrize(
+    ("framing", "error"),
+    [
+        (b"Transfer-Encoding: chunked\r\n\r\n-2\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n0x2\r\nab\r\n0\r\n\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n+2\r\nab\r\n0\r\n\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n1_0\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n 2\r\nab\r\n0\r\n\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n%s\r\n" % (b"f" * 17), "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n\xd9\xa2\r\n", "bad chunk size"),
+        (b"Transfer-Encoding: chunked\r\n\r\n0\r\n" + b"X: y\r\n" * 20_000, "trailers"),
+        (b"Content-Length: \xb2\r\n\r\n", "is not a length"),
+        (b"Content-Length: 2\r\nContent-Length: 3\r\n\r\nab", "is not a length"),
+        (b"Content-Length: 2, 3\r\n\r\nab", "is not a length"),
+        (b"Content-Length: 2 2\r\n\r\nab", "is not a length"),
+        (b"Content-Length: 0x2\r\n\r\nab", "is not a length"),
+        (b"Content-Length: %s\r\n\r\nab" % (b"9" * 30), "is not a length"),
+        (b"X: a\rb\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
+        (b"X: a\x00b\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
+    ],
+)
+@run
+async def test_malformed_framing_is_a_wire_error_and_never_pooled(
+    framing: bytes, error: str
+) -> None:
+    async def bad(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\n" + framing)
+            await writer.drain()
+
+    async with serving(bad) as server:
+        wire = pool(server)
+        async with asyncio.timeout(10):
+            with pytest.raises(WireError, match=error):
+                response = await wire.request("GET", server.url + "/")
+                try:
+                    await body(response)
+                finally:
+                    response.release()
+        assert not wire._idle and not wire._open
+        await wire.close()
+
+
+@pytest.mark.parametrize("code", [b"\xb200", b"2\xb30", b"\xd9\xa2\xd9\xa0\xd9\xa0"])
+@run
+async def test_a_status_code_is_three_ascii_digits(code: bytes) -> None:
+    async def bad(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 %s OK\r\nContent-Length: 0\r\n\r\n" % code)
+        await writer.drain()
+        await reader.read()
+
+    async with serving(bad) as server:
+        wire = pool(server)
+        with pytest.raises(WireError, match="not an HTTP/1.1 status line"):
+            await wire.request("GET", server.url + "/")
+        await wire.close()
+
+
+@run
+async def test_repeated_equal_content_lengths_are_one() -> None:
+    async def twice(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 02\r\n\r\nok")
+            await writer.drain()
+
+    async with serving(twice) as server:
+        wire = pool(server)
+        for _ in range(2):
+            response = await wire.request("GET", server.url + "/")
+            assert response.content_length == 2 and await body(response) == b"ok"
+            response.release()
+        await wire.close()
+    assert server.connections == 1
+
+
+@run
+async def test_a_chunked_answer_with_a_length_is_read_chunked_and_not_reused() -> None:
+    async def both(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\n0\r\n\r\n"
+            )
+            await writer.drain()
+
+    async with serving(both) as server:
+        wire = pool(server)
+        for _ in range(2):
+            response = await wire.request("GET", server.url + "/")
+            assert await body(response) == b"hello"
+            response.release()
+        await wire.close()
+    assert server.connections == 2
