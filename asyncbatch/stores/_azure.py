@@ -56,6 +56,7 @@ from ._ranged import (
     changed,
     connection_error,
     fail,
+    host_of,
     if_match,
     parse_retry_after,
     receive_range,
@@ -237,7 +238,7 @@ class AzureStore:
     def _connection_error(
         self, exc: BaseException, where: BlobPath, url: str, start: int | None, end: int | None
     ) -> StoreError:
-        endpoint = urlsplit(where.account.base).netloc
+        endpoint = host_of(where.account.base)
         error = connection_error(exc, endpoint, url, start, end, tls_hint=TLS_HINT)
         if "does not resolve" in str(error):
             detail = (
@@ -295,7 +296,7 @@ class AzureStore:
             or (code == "AuthorizationFailure" and "authenticate" in message)
         ):
             detail = (
-                f"{urlsplit(account.base).netloc} rejected the credentials"
+                f"{host_of(account.base)} rejected the credentials"
                 f" (HTTP {status} {code}{': ' + message if message else ''}): check"
                 f" {self._credentials_hint(where)}"
             )
