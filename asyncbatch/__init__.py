@@ -18,7 +18,7 @@ has the full table, which tests/test_layers.py checks)::
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
     _prepare/   a raw corpus (JSONL, Parquet, text) tokenized into a documents dataset, in
                 units run in a process pool or as Ray tasks
-    cli         ``asyncbatch demo | inspect | verify | cache | prepare``
+    cli         ``asyncbatch demo | inspect | verify | cache | prepare | index``
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ if _typing.TYPE_CHECKING:
         write_metadata_stream_async as write_metadata_stream_async,
     )
     from .formats._registry import register_format as register_format
+    from .formats._webdataset_write import IndexReport as IndexReport
+    from .formats._webdataset_write import index_webdataset as index_webdataset
+    from .formats._webdataset_write import index_webdataset_async as index_webdataset_async
     from .stores import register_store as register_store
     from .stores._disk_cache import DiskCache as DiskCache
     from .stores._retry import RetryPolicy as RetryPolicy
@@ -103,6 +106,9 @@ _LAZY: dict[str, str] = {
     "write_metadata_stream": "formats._metadata_write",
     "write_metadata_stream_async": "formats._metadata_write",
     "register_format": "formats._registry",
+    "IndexReport": "formats._webdataset_write",
+    "index_webdataset": "formats._webdataset_write",
+    "index_webdataset_async": "formats._webdataset_write",
     "LoaderStatistics": "_handoff",
     "QueueStatistics": "_handoff",
     "AsyncLoader": "_loader",
@@ -143,6 +149,7 @@ __all__ = [
     "EndpointError",
     "FieldSchema",
     "FormatError",
+    "IndexReport",
     "Jagged",
     "Loader",
     "LoaderClosedError",
@@ -170,6 +177,8 @@ __all__ = [
     "ThrottledError",
     "TransformError",
     "UnknownSchemeError",
+    "index_webdataset",
+    "index_webdataset_async",
     "mix",
     "open_dataset",
     "open_dataset_async",

@@ -1,7 +1,7 @@
 """The ``asyncbatch`` command: ``demo`` streams a dataset, ``inspect`` summarises one,
 ``verify`` checks one against its manifest's sizes and checksums, ``cache info`` and
 ``cache clear`` show and empty a node-local cache, ``prepare`` tokenizes a raw corpus into a
-documents dataset."""
+documents dataset, ``index`` writes the sidecar index of WebDataset tar shards."""
 
 from __future__ import annotations
 
@@ -271,6 +271,28 @@ def prepare_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def index_command(args: argparse.Namespace) -> int:
+    from .formats._webdataset_write import index_webdataset
+
+    bar = None if args.no_progress else Progress(0, "indexing", " shards")
+
+    def progress(url: str, nbytes: int) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    urls = args.urls[0] if len(args.urls) == 1 else args.urls
+    try:
+        report = index_webdataset(urls, _options(args.option), progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"shards    {report.shards} ({human_bytes(report.shard_bytes)}) scanned")
+    print(f"samples   {report.samples:,}")
+    print(f"sidecars  {report.shards} written ({human_bytes(report.index_bytes)}), as")
+    print(f"          {report.sidecars[0]}" if report.sidecars else "          (none)")
+    return 0
+
+
 def _tokenizer(value: str | None) -> Any:
     """``module:function`` names a callable; anything else is a tokenizer.json path or URL."""
     if value is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value) is None:
@@ -486,6 +508,31 @@ def parser() -> argparse.ArgumentParser:
         "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )
     make.set_defaults(func=prepare_command)
+
+    index = commands.add_parser(
+        "index",
+        help="write the sidecar index of WebDataset tar shards beside them",
+        description="Scan every WebDataset .tar shard once (large sequential reads, all"
+        " shards at once) and write its member index beside it as <shard>.tar.abidx;"
+        " opening the shards then reads only these small files. A sidecar already there is"
+        " written again. See docs/format.md.",
+    )
+    index.add_argument(
+        "urls",
+        nargs="+",
+        metavar="URL",
+        help="a .tar shard, a folder or prefix of them, a glob, a brace pattern"
+        " ('s3://b/laion/{000000..000123}.tar'), or several shard URLs",
+    )
+    index.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar or lines (default: shown on stderr)",
+    )
+    index.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
+    )
+    index.set_defaults(func=index_command)
     return root
 
 

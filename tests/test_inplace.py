@@ -518,9 +518,10 @@ def test_opening_over_http_reads_only_headers(tmp_path: Path, http_root: tuple[P
     assert str(caught.value) == (
         f"no dataset at {base}/nothing-here: no manifest ({base}/nothing-here/manifest.json"
         " not found), no Megatron .idx beside it, no .npy files listed in it, no .parquet"
-        " files listed under it, no state.json, no .arrow or .feather files listed under it;"
-        " for data in another layout, name its format with format= (one of 'megatron', 'npy',"
-        " 'raw', 'llmbatch', 'parquet', 'arrow')"
+        " files listed under it, no state.json, no .arrow or .feather files listed under it,"
+        " no .tar shards listed under it; for data in another layout, name its format with"
+        " format= (one of 'megatron', 'npy', 'raw', 'llmbatch', 'parquet', 'arrow',"
+        " 'webdataset')"
     )
 
 

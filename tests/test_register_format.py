@@ -127,9 +127,10 @@ def test_the_built_in_formats_are_registered() -> None:
         "llmbatch",
         "parquet",
         "arrow",
+        "webdataset",
     }
     names = [o.name for o in registry.openers()]
-    assert names == ["megatron", "npy", "raw", "llmbatch", "parquet", "arrow"]
+    assert names == ["megatron", "npy", "raw", "llmbatch", "parquet", "arrow", "webdataset"]
     with pytest.raises(TypeError):
         registry.FORMATS["x"] = token_windows  # type: ignore[index]
 

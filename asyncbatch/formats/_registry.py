@@ -23,6 +23,7 @@ from ._metadata import load_metadata_layout, metadata_windows
 from ._npy import NPY_OPENER, RAW_OPENER
 from ._parquet import PARQUET_OPENER, parquet_rows
 from ._tokens import token_windows
+from ._webdataset import WEBDATASET_OPENER, webdataset_samples
 
 if TYPE_CHECKING:
     from .._dataset import Dataset
@@ -130,6 +131,7 @@ def _register_builtin_formats() -> None:
     register_format("llmbatch", source=llmbatch_records, opener=LLMBATCH_OPENER)
     register_format("parquet", source=parquet_rows, opener=PARQUET_OPENER)
     register_format("arrow", source=arrow_rows, opener=ARROW_OPENER)
+    register_format("webdataset", source=webdataset_samples, opener=WEBDATASET_OPENER)
 
 
 _register_builtin_formats()

@@ -1,0 +1,705 @@
+"""WebDataset tar shards read in place: shards written by the webdataset library itself, and
+every sample's every field compared with what its own reader yields, through local files,
+moto's S3 server and the Range HTTP server; sidecar indexes and scans; bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import itertools
+import shutil
+import struct
+import tarfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BUCKET, s3_options
+
+import asyncbatch as ab
+from asyncbatch._cli import main
+from asyncbatch._errors import ConfigError, FormatError, ResumeStateError
+from asyncbatch.formats import _webdataset_index
+from asyncbatch.formats._webdataset import expand_braces
+from asyncbatch.formats._webdataset_index import BLOCK, ShardIndex, scan_shard, sidecar_url
+from asyncbatch.stores import open_store
+from asyncbatch.stores._base import Store
+
+wds = pytest.importorskip("webdataset")
+
+_names = itertools.count()
+SAMPLES = 230
+PER_SHARD = 80  # 3 shards: 80, 80, 70
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    """A real RGB PNG (zlib-compressed scanlines), made without an imaging library."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 256, (height, width * 3), dtype=np.uint8)
+    raw = b"".join(b"\0" + row.tobytes() for row in rows)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+def jpeg_bytes(seed: int) -> bytes | None:
+    """A real JPEG made with PIL, when PIL is installed."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def make_samples(count: int = SAMPLES, seed: int = 0) -> list[dict[str, Any]]:
+    """Samples of a few hundred bytes: random bytes, a label, JSON, an empty field, a PNG."""
+    rng = np.random.default_rng(seed)
+    images = [png_bytes(4 + i, 3 + i % 2, i) for i in range(4)]
+    jpeg = jpeg_bytes(seed)
+    samples = []
+    for i in range(count):
+        sample: dict[str, Any] = {
+            "__key__": f"sample{i:06d}",
+            "bin": rng.bytes(int(rng.integers(0, 600))),
+            "cls": str(i % 10).encode(),
+            "json": f'{{"i": {i}, "text": "caption {i}"}}'.encode(),
+            "empty.txt": b"",
+            "seg.png": images[i % len(images)],
+        }
+        if jpeg is not None:
+            sample["jpg"] = jpeg
+        samples.append(sample)
+    return samples
+
+
+def write_shards(
+    folder: Path, samples: Sequence[dict[str, Any]], per_shard: int = PER_SHARD
+) -> list[Path]:
+    """The samples into ``folder/shard-NNNNNN.tar`` by webdataset's own ShardWriter."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+    return sorted(folder.glob("shard-*.tar"))
+
+
+def reference(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """What webdataset's own reader yields for these shards, in order: its
+    ``tarfile_samples`` (``url_opener``, then ``tar_file_expander`` and ``group_by_keys``),
+    with the files opened (and closed) here."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    with contextlib.ExitStack() as stack:
+        sources = [{"url": p, "stream": stack.enter_context(open(p, "rb"))} for p in paths]
+        return list(group_by_keys(tar_file_expander(sources)))
+
+
+def shards_in(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, paths: Sequence[Path]
+) -> tuple[str, dict[str, Any], list[str]]:
+    """The local shards ``paths`` put in ``store``: (URL to open, storage options, the
+    shards' URLs in order). Over HTTP, which cannot list, the URL is a brace pattern."""
+    name = f"wds-{next(_names)}"
+    if store == "local":
+        return str(paths[0].parent), {}, [str(p) for p in paths]
+    if store == "s3":
+        import s3fs
+
+        options = s3_options(request.getfixturevalue("s3_endpoint"))
+        fs = s3fs.S3FileSystem(**options)
+        root = f"s3://{BUCKET}/{name}"
+        for path in paths:
+            fs.pipe(f"{root}/{path.name}", path.read_bytes())
+        return root, options, [f"{root}/{p.name}" for p in paths]
+    base, server = request.getfixturevalue("http_root")
+    (base / name).mkdir()
+    for path in paths:
+        shutil.copy(path, base / name / path.name)
+    last = len(paths) - 1
+    pattern = f"{server.url}/{name}/shard-{{000000..{last:06d}}}.tar"
+    return pattern, {}, [f"{server.url}/{name}/{p.name}" for p in paths]
+
+
+def check_batch(
+    batch: ab.Batch,
+    expected: Sequence[dict[str, Any]],
+    shard_urls: Sequence[str] | None = None,
+    fields: Sequence[str] | None = None,
+) -> None:
+    """Every field of every sample equals webdataset's; ``__url__`` too (or, read from
+    another store, the shard's URL there)."""
+    names = (
+        list(fields) if fields is not None else [k for k in expected[0] if not k.startswith("__")]
+    )
+    assert list(batch) == ["__key__", "__url__", *names]
+    keys, urls = batch["__key__"].to_pylist(), batch["__url__"].to_pylist()
+    columns = {name: batch[name].to_pylist() for name in names}
+    for k, i in enumerate(batch.global_indexes.tolist()):
+        want = expected[i]
+        assert keys[k] == want["__key__"]
+        if shard_urls is None:
+            assert urls[k] == want["__url__"]
+        else:
+            assert urls[k] in shard_urls
+        for name in names:
+            assert columns[name][k] == want[name], (i, name)
+            assert batch[name][k] == want[name]
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[dict[str, Any]]:
+    return make_samples()
+
+
+@pytest.fixture
+def local_shards(tmp_path: Path, samples: list[dict[str, Any]]) -> list[Path]:
+    return write_shards(tmp_path / "shards", samples)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("store", ["local", "s3", "http"])
+def test_every_sample_once_per_epoch_every_store(
+    store: str,
+    shuffle: Any,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    local_shards: list[Path],
+) -> None:
+    if store != "local" and shuffle is False:
+        pytest.skip("the orders are store-independent: the shuffles per remote store")
+    expected = reference([str(p) for p in local_shards])
+    assert len(expected) == SAMPLES
+    url, options, shard_urls = shards_in(store, request, tmp_path, local_shards)
+    dataset = ab.open_dataset(url, options)
+    assert dataset.manifest.format == "webdataset"
+    assert dataset.shard_urls == shard_urls
+    assert dataset.manifest.total_elements == SAMPLES
+    extra = {"window": 2, "block_size": 16} if shuffle == "block" else {}
+    urls = None if store == "local" else shard_urls
+    with ab.Loader(dataset, batch_size=32, shuffle=shuffle, drop_last=False, **extra) as loader:
+        seen = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            ids = []
+            for batch in loader:
+                check_batch(batch, expected, urls)
+                ids.extend(batch.global_indexes.tolist())
+            assert sorted(ids) == list(range(SAMPLES))
+            seen.append(ids)
+    if shuffle is False:
+        assert seen[0] == list(range(SAMPLES))
+    else:
+        assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("world", [1, 3])
+def test_ranks_split_every_epoch_exactly(
+    local_shards: list[Path], samples: list[dict[str, Any]], shuffle: Any, world: int
+) -> None:
+    expected = reference([str(p) for p in local_shards])
+    dataset = ab.open_dataset(str(local_shards[0].parent))
+    extra = {"window": 2, "block_size": 8} if shuffle == "block" else {}
+    parts = []
+    for rank in range(world):
+        args = dict(batch_size=10, shuffle=shuffle, drop_last=False, seed=5, **extra)
+        with ab.Loader(dataset, rank=rank, world_size=world, **args) as loader:
+            ids = []
+            for batch in loader:
+                check_batch(batch, expected)
+                ids.extend(batch.global_indexes.tolist())
+            parts.append(ids)
+    union = [i for part in parts for i in part]
+    assert len(set(union)) == len(union)  # none twice
+    # Every sample, bar the uneven tail tail="drop" leaves out (fewer than one per rank).
+    assert len(union) == SAMPLES - SAMPLES % world
+    assert set(range(SAMPLES)) >= set(union)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_resume_mid_epoch_continues_exactly(
+    local_shards: list[Path], tmp_path: Path, shuffle: Any
+) -> None:
+    dataset = ab.open_dataset(str(local_shards[0].parent))
+    extra = {"window": 2, "block_size": 8} if shuffle == "block" else {}
+    args: dict[str, Any] = dict(batch_size=7, shuffle=shuffle, seed=11, prefetch=3, **extra)
+    with ab.Loader(dataset, **args) as loader:
+        full = [(b.global_indexes.tolist(), b["bin"].to_pylist()) for b in loader]
+    for stop in (1, 9):
+        with ab.Loader(dataset, **args) as loader:
+            it = iter(loader)
+            head = [next(it) for _ in range(stop)]
+            state = loader.state_dict()
+        with ab.Loader(dataset, **args) as loader:
+            loader.load_state_dict(state)
+            rest = list(loader)
+        got = [(b.global_indexes.tolist(), b["bin"].to_pylist()) for b in head + rest]
+        assert got == full
+    # Other shards of the same shape are other data: the state is refused.
+    other = write_shards(tmp_path / "other", make_samples(seed=1))
+    other_dataset = ab.open_dataset(str(other[0].parent))
+    with ab.Loader(other_dataset, **args) as loader, pytest.raises(ResumeStateError):
+        loader.load_state_dict(state)
+
+
+def test_workers_read_each_sample_once(local_shards: list[Path]) -> None:
+    expected = reference([str(p) for p in local_shards])
+    folder = str(local_shards[0].parent)
+    source = ab.LoaderDataset(folder, batch_size=16, shuffle=True, drop_last=False)
+    ids = []
+    for batch in source.dataloader(num_workers=2):
+        check_batch(batch, expected)
+        ids.extend(batch.global_indexes.tolist())
+    assert sorted(ids) == list(range(SAMPLES))
+
+
+# ---------------------------------------------------------------------------------------------
+# The index: sidecars and scans
+
+
+class Counted:
+    """A real store with every read that reaches it logged: each is one request."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.reads: list[tuple[str, int, int]] = []
+
+    async def size(self, url: str) -> int:
+        return await self.inner.size(url)
+
+    async def read_ranges(
+        self, url: str, *, starts: Sequence[int], ends: Sequence[int], buffers: Sequence[Any]
+    ) -> None:
+        self.reads.extend((url, a, b) for a, b in zip(starts, ends, strict=True))
+        await self.inner.read_ranges(url, starts=starts, ends=ends, buffers=buffers)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_a_scan_reads_each_shard_in_large_ranges(
+    local_shards: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chunk = 64 << 10
+    monkeypatch.setattr(_webdataset_index, "SCAN_CHUNK", chunk)
+
+    async def scan(url: str, size: int) -> tuple[ShardIndex, list[tuple[str, int, int]]]:
+        counted = Counted(open_store(url))
+        try:
+            return await scan_shard(counted, url, size), counted.reads  # type: ignore[arg-type]
+        finally:
+            await counted.close()
+
+    for path in local_shards:
+        size = path.stat().st_size
+        index, reads = asyncio.run(scan(str(path), size))
+        # Ranges one after another from the start, each a whole chunk but the last (which
+        # ends at the end-of-archive blocks, or the shard's end); the next one starts at the
+        # first header the one before did not hold whole (past the end: data skipped).
+        starts, ends = [a for _, a, _ in reads], [b for _, _, b in reads]
+        assert starts[0] == 0 and all(
+            b - a == chunk for a, b in zip(starts, ends[:-1], strict=False)
+        )
+        assert all(ends[i] - 4 * BLOCK <= starts[i + 1] for i in range(len(reads) - 1))
+        assert len(reads) <= size // (chunk - 4 * BLOCK) + 1
+        with tarfile.open(path) as tar:
+            members = [m for m in tar.getmembers() if m.isreg()]
+        assert index.offsets.tolist() == [m.offset_data for m in members]
+        assert index.lengths.tolist() == [m.size for m in members]
+
+
+def test_a_scan_skips_the_data_of_large_members(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_webdataset_index, "SCAN_CHUNK", 4096)
+    big = [{"__key__": f"k{i}", "bin": bytes([i]) * 50_000, "cls": b"1"} for i in range(4)]
+    (path,) = write_shards(tmp_path / "big", big)
+    counted = Counted(open_store(str(path)))
+
+    async def scan() -> ShardIndex:
+        try:
+            return await scan_shard(counted, str(path), path.stat().st_size)  # type: ignore[arg-type]
+        finally:
+            await counted.close()
+
+    index = asyncio.run(scan())
+    assert index.num_samples == 4
+    fetched = sum(b - a for _, a, b in counted.reads)
+    assert fetched < path.stat().st_size / 4  # the images' bytes are jumped over
+
+
+@pytest.mark.parametrize("store", ["local", "s3", "http"])
+def test_sidecars_and_scan_give_identical_batches(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path, local_shards: list[Path]
+) -> None:
+    url, options, shard_urls = shards_in(store, request, tmp_path, local_shards)
+    scanned = ab.open_dataset(url, options)
+    assert scanned.manifest.metadata["sidecars"] == 0
+    if store == "http":  # the Range server is read-only: index the files it serves
+        base = request.getfixturevalue("http_root")[0]
+        folder = base / shard_urls[0].rsplit("/", 2)[1]
+        report = ab.index_webdataset(str(folder))
+    else:
+        report = ab.index_webdataset(url, options)
+    assert report.shards == len(local_shards) and report.samples == SAMPLES
+    if store == "http":
+        server = request.getfixturevalue("http_root")[1]
+        before = server.requests + server.heads
+    indexed = ab.open_dataset(url, options)
+    if store == "http":
+        # Opening reads the sidecars only: one request each (a suffix range).
+        assert server.requests + server.heads - before == len(local_shards)
+    assert indexed.manifest.metadata["sidecars"] == len(local_shards)
+    assert indexed.fingerprint() == scanned.fingerprint()
+    for name, array in scanned.arrays.items():
+        np.testing.assert_array_equal(indexed.arrays[name], array)
+    args: dict[str, Any] = dict(batch_size=24, shuffle=True, seed=2, drop_last=False)
+    with ab.Loader(scanned, **args) as one, ab.Loader(indexed, **args) as two:
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_array_equal(a.global_indexes, b.global_indexes)
+            for name in a:
+                assert a[name].to_pylist() == b[name].to_pylist()
+
+
+def test_sidecar_layout_round_trips(local_shards: list[Path]) -> None:
+    report = ab.index_webdataset([str(p) for p in local_shards])
+    assert report.sidecars == tuple(sidecar_url(str(p)) for p in local_shards)
+    for path in local_shards:
+        data = Path(sidecar_url(str(path))).read_bytes()
+        index = ShardIndex.parse(data, "x")
+        assert data[:8] == b"ABTARIDX" and index.size == path.stat().st_size
+        assert index.pack() == data
+        with tarfile.open(path) as tar:
+            first = next(m for m in tar.getmembers() if m.isreg())
+        assert int(index.starts[0]) == first.offset  # the first header (pax included)
+        assert set(index.fields) == {k for k in make_samples(1)[0] if k != "__key__"}
+
+
+def test_exact_shuffle_is_one_request_per_sample(local_shards: list[Path]) -> None:
+    dataset = ab.open_dataset(str(local_shards[0].parent))
+    with ab.Loader(dataset, batch_size=16, shuffle=True, coalesce_gap=0, drop_last=False) as loader:
+        assert sum(b.batch_size for b in loader) == SAMPLES
+        stats = loader.statistics()
+    assert stats.requests <= SAMPLES
+
+
+def test_block_shuffle_is_one_request_per_block(local_shards: list[Path]) -> None:
+    dataset = ab.open_dataset(str(local_shards[0].parent))
+    block = 10
+    args: dict[str, Any] = dict(batch_size=10, shuffle="block", block_size=block, window=2)
+    with ab.Loader(dataset, drop_last=False, coalesce_gap=4096, **args) as loader:
+        assert sum(b.batch_size for b in loader) == SAMPLES
+        stats = loader.statistics()
+    blocks = -(-SAMPLES // block)
+    assert stats.requests <= blocks + len(local_shards)  # a block across two shards: two
+
+
+def test_exact_shuffle_over_s3_is_one_request_per_sample(
+    request: pytest.FixtureRequest, tmp_path: Path, local_shards: list[Path]
+) -> None:
+    url, options, _ = shards_in("s3", request, tmp_path, local_shards)
+    dataset = ab.open_dataset(url, options)
+    args: dict[str, Any] = dict(batch_size=32, shuffle=True, drop_last=False, coalesce_gap=0)
+    with ab.Loader(dataset, **args) as loader:
+        assert sum(b.batch_size for b in loader) == SAMPLES
+        stats = loader.statistics()
+    assert 0 < stats.requests <= SAMPLES
+
+
+def test_columns_fetch_only_their_members(local_shards: list[Path]) -> None:
+    expected = reference([str(p) for p in local_shards])
+    folder = str(local_shards[0].parent)
+    fetched = {}
+    for columns in (None, ["cls"], ["json", "cls"]):
+        options = None if columns is None else {"columns": columns}
+        dataset = ab.open_dataset(folder, options=options)
+        with ab.Loader(dataset, batch_size=20, shuffle=True, drop_last=False) as loader:
+            for batch in loader:
+                check_batch(batch, expected, fields=columns)
+            fetched[str(columns)] = loader.statistics().bytes_fetched
+    # A label's member is its header and a byte or two; a whole sample is ~3 KiB and more.
+    assert fetched["['cls']"] < fetched["None"] / 4
+    assert fetched["['cls']"] <= SAMPLES * (2 * BLOCK + 16)
+    with pytest.raises(ConfigError, match=r"columns=\['txt'\].*'bin', 'cls'"):
+        ab.open_dataset(folder, options={"columns": ["txt"]})
+    with pytest.raises(ConfigError, match="unknown options"):
+        ab.open_dataset(folder, options={"nulls": "fill"})
+
+
+def test_samples_with_other_fields(tmp_path: Path) -> None:
+    samples = make_samples(30)
+    for i in (4, 17):
+        del samples[i]["json"]
+    paths = write_shards(tmp_path / "s", samples, per_shard=10)
+    folder = str(paths[0].parent)
+    with pytest.raises(ConfigError, match=r"shard-000000.tar: sample 'sample000004' has no 'json'"):
+        ab.open_dataset(folder)
+    expected = reference([str(p) for p in paths])
+    dataset = ab.open_dataset(folder, options={"columns": ["bin", "cls"]})
+    with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
+        for batch in loader:
+            check_batch(batch, expected, fields=["bin", "cls"])
+
+
+def tar_of(path: Path, members: Sequence[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> None:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def index_samples(urls: Sequence[str]) -> list[dict[str, Any]]:
+    """The samples the shards' headers walked in memory group into: key, shard, fields."""
+    out = []
+    for url in urls:
+        data = Path(url).read_bytes()
+        walk = _webdataset_index.TarWalk(url, len(data))
+        walk.feed(data, 0)
+        assert walk.done
+        index = walk.index()
+        members = np.cumsum(np.append(0, index.members))
+        for s in range(index.num_samples):
+            fields = index.field[members[s] : members[s + 1]].tolist()
+            out.append(
+                {
+                    "__key__": index.key(s),
+                    "__url__": url,
+                    "fields": {index.fields[f] for f in fields},
+                }
+            )
+    return out
+
+
+def test_grouping_is_webdataset_s_own(tmp_path: Path) -> None:
+    """Keys with their folders, metadata and extensionless members skipped, a key seen again
+    later and a key across two shards: as many samples, with the same keys and fields, as
+    webdataset yields."""
+    folder = tmp_path / "g"
+    folder.mkdir()
+    tar_of(
+        folder / "a.tar",
+        [
+            ("__meta__", b"m"),
+            ("dir/x.cls", b"1"),
+            ("dir/x.seg.PNG", b"p"),
+            ("README", b"no extension"),
+            ("y.cls", b"2"),
+            ("__skip__/z.cls", b"meta"),
+            ("dir/x.cls", b"3"),  # the key again: another sample
+            ("w.v1/k.cls", b"4"),  # a dot in the folder part
+            ("split.cls", b"5"),
+        ],
+    )
+    tar_of(folder / "b.tar", [("split.seg.png", b"6"), ("last.cls", b"7")])
+    urls = [str(folder / "a.tar"), str(folder / "b.tar")]
+    expected = reference(urls)
+    got = index_samples(urls)
+    assert [(s["__key__"], s["__url__"]) for s in got] == [
+        (s["__key__"], s["__url__"]) for s in expected
+    ]
+    assert [s["fields"] for s in got] == [
+        {k for k in s if not k.startswith("__")} for s in expected
+    ]
+    # Samples with other fields: the batch's fields must be in every sample.
+    with pytest.raises(ConfigError, match=r"a.tar: sample 'y' has no 'seg.png' field"):
+        ab.open_dataset(urls)
+    with pytest.raises(ConfigError, match=r"b.tar: sample 'split' has no 'cls' field"):
+        ab.open_dataset(urls, options={"columns": ["cls"]})
+
+
+def test_a_field_twice_in_a_sample_is_refused_as_webdataset_does(tmp_path: Path) -> None:
+    path = tmp_path / "dup.tar"
+    tar_of(path, [("k.cls", b"1"), ("k.txt", b"a"), ("k.cls", b"2")])
+    with pytest.raises(ValueError, match="duplicate"):
+        reference([str(path)])
+    with pytest.raises(FormatError, match=r"dup.tar: sample 'k' holds field 'cls' twice"):
+        ab.open_dataset(str(path))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_long_and_non_ascii_names(tmp_path: Path, fmt: int) -> None:
+    """Names past the 100 bytes of a header: a pax ``path``, a GNU ``././@LongLink``, or the
+    ustar prefix field; names outside ASCII (pax only)."""
+    folder = "d" * 60 + "/" + "e" * 50  # over 100 bytes with the base name: a long name
+    members = []
+    for i in range(5):
+        base = f"{folder}/key{i:03d}" if fmt != tarfile.USTAR_FORMAT else f"{folder}/k{i}"
+        if fmt == tarfile.PAX_FORMAT:
+            base += "-é"
+        members += [(f"{base}.cls", str(i).encode()), (f"{base}.txt", b"t" * (i * 100))]
+    path = tmp_path / "long.tar"
+    tar_of(path, members, fmt)
+    expected = reference([str(path)])
+    assert len(expected) == 5
+    dataset = ab.open_dataset(str(path), format="webdataset")
+    with ab.Loader(dataset, batch_size=2, shuffle=True, drop_last=False) as loader:
+        for batch in loader:
+            check_batch(batch, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_a_truncated_shard_names_the_shard_and_key(local_shards: list[Path]) -> None:
+    path = local_shards[1]
+    with tarfile.open(path) as tar:
+        member = [m for m in tar.getmembers() if m.isreg()][40]
+    with open(path, "r+b") as f:
+        f.truncate(member.offset_data + max(1, member.size // 2))
+    with pytest.raises(
+        FormatError, match=r"shard-000001.tar: truncated: the member at bytes \[\d+, \d+\)"
+    ):
+        ab.open_dataset(str(path.parent))
+    with pytest.raises(FormatError, match=member.name.split(".")[0]):
+        ab.open_dataset(str(path.parent))
+
+
+def test_a_file_that_is_not_a_tar(tmp_path: Path) -> None:
+    path = tmp_path / "noise.tar"
+    path.write_bytes(np.random.default_rng(0).bytes(5000))
+    with pytest.raises(
+        FormatError,
+        match=r"noise.tar: bytes \[0, 512\).*bad tar header checksum \(not a tar file\)",
+    ):
+        ab.open_dataset(str(path))
+    corrupt = tmp_path / "c" / "corrupt.tar"
+    corrupt.parent.mkdir()
+    tar_of(corrupt, [("a.cls", b"1"), ("b.cls", b"2")])
+    data = bytearray(corrupt.read_bytes())
+    data[1024 + 10] ^= 0xFF  # the second member's header
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(
+        FormatError, match=r"bytes \[1024, 1536\) \(after sample key 'a.cls'\).*corrupt"
+    ):
+        ab.open_dataset(str(corrupt))
+
+
+def test_gzip_shards_are_refused_with_what_to_do(tmp_path: Path, local_shards: list[Path]) -> None:
+    for name in ("x.tar.gz", "x.tgz"):
+        with pytest.raises(ConfigError, match=r"gzip.*random\s+access.*uncompressed \.tar"):
+            ab.open_dataset(str(tmp_path / name))
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    (folder / "a.tar.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(ConfigError, match="a.tar.gz: a gzip-compressed tar"):
+        ab.open_dataset(str(folder))
+    with pytest.raises(ConfigError, match="gzip"):
+        ab.open_dataset([str(local_shards[0]), str(folder / "a.tar.gz")])
+
+
+def test_a_sidecar_that_disagrees_with_its_shard(tmp_path: Path) -> None:
+    samples = make_samples(40)
+    (path,) = write_shards(tmp_path / "one", samples, per_shard=100)
+    ab.index_webdataset(str(path))
+    # The same size (tar pads to 10 KiB records, a member to 512 bytes), another member size.
+    samples[7]["cls"] = b"77"
+    (again,) = write_shards(tmp_path / "two", samples, per_shard=100)
+    assert again.stat().st_size == path.stat().st_size
+    shutil.copy(again, path)
+    dataset = ab.open_dataset(str(path))
+    assert dataset.manifest.metadata["sidecars"] == 1
+    with (
+        ab.Loader(dataset, batch_size=8, shuffle=False) as loader,
+        pytest.raises(
+            FormatError,
+            match=r"shard-000000.tar: sample 'sample000007', field 'cls': bytes \[\d+, \d+\) are"
+            r" not the member's tar header the index says \(its size field",
+        ),
+    ):
+        list(loader)
+    # Another size: refused when the shard is first read (or at open, where a listing tells it).
+    more = make_samples(60)
+    (longer,) = write_shards(tmp_path / "three", more, per_shard=100)
+    shutil.copy(longer, path)
+    with (
+        ab.Loader(ab.open_dataset(str(path)), batch_size=8) as loader,
+        pytest.raises(FormatError, match=r"size mismatch: .*shard-000000.tar has \d+ bytes"),
+    ):
+        list(loader)
+    # A sidecar whose own bytes are damaged.
+    side = Path(sidecar_url(str(path)))
+    data = bytearray(side.read_bytes())
+    data[-3] ^= 1
+    side.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"shard-000000.tar.abidx: its checksum does not match"):
+        ab.open_dataset(str(path))
+    side.write_bytes(b"not an index at all")
+    with pytest.raises(FormatError, match="not an asyncbatch tar index"):
+        ab.open_dataset(str(path))
+
+
+def test_a_sidecar_of_another_size_is_refused_at_open_where_listed(
+    request: pytest.FixtureRequest, tmp_path: Path, local_shards: list[Path]
+) -> None:
+    url, options, shard_urls = shards_in("s3", request, tmp_path, local_shards[:1])
+    ab.index_webdataset(url, options)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.pipe(shard_urls[0], local_shards[1].read_bytes()[:-10240])  # another size
+    with pytest.raises(
+        FormatError, match=r"shard-000000.tar: \d+ bytes, but its index .* was made"
+    ):
+        ab.open_dataset(url, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# URLs and the command
+
+
+def test_brace_patterns_expand_as_braceexpand_does() -> None:
+    braceexpand = pytest.importorskip("braceexpand")
+    patterns = [
+        "s3://b/laion/{000000..000012}.tar",
+        "s3://b/{a,b}/{0..3}.tar",
+        "x/{9..11}.tar",
+        "x/{1..10..3}-{c..a}.tar",
+        "x/{a,{b,c}1}.tar",
+        "x/{lone}.tar",
+        "x/{001..3}.tar",
+        "plain.tar",
+    ]
+    for pattern in patterns:
+        assert expand_braces(pattern) == list(braceexpand.braceexpand(pattern)), pattern
+
+
+def test_open_a_glob_a_brace_pattern_and_a_list(local_shards: list[Path]) -> None:
+    folder = local_shards[0].parent
+    urls = [str(p) for p in local_shards]
+    for url in (
+        str(folder / "shard-*.tar"),
+        str(folder / "shard-{000000..000002}.tar"),
+        urls,
+    ):
+        dataset = ab.open_dataset(url)
+        assert dataset.shard_urls == urls and dataset.manifest.total_elements == SAMPLES
+    assert ab.open_dataset(str(folder), format="webdataset").shard_urls == urls
+
+
+def test_the_index_command(local_shards: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(local_shards[0].parent)
+    assert main(["index", "--no-progress", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"shards    {len(local_shards)}" in out and f"samples   {SAMPLES}" in out
+    assert all(Path(sidecar_url(str(p))).exists() for p in local_shards)
+    assert ab.open_dataset(folder).manifest.metadata["sidecars"] == len(local_shards)
+    assert main(["index", "--no-progress", folder + "/missing.tar"]) == 1
