@@ -159,6 +159,12 @@ def inspect(args: argparse.Namespace) -> int:
         for name, kind in manifest.metadata["types"].items():
             chosen = "" if name in manifest.metadata["columns"] else "  (not selected)"
             print(f"  {name}: {kind}{chosen}")
+    if manifest.format == "webdataset":  # tar shards: their index and fields
+        print(f"sidecar indexes: {manifest.metadata['sidecars']} of {len(manifest.shards)}")
+        print("fields:")
+        for name in manifest.metadata["fields"]:
+            chosen = "" if name in manifest.metadata["columns"] else "  (not selected)"
+            print(f"  {name}{chosen}")
     return 0
 
 

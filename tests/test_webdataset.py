@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import itertools
 import shutil
@@ -555,6 +556,19 @@ def test_long_and_non_ascii_names(tmp_path: Path, fmt: int) -> None:
             check_batch(batch, expected)
 
 
+def test_a_name_longer_than_a_scan_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_webdataset_index, "SCAN_CHUNK", 1024)
+    folder = "/".join(["f" * 200] * 15)  # a pax header's data of 3 KiB: more than a read
+    path = tmp_path / "deep.tar"
+    tar_of(path, [(f"{folder}/k{i}.{ext}", bytes([i]) * 700) for i in range(3) for ext in "ab"])
+    expected = reference([str(path)])
+    dataset = ab.open_dataset(str(path))
+    assert dataset.manifest.total_elements == 3
+    with ab.Loader(dataset, batch_size=2, shuffle=False, drop_last=False) as loader:
+        for batch in loader:
+            check_batch(batch, expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 
@@ -645,6 +659,12 @@ def test_a_sidecar_that_disagrees_with_its_shard(tmp_path: Path) -> None:
     side.write_bytes(b"not an index at all")
     with pytest.raises(FormatError, match="not an asyncbatch tar index"):
         ab.open_dataset(str(path))
+    # A sidecar whose digest holds but whose arrays do not fit the shard.
+    index = ShardIndex.parse(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], "x")
+    wrong = dataclasses.replace(index, ends=index.ends + path.stat().st_size)
+    side.write_bytes(wrong.pack())
+    with pytest.raises(FormatError, match=r"abidx: corrupt tar index \(a sample past the shard"):
+        ab.open_dataset(str(path))
 
 
 def test_a_sidecar_of_another_size_is_refused_at_open_where_listed(
@@ -702,4 +722,22 @@ def test_the_index_command(local_shards: list[Path], capsys: pytest.CaptureFixtu
     assert f"shards    {len(local_shards)}" in out and f"samples   {SAMPLES}" in out
     assert all(Path(sidecar_url(str(p))).exists() for p in local_shards)
     assert ab.open_dataset(folder).manifest.metadata["sidecars"] == len(local_shards)
+    assert main(["inspect", folder]) == 0
+    out = capsys.readouterr().out
+    assert "format    webdataset" in out and f"sidecar indexes: {len(local_shards)} of" in out
+    assert "  cls\n" in out and "  seg.png\n" in out
     assert main(["index", "--no-progress", folder + "/missing.tar"]) == 1
+    assert "missing.tar" in capsys.readouterr().err
+
+
+def test_a_mixture_of_two_webdatasets(tmp_path: Path) -> None:
+    one = write_shards(tmp_path / "one", make_samples(40, seed=3), per_shard=15)
+    two = write_shards(tmp_path / "two", make_samples(25, seed=4), per_shard=10)
+    expected = reference([str(p) for p in one]) + reference([str(p) for p in two])
+    blend = ab.mix([str(one[0].parent), str(two[0].parent)])
+    with ab.Loader(blend, batch_size=8, shuffle=True, drop_last=False) as loader:
+        ids = []
+        for batch in loader:
+            check_batch(batch, expected)
+            ids.extend(batch.global_indexes.tolist())
+    assert sorted(ids) == list(range(65))  # default weights: every sample of both once

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,32 +197,42 @@ class ShardIndex:
         return index
 
     def check(self, url: str) -> None:
-        """Every sample inside the shard, its members inside it, offsets in order."""
-        owner = np.repeat(np.arange(self.num_samples), self.members)
-        problems = [
-            (self.key_offsets.size != self.num_samples + 1, "key offsets"),
-            (bool((np.diff(self.key_offsets) < 0).any()), "key offsets out of order"),
+        """Every sample inside the shard, its members inside it, offsets in order; each
+        check runs only once those before it hold (they size its arrays)."""
+        checks: list[tuple[str, Callable[[], bool]]] = [
+            ("key offsets", lambda: self.key_offsets.size == self.num_samples + 1),
             (
-                self.key_offsets.size > 0 and int(self.key_offsets[-1]) != self.keys.size,
-                "key bytes",
-            ),
-            (bool((self.starts > self.ends).any()), "a sample ends before it starts"),
-            (bool((self.ends > self.size).any()), "a sample past the shard's end"),
-            (bool((self.starts[1:] < self.ends[:-1]).any()), "samples overlap"),
-            (int(self.members.sum()) != self.offsets.size, "member counts"),
-            (bool((self.members < 1).any()), "a sample without members"),
-            (bool((self.field >= len(self.fields)).any()), "a field number"),
-            (
-                bool(
-                    (self.offsets - BLOCK < self.starts[owner]).any()
-                    or (self.offsets + self.lengths > self.ends[owner]).any()
+                "key offsets out of order",
+                lambda: (
+                    int(self.key_offsets[0]) == 0
+                    and bool((np.diff(self.key_offsets) >= 0).all())
+                    and int(self.key_offsets[-1]) == self.keys.size
                 ),
-                "a member outside its sample",
             ),
+            (
+                "a negative offset or length",
+                lambda: all(
+                    bool((a >= 0).all()) for a in (self.starts, self.offsets, self.lengths)
+                ),
+            ),
+            ("a sample ends before it starts", lambda: bool((self.starts <= self.ends).all())),
+            ("a sample past the shard's end", lambda: bool((self.ends <= self.size).all())),
+            ("samples overlap", lambda: bool((self.starts[1:] >= self.ends[:-1]).all())),
+            ("member counts", lambda: int(self.members.sum()) == self.offsets.size),
+            ("a sample without members", lambda: bool((self.members >= 1).all())),
+            ("a field number", lambda: bool((self.field < len(self.fields)).all())),
+            ("a member outside its sample", self._members_inside),
         ]
-        for bad, what in problems:
-            if bad:
+        for what, holds in checks:
+            if not holds():
                 raise FormatError(f"{url}: corrupt tar index ({what}); write it again")
+
+    def _members_inside(self) -> bool:
+        owner = np.repeat(np.arange(self.num_samples), self.members)
+        return bool(
+            (self.offsets - BLOCK >= self.starts[owner]).all()
+            and (self.offsets + self.lengths <= self.ends[owner]).all()
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,17 +509,16 @@ async def scan_shard(store: Store, url: str, size: int) -> ShardIndex:
     :data:`SCAN_CHUNK` bytes one after another (a range starts at the next header needed, so
     the data of members larger than a chunk is skipped), parsed off the loop."""
     walk = TarWalk(url, size)
+    want = SCAN_CHUNK
     while not walk.done:
         start = walk.position
-        stop = min(size, start + SCAN_CHUNK)
+        stop = min(size, start + want)
         chunk = bytearray(stop - start)
         await store.read_ranges(url, starts=[start], ends=[stop], buffers=[memoryview(chunk)])
-        before = walk.position
         await asyncio.to_thread(walk.feed, chunk, start)
-        if not walk.done and walk.position == before:
-            # A long-name header's data larger than a chunk: never in practice (it is capped
-            # at MAX_NAME_DATA, less than a chunk).
-            raise FormatError(f"{url}: a header at byte {before} needs more than a chunk")
+        # No header whole in the chunk (a long name's data larger than it): a larger one. A
+        # header's data is at most MAX_NAME_DATA, so this ends.
+        want = SCAN_CHUNK if walk.position > start else 2 * want
     return await asyncio.to_thread(walk.index)
 
 
