@@ -493,7 +493,8 @@ class WebDatasetSamples(PlannedSource):
         per_shard = np.array(
             [s.elements for d in self.datasets for s in d.manifest.shards], dtype=np.int64
         )
-        self.sample_shard = np.repeat(np.arange(per_shard.size, dtype=np.int64), per_shard)
+        #: Samples before the end of each shard: a sample's shard by ``np.searchsorted``.
+        self.shard_ends = np.cumsum(per_shard)
         self.sizes = np.array([d.manifest.total_elements for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
         self.file_sizes = np.array(
@@ -539,12 +540,16 @@ class WebDatasetSamples(PlannedSource):
         self.schema = {KEY: _STRING, URL: _STRING}
         self.schema.update({name: _BYTES for name in self.columns})
 
+    def shard_of(self, ids: Int64Array) -> Int64Array:
+        """The shard (numbered through the datasets) of each sample of ``ids``."""
+        return np.searchsorted(self.shard_ends, ids, side="right").astype(np.int64)
+
     def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
         """One range per sample (or per selected member), merged across gaps the store says
         cost less than a request; each member's data copied to its field's place, field
         after field, then every member's header."""
         members = self.table[ids].T.ravel()  # field-major
-        base = self.file_map.starts[self.sample_shard[ids]]
+        base = self.file_map.starts[self.shard_of(ids)]
         member_base = np.tile(base, len(self.columns))
         data_at = member_base + self.offsets[members]
         lengths = self.lengths[members]
@@ -587,7 +592,7 @@ class WebDatasetSamples(PlannedSource):
         self._check_headers(headers, members, lengths, ids)
         fields: dict[str, Any] = {
             KEY: _gather(self.keys, self.key_offsets, ids),
-            URL: _gather(self.urls, self.url_offsets, self.sample_shard[ids]),
+            URL: _gather(self.urls, self.url_offsets, self.shard_of(ids)),
         }
         at = 0
         for j, name in enumerate(self.columns):
@@ -631,7 +636,7 @@ class WebDatasetSamples(PlannedSource):
         m = int(bad[0])
         sample = int(ids[m % ids.size])
         field = self.columns[m // ids.size]
-        shard = int(self.sample_shard[sample])
+        shard = int(self.shard_of(np.array([sample]))[0])
         start = int(self.offsets[members[m]]) - BLOCK
         key = self.keys[self.key_offsets[sample] : self.key_offsets[sample + 1]].tobytes()
         why = (
