@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -323,7 +324,7 @@ async def _open_shards(
         [shard_index(store, u, known.get(u), known.get(sidecar_url(u)), has.get(u)) for u in shards]
     )
     indexes: list[ShardIndex] = [index for index, _ in found]
-    return await asyncio.to_thread(
+    dataset = await asyncio.to_thread(
         webdataset_dataset,
         root,
         shards,
@@ -332,6 +333,12 @@ async def _open_shards(
         columns,
         sum(1 for _, sidecar in found if sidecar),
     )
+    # Where a listing told every shard's version (an S3 ETag), it identifies the bytes for
+    # resume states beside the indexes' digest, at no request of its own.
+    versions = tuple(known[u].version if u in known else None for u in shards)
+    if None in versions:
+        return dataset
+    return replace(dataset, versions=versions)
 
 
 def webdataset_dataset(
