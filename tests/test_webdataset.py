@@ -443,7 +443,7 @@ def test_block_shuffle_is_one_request_per_block(local_shards: list[Path]) -> Non
     assert stats.requests <= blocks + len(local_shards)  # a block across two shards: two
 
 
-def test_exact_shuffle_over_s3_is_one_request_per_sample(
+def test_requests_over_s3_exact_and_block_shuffles(
     request: pytest.FixtureRequest, tmp_path: Path, local_shards: list[Path]
 ) -> None:
     url, options, _ = shards_in("s3", request, tmp_path, local_shards)
@@ -452,7 +452,16 @@ def test_exact_shuffle_over_s3_is_one_request_per_sample(
     with ab.Loader(dataset, **args) as loader:
         assert sum(b.batch_size for b in loader) == SAMPLES
         stats = loader.statistics()
-    assert 0 < stats.requests <= SAMPLES
+    assert 0 < stats.requests <= SAMPLES  # one ranged GET per sample, or fewer
+    # Blocks of consecutive samples: one GET each (two where a block crosses a shard's end),
+    # at the store's own request cost.
+    block = 20
+    args = dict(batch_size=20, shuffle="block", block_size=block, window=2, drop_last=False)
+    with ab.Loader(dataset, **args) as loader:
+        assert sum(b.batch_size for b in loader) == SAMPLES
+        stats = loader.statistics()
+    assert stats.requests <= -(-SAMPLES // block) + len(local_shards)
+    assert stats.bytes_fetched <= sum(p.stat().st_size for p in local_shards)
 
 
 def test_columns_fetch_only_their_members(local_shards: list[Path]) -> None:

@@ -539,8 +539,7 @@ class WebDatasetSamples(PlannedSource):
         self.keys = np.concatenate([a[KEYS] for a in arrays])
         self.key_offsets = np.cumsum(np.append(0, key_lengths)).astype(np.int64)
         self.urls, self.url_offsets = _string_table(self.shard_urls)
-        self.field_lengths = self.lengths[self.table]
-        data = int(self.field_lengths.sum())
+        data = int(self.lengths[self.table].sum())
         self.sample_bytes = max(
             1, (data + int(self.keys.size)) // max(1, self.num_samples) + BLOCK * width
         )
