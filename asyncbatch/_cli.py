@@ -280,11 +280,15 @@ def prepare_command(args: argparse.Namespace) -> int:
 def index_command(args: argparse.Namespace) -> int:
     from .formats._webdataset_write import index_webdataset
 
-    bar = None if args.no_progress else Progress(0, "indexing", " shards")
+    bar: Progress | None = None
 
-    def progress(url: str, nbytes: int) -> None:
-        if bar is not None:
-            bar.update(1)
+    def progress(done: int, shards: int) -> None:
+        nonlocal bar
+        if args.no_progress:
+            return
+        if bar is None:  # the shards are found: their count is the total
+            bar = Progress(shards, "indexing", " shards")
+        bar.update(done - bar.done)
 
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
     try:

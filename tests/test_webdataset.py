@@ -768,6 +768,12 @@ def test_the_index_command(local_shards: list[Path], capsys: pytest.CaptureFixtu
     assert "  cls\n" in out and "  seg.png\n" in out
     assert main(["index", "--no-progress", folder + "/missing.tar"]) == 1
     assert "missing.tar" in capsys.readouterr().err
+    assert main(["index", str(local_shards[0]), str(local_shards[2])]) == 0  # a list
+    captured = capsys.readouterr()
+    assert "shards    2 " in captured.out and "indexing" in captured.err
+    seen: list[tuple[int, int]] = []
+    ab.index_webdataset(folder, progress=lambda done, shards: seen.append((done, shards)))
+    assert seen == [(n, len(local_shards)) for n in range(len(local_shards) + 1)]
 
 
 def test_a_mixture_of_two_webdatasets(tmp_path: Path) -> None:

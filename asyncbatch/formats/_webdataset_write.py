@@ -36,7 +36,7 @@ async def index_webdataset_async(
     url: str | Sequence[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> IndexReport:
     """:func:`index_webdataset` in the running event loop."""
     options = dict(storage_options or {})
@@ -44,7 +44,16 @@ async def index_webdataset_async(
     store = open_store(first, options)
     try:
         _, shards, known, _ = await find_shards(url, store)
-        done = await limited([_index_one(store, u, known.get(u), progress) for u in shards])
+        count = [0]
+
+        def one_done() -> None:
+            count[0] += 1
+            if progress is not None:
+                progress(count[0], len(shards))
+
+        if progress is not None:
+            progress(0, len(shards))
+        done = await limited([_index_one(store, u, known.get(u), one_done) for u in shards])
     finally:
         await store.close()
     return IndexReport(
@@ -60,14 +69,13 @@ async def _index_one(
     store: Store,
     url: str,
     info: ObjectInfo | None,
-    progress: Callable[[str, int], None] | None,
+    done: Callable[[], None],
 ) -> tuple[int, int, int]:
     size = info.size if info is not None else await store.size(url)
     index = await scan_shard(store, url, size)
     data = index.pack()
     await store.write(sidecar_url(url), data)
-    if progress is not None:
-        progress(url, size)
+    done()
     return index.num_samples, size, len(data)
 
 
@@ -75,14 +83,15 @@ def index_webdataset(
     url: str | Sequence[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> IndexReport:
     """Write the sidecar index of every WebDataset tar shard at ``url`` beside it.
 
     ``url`` is what :func:`~asyncbatch.open_dataset` takes for shards: a ``.tar``, a folder
     or prefix, a glob, a brace pattern (``s3://b/laion/{000000..000123}.tar``) or a list.
     Each shard is scanned once with large sequential reads, all shards at once (up to 16),
-    and ``<shard>.abidx`` written beside it; ``progress(shard_url, shard_bytes)`` is called
-    as each one is done. Opening the shards then reads the sidecars only.
+    and ``<shard>.abidx`` written beside it; ``progress(done, shards)`` is called once the
+    shards are found (``done`` 0) and as each one is written. Opening the shards then reads
+    the sidecars only.
     """
     return run_sync(index_webdataset_async(url, storage_options, progress=progress))
