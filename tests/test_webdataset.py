@@ -26,8 +26,8 @@ import asyncbatch as ab
 from asyncbatch._cli import main
 from asyncbatch._errors import ConfigError, FormatError, ResumeStateError
 from asyncbatch.formats import _webdataset_index
-from asyncbatch.formats._webdataset import expand_braces
 from asyncbatch.formats._webdataset_index import BLOCK, ShardIndex, scan_shard, sidecar_url
+from asyncbatch.formats._webdataset_shards import expand_braces
 from asyncbatch.stores import open_store
 from asyncbatch.stores._base import Store
 

@@ -2,7 +2,7 @@
 (``000000.tar`` → ``000000.tar.abidx``; the layout: :mod:`._webdataset_index`).
 
 Every shard is scanned (its headers, in large sequential ranges) and its sidecar written,
-:data:`~._webdataset.CONCURRENT_SHARDS` shards at once, on the store's own event loop: the
+:data:`~._webdataset_shards.CONCURRENT_SHARDS` shards at once, on the store's own event loop: the
 work is reading, and parsing the headers is small beside it. A sidecar already there is
 written again, from the shard as it is now.
 """
@@ -16,8 +16,8 @@ from typing import Any
 from .._portal import run_sync
 from ..stores import open_store
 from ..stores._base import ObjectInfo, Store
-from ._webdataset import find_shards, limited
 from ._webdataset_index import scan_shard, sidecar_url
+from ._webdataset_shards import find_shards, limited
 
 
 @dataclass(frozen=True, slots=True)
