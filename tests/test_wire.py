@@ -9,9 +9,11 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import RangeHTTPServer
 
 import asyncbatch as ab
 from asyncbatch.stores._wire import ConnectTimeout, Pool, WireError
@@ -720,3 +722,28 @@ async def test_a_chunked_answer_with_a_length_is_read_chunked_and_not_reused() -
             response.release()
         await wire.close()
     assert server.connections == 2
+
+
+def test_a_pin_that_cannot_be_sent_is_not_retried(
+    http_root: tuple[Path, RangeHTTPServer],
+) -> None:
+    # A version pinned from a server's answer (an ETag with a control character in it)
+    # cannot be sent as If-Match: the request never leaves, and sending it again cannot help.
+    from asyncbatch.stores import open_store
+
+    root, server = http_root
+    (root / "pinned.bin").write_bytes(bytes(range(100)))
+    url = f"{server.url}/pinned.bin"
+
+    async def read() -> None:
+        store = open_store(url, pins={url: '"a\x01b"'})
+        try:
+            await store.read_ranges(url, starts=[0], ends=[10], buffers=[bytearray(10)])
+        finally:
+            await store.close()
+
+    before = server.requests
+    with pytest.raises(ab.StoreError, match="request not sent: header 'If-Match'") as caught:
+        asyncio.run(read())
+    assert not isinstance(caught.value, ab.RetriesExhaustedError)
+    assert server.requests == before

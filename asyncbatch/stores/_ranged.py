@@ -42,6 +42,7 @@ from .._errors import (
 from .._redact import redact, stand_in
 from ._base import Buffer, ObjectInfo, Progress, ResumesRanges, Store, Versioned, check_length
 from ._retry import refused
+from ._wire import HeaderError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -151,12 +152,15 @@ def connection_error(
     """The typed error for a request that got no response from ``endpoint`` (host:port).
 
     A host name that does not resolve and a certificate that fails verification are
-    :class:`EndpointError`: no retry can fix them. A refused connection is retried briefly
+    :class:`EndpointError`: no retry can fix them, nor a header that cannot be sent (a
+    :class:`StoreError`, not retried). A refused connection is retried briefly
     (a server restarting); anything else (a reset, a broken pipe) under the full policy.
     ``tls_hint`` says how this store is given another CA bundle.
     """
     causes = list(_causes(exc))
     for cause in causes:
+        if isinstance(cause, HeaderError):  # never sent: sending it again cannot help
+            return fail(StoreError, f"request not sent: {cause}", url, start, end)
         if isinstance(cause, ssl.SSLCertVerificationError):
             # aiohttp's wrapper is one too, without the reason OpenSSL gave.
             reasons = [getattr(c, "verify_message", None) for c in causes]
