@@ -71,6 +71,21 @@ async def serving(
         yield server
 
 
+def answering(
+    raw: bytes,
+) -> Callable[[Server, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A handler that answers every request on a connection with ``raw``."""
+
+    async def answer(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while await server.head(reader):
+            writer.write(raw)
+            await writer.drain()
+
+    return answer
+
+
 def pool(server: Server) -> Pool:
     return Pool(server.url, keep=4, connect_timeout=5)
 
@@ -528,14 +543,8 @@ async def test_a_flood_of_interim_answers_is_a_wire_error() -> None:
 
 @run
 async def test_a_bare_lf_ends_a_header_line() -> None:
-    async def bare(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while await server.head(reader):
-            writer.write(b'HTTP/1.1 200 OK\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\n\nok')
-            await writer.drain()
-
-    async with serving(bare) as server:
+    answer = b'HTTP/1.1 200 OK\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\n\nok'
+    async with serving(answering(answer)) as server:
         wire = pool(server)
         for _ in range(2):
             async with asyncio.timeout(5):
@@ -549,14 +558,8 @@ async def test_a_bare_lf_ends_a_header_line() -> None:
 
 @run
 async def test_a_reflected_etag_cannot_add_a_header_to_the_next_request() -> None:
-    async def reflecting(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while await server.head(reader):
-            writer.write(b'HTTP/1.1 200 OK\r\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\r\n\r\nok')
-            await writer.drain()
-
-    async with serving(reflecting) as server:
+    answer = b'HTTP/1.1 200 OK\r\nETag: "a"\nX-Evil: 1\r\nContent-Length: 2\r\n\r\nok'
+    async with serving(answering(answer)) as server:
         wire = pool(server)
         response = await wire.request("GET", server.url + "/")
         etag = response.headers.get("etag")
@@ -645,14 +648,8 @@ def test_a_refused_header_value_is_never_quoted() -> None:
 async def test_malformed_framing_is_a_wire_error_and_never_pooled(
     framing: bytes, error: str
 ) -> None:
-    async def bad(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while await server.head(reader):
-            writer.write(b"HTTP/1.1 200 OK\r\n" + framing)
-            await writer.drain()
-
-    async with serving(bad) as server:
+    answer = b"HTTP/1.1 200 OK\r\n" + framing
+    async with serving(answering(answer)) as server:
         wire = pool(server)
         async with asyncio.timeout(10):
             with pytest.raises(WireError, match=error):
@@ -685,14 +682,8 @@ async def test_a_status_code_is_three_ascii_digits(code: bytes) -> None:
 
 @run
 async def test_repeated_equal_content_lengths_are_one() -> None:
-    async def twice(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while await server.head(reader):
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 02\r\n\r\nok")
-            await writer.drain()
-
-    async with serving(twice) as server:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 02\r\n\r\nok"
+    async with serving(answering(answer)) as server:
         wire = pool(server)
         for _ in range(2):
             response = await wire.request("GET", server.url + "/")
@@ -704,17 +695,11 @@ async def test_repeated_equal_content_lengths_are_one() -> None:
 
 @run
 async def test_a_chunked_answer_with_a_length_is_read_chunked_and_not_reused() -> None:
-    async def both(
-        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while await server.head(reader):
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"5\r\nhello\r\n0\r\n\r\n"
-            )
-            await writer.drain()
-
-    async with serving(both) as server:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n"
+    )
+    async with serving(answering(answer)) as server:
         wire = pool(server)
         for _ in range(2):
             response = await wire.request("GET", server.url + "/")
