@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from socketserver import BaseServer
 from typing import Any
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
@@ -126,6 +127,20 @@ class RangeHTTPServer(ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
+def running(server: BaseServer, name: str = "test-server") -> Iterator[None]:
+    """``server`` served on a thread of its own until the block ends, then shut down and
+    closed, its thread joined."""
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextlib.contextmanager
 def http_server(root: Path, tls: tuple[Path, Path] | None = None) -> Iterator[RangeHTTPServer]:
     """The Range server on a free port; over TLS with ``tls`` = (certificate, key) PEM files
     (its ``url`` then still says http)."""
@@ -135,14 +150,8 @@ def http_server(root: Path, tls: tuple[Path, Path] | None = None) -> Iterator[Ra
         context.load_cert_chain(*tls)
         # Handshakes run in accept(); one the client aborts is an OSError the server skips.
         server.socket = context.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, name="test-http-server", daemon=True)
-    thread.start()
-    try:
+    with running(server, "test-http-server"):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:

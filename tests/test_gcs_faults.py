@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import BUCKET, expected_windows, gcs_options
 from faults import OK, Fault, FaultServer, fault_server
-from servers import free_port, gcs_put
+from servers import free_port, gcs_put, running
 
 import asyncbatch as ab
 from asyncbatch._errors import (
@@ -400,7 +400,6 @@ def test_an_object_replaced_mid_epoch_stays_refused(gcs_endpoint: str) -> None:
 
 def test_a_listing_item_without_its_size_is_a_store_error_naming_the_url() -> None:
     import json
-    import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Listing(BaseHTTPRequestHandler):
@@ -416,8 +415,7 @@ def test_a_listing_item_without_its_size_is_a_store_error_naming_the_url() -> No
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Listing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with running(server, "test-listing-server"):
         url = "gs://bucket/data"
         options = gcs_options(f"http://127.0.0.1:{server.server_port}")
 
@@ -431,6 +429,3 @@ def test_a_listing_item_without_its_size_is_a_store_error_naming_the_url() -> No
         with pytest.raises(ab.StoreError, match="unreadable listing item .*a.parquet") as e:
             asyncio.run(main())
         assert e.value.url == url
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import BUCKET, gcs_options
 from faults import FaultServer, fault_server
-from servers import free_port
+from servers import free_port, running
 
 import asyncbatch as ab
 from asyncbatch.stores import open_store
@@ -234,14 +234,8 @@ class TokenServer(ThreadingHTTPServer):
 @pytest.fixture
 def token_server() -> Iterator[TokenServer]:
     server = TokenServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with running(server, "test-token-server"):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @functools.cache
@@ -422,8 +416,6 @@ def test_the_metadata_server_gives_credentials(
 ) -> None:
     # google-auth reads where the metadata server is when it is imported: a new process.
     server = MetadataServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     script = tmp_path / "child.py"
     script.write_text(METADATA_CHILD)
     host = f"127.0.0.1:{server.server_address[1]}"
@@ -438,7 +430,7 @@ def test_the_metadata_server_gives_credentials(
         CLOUDSDK_CONFIG=str(tmp_path / "no-gcloud"),
         PYTHONPATH=os.pathsep.join(sys.path),
     )
-    try:
+    with running(server, "test-metadata-server"):
         done = subprocess.run(
             [sys.executable, str(script), dataset_url, proxy.url],
             env=env,
@@ -447,10 +439,6 @@ def test_the_metadata_server_gives_credentials(
             timeout=100,
             check=False,
         )
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [str(TOKENS.size)] * 2
     assert authorization(proxy) == {"Bearer metadata-token"}

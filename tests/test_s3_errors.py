@@ -6,13 +6,13 @@ cause at most, not the chain of every layer it crossed."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from conftest import s3_options
+from servers import running
 
 import asyncbatch as ab
 from asyncbatch.stores import open_store
@@ -73,14 +73,8 @@ class _Refuse(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def token_server() -> Iterator[TokenServer]:
     server = TokenServer()
-    thread = threading.Thread(target=server.serve_forever, name="test-token-server", daemon=True)
-    thread.start()
-    try:
+    with running(server, "test-token-server"):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
 
 
 @pytest.fixture
