@@ -19,18 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class FieldSchema:
-    """What every sample's value of one field looks like."""
-
-    dtype: str
-    #: Shape of one sample's value; ``-1`` marks a variable-length axis.
-    shape: tuple[int, ...]
-    #: Values of all samples in one buffer plus offsets, rather than one dense array.
-    nested: bool = False
-    #: False for values that are not numbers (strings, JSON objects).
-    tensor: bool = True
+from ._schema import FieldSchema as FieldSchema
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -631,6 +631,34 @@ def test_default_workers_are_the_cpus_this_process_may_use() -> None:
     assert engines.default_workers() == len(allowed)
 
 
+def test_a_worker_imports_no_torch(tmp_path: Path, texts: list[str]) -> None:
+    # torch costs a spawned worker ~2 s of CPU at start, and a worker builds no batch: its
+    # tokenizer refuses to run where torch was imported.
+    path = write_jsonl(tmp_path / "a.jsonl", texts)
+    command = [
+        sys.executable,
+        "-m",
+        "asyncbatch._cli",
+        "prepare",
+        str(path),
+        "--output",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        "prepare_child:torch_free_tokenizer",
+        "--eos",
+        "0",
+        "--vocab-size",
+        "1000",
+        "--workers",
+        "2",
+        "--unit-size",
+        str(path.stat().st_size // 4 + 1),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_ctrl_c_stops_the_command_and_the_same_command_resumes(
     tmp_path: Path, texts: list[str]
 ) -> None:

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from .._batch import FieldSchema
 from .._dataset import natural_key as natural_key
 from .._layout import ReadPlan, WindowPlan
+from .._schema import FieldSchema
 
 if TYPE_CHECKING:
     from .._dataset import Dataset
