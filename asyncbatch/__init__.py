@@ -86,6 +86,8 @@ if _typing.TYPE_CHECKING:
     from .formats._webdataset_write import IndexReport as IndexReport
     from .formats._webdataset_write import index_webdataset as index_webdataset
     from .formats._webdataset_write import index_webdataset_async as index_webdataset_async
+    from .formats._webdataset_write import write_webdataset as write_webdataset
+    from .formats._webdataset_write import write_webdataset_async as write_webdataset_async
     from .stores import register_store as register_store
     from .stores._disk_cache import DiskCache as DiskCache
     from .stores._retry import RetryPolicy as RetryPolicy
@@ -109,6 +111,8 @@ _LAZY: dict[str, str] = {
     "IndexReport": "formats._webdataset_write",
     "index_webdataset": "formats._webdataset_write",
     "index_webdataset_async": "formats._webdataset_write",
+    "write_webdataset": "formats._webdataset_write",
+    "write_webdataset_async": "formats._webdataset_write",
     "LoaderStatistics": "_handoff",
     "QueueStatistics": "_handoff",
     "AsyncLoader": "_loader",
@@ -194,4 +198,6 @@ __all__ = [
     "write_metadata_stream_async",
     "write_tokens",
     "write_tokens_async",
+    "write_webdataset",
+    "write_webdataset_async",
 ]
