@@ -6,12 +6,13 @@ no scan); the same samples make the same bytes; shards cut at ``shard_size`` and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import itertools
 import json
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,26 @@ def test_bad_arguments(tmp_path: Path, args: dict[str, Any], message: str) -> No
         ab.write_webdataset(str(tmp_path / "x"), make_samples(2), **args)
     with pytest.raises(ConfigError, match="no samples given"):
         ab.write_webdataset(str(tmp_path / "y"), [])
+
+
+def test_errors_of_the_store_and_of_the_samples_come_through(tmp_path: Path) -> None:
+    def samples(fail: bool) -> Iterator[dict[str, Any]]:
+        for i in range(10):
+            if fail and i == 5:
+                raise RuntimeError("the samples' own error")
+            yield {"__key__": f"k{i}", "bin": b"x" * 100}
+
+    (tmp_path / "file").touch()  # a file where the folder should be: every write fails
+    with pytest.raises(ab.StoreError, match="shard-000000.tar"):
+        ab.write_webdataset(str(tmp_path / "file" / "ds"), samples(False), max_count=2)
+    with pytest.raises(RuntimeError, match="the samples' own error"):
+        ab.write_webdataset(str(tmp_path / "x"), samples(True), max_count=2)
+    # The async form, several shards written at once.
+    folder = str(tmp_path / "async")
+    dataset = asyncio.run(
+        ab.write_webdataset_async(folder, samples(False), max_count=3, max_concurrency=2)
+    )
+    assert [s.elements for s in dataset.manifest.shards] == [3, 3, 3, 1]
+    assert [s["__key__"] for s in reference(shards(tmp_path / "async"))] == [
+        f"k{i}" for i in range(10)
+    ]
