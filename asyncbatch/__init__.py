@@ -32,6 +32,7 @@ from ._errors import CacheWarning as CacheWarning
 from ._errors import ChecksumError as ChecksumError
 from ._errors import ConfigError as ConfigError
 from ._errors import CredentialsError as CredentialsError
+from ._errors import DecodeError as DecodeError
 from ._errors import EndpointError as EndpointError
 from ._errors import FormatError as FormatError
 from ._errors import LoaderClosedError as LoaderClosedError
@@ -149,6 +150,7 @@ __all__ = [
     "ConfigError",
     "CredentialsError",
     "Dataset",
+    "DecodeError",
     "DiskCache",
     "EndpointError",
     "FieldSchema",

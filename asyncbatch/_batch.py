@@ -229,6 +229,9 @@ class Batch(MutableMapping[str, Any]):
                 spec["strings"] = "binary" if value.binary else "utf8"
                 spec["values"] = _add_buffer(value.data, buffers)
                 spec["offsets"] = _add_buffer(value.offsets, buffers)
+            elif isinstance(value, list):  # decode=: values of several shapes, one per sample
+                spec["list"] = True
+                buffers.append(memoryview(pickle.dumps(value, protocol=5)))
             else:
                 spec["values"] = _add_buffer(value, buffers)
             header["fields"].append(spec)
@@ -242,6 +245,10 @@ class Batch(MutableMapping[str, Any]):
         schema: dict[str, FieldSchema] = {}
         rest = iter(buffers[1:])
         for spec in header["fields"]:
+            if spec.get("list"):
+                fields[spec["name"]] = pickle.loads(next(rest))
+                schema[spec["name"]] = spec["schema"]
+                continue
             value = _from_buffer(spec["values"], next(rest))
             if spec.get("jagged"):
                 value = Jagged(value, _from_buffer(spec["offsets"], next(rest)))
@@ -269,6 +276,8 @@ def _move(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return move(value)
     if isinstance(value, Jagged):
         return value._map(move)
+    if isinstance(value, list):  # decode=: a field of tensors of several shapes
+        return [move(v) if isinstance(v, torch.Tensor) else v for v in value]
     return value
 
 

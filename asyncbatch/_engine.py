@@ -6,6 +6,8 @@ for each group it reserves queue slots (bounding memory), computes the sample id
 reads in one vectorised call, reads everything concurrently straight into one buffer,
 decodes the fields once, and delivers the group's batches (views of that buffer) in order.
 The first groups are small, so the first batch waits only for its own reads.
+With ``decode=``, each group's samples are decoded, transformed and collated into its
+batches on the decode pool (see :mod:`asyncbatch._decode`) before that.
 A ``transform`` runs on a thread of its own, group after group in batch order, between a
 group's reads and its delivery (see :mod:`asyncbatch._transform`).
 Requests in flight are bounded by the store. Any error ends the run with a
@@ -35,6 +37,7 @@ import torch
 
 from ._batch import Batch, Jagged
 from ._buffers import BufferPool
+from ._decode import Decoding, decode_group
 from ._handoff import BatchQueue, Final
 from ._layout import ReadPlan, WindowPlan
 from ._resources import Resources, StoreStack, to_the_end
@@ -102,6 +105,7 @@ class Engine:
         unit: int = 1,
         transform: Transform | None = None,
         keep_bytes: int = 0,
+        decoding: Decoding | None = None,
     ) -> None:
         self.source = source
         #: The source, when it is a :class:`PlannedSource` with its own ``fetch`` (one read,
@@ -114,6 +118,8 @@ class Engine:
         )
         #: Applied to every batch before it is queued (None: delivered as decoded).
         self.transform = transform
+        #: ``decode=``: the samples' fields decoded on the decode pool (None: as read).
+        self.decoding = decoding
         #: The layers of the stores its runs read through (retries, read counts, the cache,
         #: the checks of each shard), assembled by the loader; kept across runs.
         self.stack = stack
@@ -160,7 +166,7 @@ class Engine:
             urls = self.source.shard_urls
             reader = Reader(opened.stores, urls, opened.shard_store, self.buffers)
             gap = opened.gap if self.coalesce_gap is None else self.coalesce_gap
-            decoder, transformer = opened.decoder, opened.transformer
+            decoder, transformer, samples = opened.decoder, opened.transformer, opened.samples
             previous: asyncio.Task[bool] | None = None
             per_epoch = self.order.batches_per_epoch
             done = 0  # batches of the run (all workers) in the epochs before this one
@@ -177,6 +183,7 @@ class Engine:
                             reader,
                             decoder,
                             transformer,
+                            samples,
                             gap,
                             epoch,
                             history,
@@ -239,6 +246,7 @@ class Engine:
                 # A dtype conversion touches every byte: it runs off the loop.
                 decodes=not isinstance(self.source, Converts) or self.source.converts,
                 transforms=self.transform is not None,
+                sample_threads=0 if self.decoding is None else self.decoding.threads,
             )
         return opened
 
@@ -306,6 +314,7 @@ class Engine:
         reader: Reader,
         decoder: ThreadPoolExecutor | None,
         transformer: ThreadPoolExecutor | None,
+        samples: ThreadPoolExecutor | None,
         gap: int,
         epoch: int,
         history: History,
@@ -321,7 +330,7 @@ class Engine:
         try:
             try:
                 group, stored, sizes = await self._read_group(
-                    reader, decoder, gap, epoch, history, batches, held
+                    reader, decoder, gap, epoch, history, batches, held, samples
                 )
                 items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
@@ -357,10 +366,11 @@ class Engine:
         history: History,
         batches: range,
         held: GroupBytes,
+        samples: ThreadPoolExecutor | None = None,
     ) -> tuple[list[Batch], list[int], list[int] | None]:
         """The group's batches, the bytes each holds in the store (its share of the group's
         planned bytes) and, where known, its own bytes; counts the bytes it holds in
-        ``held``."""
+        ``held``. With ``decode=``, its samples decoded on ``samples`` (the decode pool)."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
         if order.batch_length(batches[-1]) == order.batch_size:  # only the last may be short
@@ -389,6 +399,16 @@ class Engine:
                 fields = simple.decode(buffer, ids)
         else:
             fields = await run_fetch(source.fetch(ids, gap), read, offload)
+        cuts = list(itertools.accumulate(lengths, initial=0))
+        # Each batch's share of the stored bytes, by its samples (exact for equal samples).
+        shares = [held.planned * cut // max(1, cuts[-1]) for cut in cuts]
+        stored = [b - a for a, b in itertools.pairwise(shares)]
+        if self.decoding is not None:
+            assert samples is not None
+            group, decoded = await decode_group(
+                self.decoding, samples, fields, ids, lengths, batches, epoch
+            )
+            return group, stored, decoded
         schema = source.schema
         names = list(fields)
         columns: list[Sequence[Any]] = []
@@ -400,7 +420,6 @@ class Engine:
                 sizes = [a + b for a, b in zip(sizes, nbytes, strict=True)]
             else:
                 sizes = None
-        cuts = list(itertools.accumulate(lengths, initial=0))
         if len(names) == 1:  # the common case: no zip per batch
             fields_of = [{names[0]: part} for part in columns[0]]
         else:
@@ -411,9 +430,7 @@ class Engine:
             Batch(ids[a:b], fields, schema, {"epoch": epoch, "batch": n})
             for n, a, b, fields in zip(batches, cuts[:-1], cuts[1:], fields_of, strict=True)
         ]
-        # Each batch's share of the stored bytes, by its samples (exact for equal samples).
-        shares = [held.planned * cut // max(1, cuts[-1]) for cut in cuts]
-        return group, [b - a for a, b in itertools.pairwise(shares)], sizes
+        return group, stored, sizes
 
 
 def split_sized(value: Any, lengths: Sequence[int]) -> tuple[Sequence[Any], list[int] | None]:

@@ -27,6 +27,7 @@ whole (torch alone would rebuild it from its type and message)::
     │   └── UnknownSchemeError             no store registered for a URL scheme
     ├── FormatError(ValueError)            bytes that do not decode as the format says
     │   ├── ManifestError                  a manifest missing, malformed or disagreeing with data
+    │   ├── DecodeError                    decode=: a sample's field that does not decode
     │   └── RecordError                    prepare: an input record that cannot be used
     ├── LoaderClosedError(RuntimeError)    the loader was used after close()
     └── TransformError                     the loader's transform= raised; chains it
@@ -141,6 +142,26 @@ class FormatError(AsyncBatchError, ValueError):
 
 class ManifestError(FormatError):
     """A manifest is missing, malformed, or disagrees with the data it describes."""
+
+
+class DecodeError(FormatError):
+    """A sample's field does not decode (``decode=``): ``url`` is its shard, ``key`` the
+    sample's ``__key__`` (an int: its global index, where the samples have no key),
+    ``field`` the field's name; the decoder's exception is the ``__cause__``."""
+
+    def __init__(self, message: str, url: str = "", key: str | int = "", field: str = ""):
+        super().__init__(message)
+        self.url = redact(url)
+        self.key = key
+        self.field = field
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Raised in DataLoader workers: every attribute must survive pickling.
+        return (
+            type(self),
+            (self.args[0] if self.args else "", self.url, self.key, self.field),
+            self.__dict__,
+        )
 
 
 class RecordError(FormatError):

@@ -52,6 +52,8 @@ class LoaderStatistics(QueueStatistics):
     #: Blocks served by, or fetched into, the node-local cache (0 without ``cache=``).
     cache_hits: int = 0
     cache_misses: int = 0
+    #: Samples ``decode=`` left out of their batches (``on_error="skip"``), read ahead too.
+    skipped_samples: int = 0
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ from . import _lifecycle as lifecycle
 from ._batch import Batch
 from ._checks import shard_checks
 from ._dataset import Dataset
+from ._decode import Decoding
 from ._defaults import PREFETCH_BYTES
 from ._device import READY, ToDevice, ready
 from ._engine import GROUPS_IN_QUEUE, LOCAL_GROUPS_IN_QUEUE, Engine, group_size
@@ -349,6 +350,16 @@ class _LoaderBase:
             ),
             # The memory of batches gone is kept for later groups up to the prefetch bound.
             keep_bytes=self.prefetch * batch_bytes,
+            decoding=None
+            if config.decode is None
+            else Decoding(
+                config.decode,
+                source.schema,
+                sample_transform=config.sample_transform,
+                on_error=config.on_error,
+                threads=config.decode_threads,
+                shard_urls=source.shard_urls,
+            ),
         )
         return self._engine
 
@@ -480,7 +491,12 @@ class _LoaderBase:
             bytes_delivered=delivered.bytes,
             cache_hits=counts.cache_hits,
             cache_misses=counts.cache_misses,
+            skipped_samples=self._skipped_samples(),
         )
+
+    def _skipped_samples(self) -> int:
+        decoding = self._engine.decoding if self._engine is not None else None
+        return decoding.skipped if decoding is not None else 0
 
     def _new_queue(self, loop: asyncio.AbstractEventLoop) -> BatchQueue:
         """The prefetch queue of a new run."""
@@ -671,6 +687,19 @@ class Loader(_LoaderBase):
         device: ``"cuda"`` (or ``"cuda:1"``, ...): each batch copied to the device from its
             own memory on a side CUDA stream on the transform thread, ahead of the consumer,
             whose stream waits for the copy when it takes the batch; ``None``: the CPU.
+        decode: Decode binary fields (WebDataset members, Parquet or Arrow binary columns)
+            on a pool of threads: ``"image"`` every field whose name's last extension is an
+            image type, to uint8 ``[3, H, W]`` RGB tensors (Pillow:
+            ``pip install 'asyncbatch[images]'``); or a dict of field names (or last
+            extensions) to ``"image"`` or a callable of the bytes (``int``, ``float`` and
+            ``str`` read them as UTF-8 text). Fields of equal shapes are stacked, others
+            come as lists (docs/format.md).
+        sample_transform: With ``decode=``, called on each sample's decoded fields (a dict)
+            on the decode pool, returning a dict of fields; ``transform=`` still gets the
+            whole batch after.
+        on_error: With ``decode=``: ``"raise"`` a DecodeError naming shard, sample and field;
+            ``"skip"`` the sample (its batch is shorter; counted in ``statistics()``).
+        decode_threads: Threads of the decode pool; ``None``: the cores the process may use.
     """
 
     @takes_options

@@ -29,6 +29,14 @@ import numpy.typing as npt
 import torch
 
 from ._checks import DEFAULT_VERIFY, Verify, check_level
+from ._decode import (
+    Decode,
+    OnError,
+    SampleTransform,
+    check_decode,
+    check_on_error,
+    check_sample_transform,
+)
 from ._defaults import MAX_INFLIGHT
 from ._device import device_of
 from ._errors import ConfigError
@@ -68,6 +76,10 @@ class LoaderOptions(TypedDict, total=False):
     cache: DiskCache | str | os.PathLike[str] | None
     transform: Transform | None
     device: torch.device | str | None
+    decode: Decode | None
+    sample_transform: SampleTransform | None
+    on_error: OnError
+    decode_threads: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +119,10 @@ class LoaderConfig:
     cache: DiskCache | str | os.PathLike[str] | None = None
     transform: Transform | None = None
     device: torch.device | str | None = None
+    decode: Decode | None = None
+    sample_transform: SampleTransform | None = None
+    on_error: OnError = "raise"
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
         positive("batch_size", self.batch_size)
@@ -131,6 +147,19 @@ class LoaderConfig:
         if self.block_size is not None:
             positive("block_size", self.block_size)
         window = None if self.window is None else positive("window", self.window)
+        decode = check_decode(self.decode)
+        on_error = check_on_error(self.on_error)
+        sample_transform = check_sample_transform(self.sample_transform)
+        if self.decode_threads is not None:
+            positive("decode_threads", self.decode_threads)
+        if decode is None:
+            for name, unset in (
+                ("sample_transform", None),
+                ("on_error", "raise"),
+                ("decode_threads", None),
+            ):
+                if getattr(self, name) != unset:
+                    raise ConfigError(f"{name} applies to decode=, which is not given")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise ConfigError(f"retry must be an asyncbatch.RetryPolicy, got {self.retry!r}")
         normalised = {
@@ -145,6 +174,9 @@ class LoaderConfig:
             "cache": DiskCache.of(self.cache),
             "transform": check_transform(self.transform),
             "device": device_of(self.device),
+            "decode": decode,
+            "sample_transform": sample_transform,
+            "on_error": on_error,
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)  # frozen: set once, here

@@ -1,7 +1,8 @@
 """What an engine's runs read through, opened once per event loop and kept across runs.
 
 The first run of an engine in a loop opens one store per scheme and options of its datasets
-(a mixture may read several) and the threads that decode and transform; the next runs in that
+(a mixture may read several) and the threads that decode and transform (and, with
+``decode=``, the pool that decodes samples: :mod:`asyncbatch._decode`); the next runs in that
 loop (epochs, ``for`` loops, resumes) read through the same ones, so a new epoch opens no
 store and starts no thread. The stores are bound to the loop (a client session is): a task
 of that loop holds them, and closes them (and the threads) when it is cancelled, by the
@@ -75,6 +76,7 @@ class Resources:
         stack: StoreStack,
         decodes: bool,
         transforms: bool,
+        sample_threads: int = 0,
     ) -> None:
         self.loop = loop
         #: One store per scheme and options (a mixture may read several).
@@ -116,6 +118,12 @@ class Resources:
         self.transformer = (
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-transform") if transforms else None
         )
+        #: ``decode=``: the pool that decodes, transforms and collates samples (None without).
+        self.samples = (
+            ThreadPoolExecutor(sample_threads, thread_name_prefix="asyncbatch-samples")
+            if sample_threads
+            else None
+        )
         #: The runs reading through these (each removed as it ends).
         self.runs: set[asyncio.Task[Any]] = set()
         #: The first error a store's close raised, for :meth:`aclose` to raise.
@@ -150,7 +158,7 @@ class Resources:
                 self.error = self.error or exc
         # Both wait for a call under way (a transform cannot be interrupted): no thread is
         # left running once the stores are closed.
-        for pool in (self.decoder, self.transformer):
+        for pool in (self.decoder, self.samples, self.transformer):
             if pool is not None:
                 pool.shutdown(wait=True)
 
