@@ -22,7 +22,9 @@ buffers; and the schema, serialized. A sample is a row, found by ``np.searchsort
 cumulative row counts.
 
 Reading a group of batches fetches, of each record batch it touches, the byte range of each
-selected column in the body (a column's buffers are contiguous, depth first). Under an exact
+field in the body (a column's buffers are contiguous, depth first; a struct column's fields
+are its leaves, :mod:`~asyncbatch.formats._arrow_fields`, each read as its own buffers and
+the validity of the structs above it). Under an exact
 shuffle (``scattered``), and in any group that uses under 1 in :data:`SPARSE` of the rows of
 the record batches it touches, rows of uncompressed record batches without nulls in the
 selected columns are read one by one instead (:mod:`~asyncbatch.formats._arrow_rows`): the
@@ -54,6 +56,7 @@ from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import _arrow_ipc as ipc
+from ._arrow_fields import Field, StoredByPath, field_array, fields_of
 from ._arrow_rows import Column, RowPicker, gathered
 from ._base import Fetch, OffLoop, Opener, Read
 from ._npy import gather_limited, may_list, read_range
@@ -62,10 +65,11 @@ from ._parquet import (
     PackedParquet,
     RowGroups,
     _field_schema,
-    _to_field,
     common_root,
     parquet_files,
+    path_error,
     pyarrow_modules,
+    to_fields,
 )
 
 Int64Array = npt.NDArray[np.int64]
@@ -482,10 +486,9 @@ async def _open_files(
                 f" {urls[0]}: {other} against {schema}"
             )
     columns = list(options.get("columns") or schema.names)
-    missing = [name for name in columns if name not in schema.names]
-    if missing or not columns or len(set(columns)) != len(columns):
+    if not columns or len(set(columns)) != len(columns):
         raise ConfigError(f"options columns={columns!r}: the files hold {schema.names}")
-    for name in columns:
+    for name in dict.fromkeys(f.column for f in fields_of(schema, columns, pa)):
         if pa.types.is_dictionary(schema.field(name).type):
             raise FormatError(
                 f"{urls[0]}: column {name!r} is dictionary-encoded (schema at byte"
@@ -571,27 +574,31 @@ class ArrowRows:
     #: Decoding runs in the engine's decode thread (pyarrow drops the GIL).
     converts = True
 
-    def __init__(self, datasets: Sequence[Dataset], columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        columns: Sequence[str] | None = None,
+        nulls: str | None = None,
+    ) -> None:
         pa, _ = pyarrow_modules()
         self.datasets: Sequence[Dataset] = list(datasets)
         first = self.datasets[0].manifest.metadata
-        self.columns: list[str] = list(columns or first["columns"])
         self.types: dict[str, str] = dict(first["types"])
         for one in self.datasets[1:]:
             if one.manifest.metadata["types"] != self.types:
                 raise ConfigError(f"{one.url} has other columns than {self.datasets[0].url}")
-        self.nulls = first["nulls"]
+        self.nulls = nulls or first["nulls"]
         arrow_schema = pa.ipc.read_schema(pa.py_buffer(self.datasets[0].arrays[SCHEMA]))
         layout = dict(zip(arrow_schema.names, column_layout(arrow_schema, ""), strict=True))
+        fields = fields_of(arrow_schema, list(columns or first["columns"]), pa)
+        #: The batch fields' names, in the order selected.
+        self.columns: list[str] = [f.name for f in fields]
         self.selected: Sequence[Column] = [
-            Column(
-                name,
-                arrow_schema.field(name).type,
-                (layout[name][0], layout[name][1]),
-                (layout[name][2], layout[name][3]),
-            )
-            for name in self.columns
+            leaf_column(f, arrow_schema.field(f.column).type, layout[f.column], pa) for f in fields
         ]
+        self.fields = fields
+        #: The source of a media field's paths, made when a row without bytes needs them.
+        self.path_sources: dict[str, ArrowRows] = {}
         self.schema: dict[str, FieldSchema] = {
             c.name: _field_schema(c.name, c.kind, pa) for c in self.selected
         }
@@ -631,7 +638,7 @@ class ArrowRows:
         #: ``[record batch, column, (start, end)]``: each selected column's bytes in the body.
         regions = np.zeros((self.rows.size, len(self.selected), 2), dtype=np.int64)
         for c, column in enumerate(self.selected):
-            own = self.buffers[:, column.buffers[0] : column.buffers[1]]
+            own = self.buffers[:, column.buffer_ids]
             if own.shape[1]:
                 used = own[..., 1] > 0
                 starts = np.where(used, own[..., 0], np.iinfo(np.int64).max).min(axis=1)
@@ -692,8 +699,9 @@ class ArrowRows:
             at, sizes = self.picker.second(picks, picked)
             second = (yield Read(self.file_map.plan(at, sizes, gap))) if at.size else empty
 
-        def decode() -> dict[str, Any]:
+        def decode() -> dict[str, Any] | StoredByPath:
             pa, _ = pyarrow_modules()
+            fill = self.nulls == "fill"
             if picks is not None and not needed.size:  # every row read by row
                 assert second is not None
                 return self.picker.fields(picks, buffer, second)
@@ -701,14 +709,16 @@ class ArrowRows:
             if picks is None:  # whole record batches only: rows copied out where they can be
                 rows_of = np.searchsorted(needed, batches)
                 fields = self.gather_rows(buffer, needed, spans, rows_of, in_batch)
-                rest = [name for name in self.columns if name not in fields]
+                rest = [f for f in self.fields if f.name not in fields]
                 if rest:
-                    arrays = self.decode_arrays(buffer, needed, spans, rest)
+                    arrays = self.decode_arrays(buffer, needed, spans, [f.name for f in rest])
                     base = np.cumsum(self.rows[needed]) - self.rows[needed]
                     rows = pa.array(base[rows_of] + in_batch)
-                    fill = self.nulls == "fill"
-                    for name in rest:
-                        fields[name] = _to_field(arrays[name].take(rows), fill, pa)
+                    taken = {name: array.take(rows) for name, array in arrays.items()}
+                    more = to_fields(taken, rest, ids, fill, pa)
+                    if isinstance(more, StoredByPath):
+                        return more
+                    fields.update(more)
                 return {name: fields[name] for name in self.columns}
             if needed.size:
                 arrays = self.decode_arrays(buffer[:whole_bytes], needed, spans)
@@ -717,7 +727,11 @@ class ArrowRows:
                 parts.append({name: arrays[name].take(rows) for name in self.columns})
             if picks is not None:
                 assert second is not None
-                parts.append(self.picker.decode(picks, buffer[whole_bytes:], second))
+                picked = self.picker.decode(picks, buffer[whole_bytes:], second)
+                for f in self.fields:  # a media field's bytes (no nulls) as its struct
+                    if f.media:
+                        picked[f.name] = pa.StructArray.from_arrays([picked[f.name]], ["bytes"])
+                parts.append(picked)
             if len(parts) == 1:
                 columns = parts[0]
             else:  # rows of both kinds: back in the order asked for
@@ -726,10 +740,11 @@ class ArrowRows:
                     name: pa.concat_arrays([parts[0][name], parts[1][name]]).take(order)
                     for name in self.columns
                 }
-            fill = self.nulls == "fill"
-            return {name: _to_field(columns[name], fill, pa) for name in self.columns}
+            return to_fields(columns, self.fields, ids, fill, pa)
 
-        fields: dict[str, Any] = yield OffLoop(decode)
+        fields: dict[str, Any] | StoredByPath = yield OffLoop(decode)
+        if isinstance(fields, StoredByPath):
+            raise (yield from path_error(self, fields, gap))
         return fields
 
     def region_ranges(self, needed: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
@@ -769,7 +784,8 @@ class ArrowRows:
             if names is None or column.name in names:
                 pieces = self._pieces(buffer, needed, spans, c)
                 array = pa.concat_arrays(pieces) if len(pieces) != 1 else pieces[0]
-                self.check_nulls(array, column.name, needed, pa)
+                if column.field is None or not column.field.optional:
+                    self.check_nulls(array, column.name, needed, pa)
                 out[column.name] = array
         return out
 
@@ -810,7 +826,7 @@ class ArrowRows:
         batch_buffers = self.buffers[needed[rows_of], :, 0]
         for c, column in enumerate(self.selected):
             layout = self.picker.layouts[c]
-            nodes = self.nodes[needed, column.nodes[0] : column.nodes[1], 1]
+            nodes = self.nodes[needed][:, column.node_ids, 1]
             if layout is None or layout.kind == "bits" or (nodes > 0).any():
                 continue
             self._pieces(buffer, needed, spans, c)  # validated, never used
@@ -840,16 +856,28 @@ class ArrowRows:
                 return pa.py_buffer(raw[8:])
             return pa.decompress(raw[8:], decompressed_size=size, codec=codec)
 
+        nodes = self.nodes[batch]
         try:
-            array, _, _ = _build(
-                column.kind, column.nodes[0], column.buffers[0], self.nodes[batch], buffer, pa
-            )
+            array, _, _ = _build(column.kind, column.nodes[0], column.buffers[0], nodes, buffer, pa)
+            if column.field is not None and column.parents:
+                # The structs above the leaf, one child each, so their nulls are the field's.
+                for (node, at), child in zip(
+                    column.parents[::-1], column.field.path[::-1], strict=True
+                ):
+                    length, nulls = int(nodes[node, 0]), int(nodes[node, 1])
+                    array = pa.Array.from_buffers(
+                        pa.struct([pa.field(child, array.type)]),
+                        length,
+                        [buffer(at) if nulls else None],
+                        nulls,
+                        children=[array],
+                    )
             array.validate(full=True)
         except (pa.ArrowException, ValueError, IndexError) as exc:
             raise FormatError(
                 f"{self.where(batch)}, column {column.name!r} does not decode: {exc}"
             ) from exc
-        return array
+        return field_array(array, column.field) if column.field is not None else array
 
     def check_nulls(self, array: Any, name: str, needed: Int64Array, pa: Any) -> None:
         """A null in ``array`` (a list's items too) is a FormatError, unless filled."""
@@ -900,6 +928,25 @@ def _build(
         return array, node + 1, at + 3
     array = pa.Array.from_buffers(kind, length, [validity, buffer(at + 1)], nulls)
     return array, node + 1, at + 2
+
+
+def leaf_column(field: Field, kind: Any, layout: tuple[int, int, int, int], pa: Any) -> Column:
+    """The :class:`Column` of field ``field`` of a column of Arrow type ``kind`` whose
+    first node and buffer are ``layout[0]`` and ``layout[2]``: a struct's node and validity
+    buffer come first, then its children's, depth first."""
+    node, buffer = layout[0], layout[2]
+    parents = []
+    for child in field.path:
+        parents.append((node, buffer))
+        node, buffer = node + 1, buffer + 1
+        for sibling in kind:
+            if sibling.name == child:
+                break
+            n, b = ipc.type_layout(sibling.type, pa, field.name)
+            node, buffer = node + n, buffer + b
+        kind = kind.field(child).type
+    n, b = ipc.type_layout(kind, pa, field.name)
+    return Column(field.name, kind, (node, node + n), (buffer, buffer + b), tuple(parents), field)
 
 
 class PackedArrow(PackedParquet):

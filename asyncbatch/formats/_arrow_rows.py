@@ -31,6 +31,7 @@ from .._batch import Jagged, Strings
 from .._errors import FormatError
 from ..stores._copying import copy_pieces
 from . import _arrow_ipc as ipc
+from ._arrow_fields import Field
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -42,12 +43,26 @@ OFFSETS_CACHE = 64 << 20
 
 @dataclass(frozen=True)
 class Column:
-    """A selected column: its Arrow type and its first and end node and buffer."""
+    """A field read (:class:`~asyncbatch.formats._arrow_fields.Field`): its leaf's Arrow
+    type and first and end node and buffer; the node and validity buffer of each struct
+    above it, outermost first."""
 
     name: str
     kind: Any
     nodes: tuple[int, int]
     buffers: tuple[int, int]
+    parents: tuple[tuple[int, int], ...] = ()
+    field: Field | None = None
+
+    @property
+    def node_ids(self) -> list[int]:
+        """Its nodes and those of the structs above it."""
+        return [n for n, _ in self.parents] + list(range(*self.nodes))
+
+    @property
+    def buffer_ids(self) -> list[int]:
+        """Its buffers and the validity buffers of the structs above it."""
+        return [b for _, b in self.parents] + list(range(*self.buffers))
 
 
 class RecordBatches(Protocol):
@@ -129,7 +144,7 @@ class RowPicker:
         self.layouts = [column_layout(c.kind, c.buffers[0], pa) for c in source.selected]
         nulls = np.zeros(source.rows.size, dtype=bool)
         for column in source.selected:
-            own = source.nodes[:, column.nodes[0] : column.nodes[1], 1]
+            own = source.nodes[:, column.node_ids, 1]
             nulls |= (own > 0).any(axis=1)
         #: Record batches whose rows are read by row: uncompressed, no nulls, known types.
         self.readable = (

@@ -20,7 +20,9 @@ read page by page instead (:mod:`~asyncbatch.formats._parquet_pages`).
 
 Fields follow the Arrow type: a number is a tensor ``[B]``, a fixed-size list of numbers
 ``[B, L]``, a list of numbers a :class:`~asyncbatch._batch.Jagged` column, a string or binary
-column a :class:`~asyncbatch._batch.Strings` column. A null is a FormatError naming the file,
+column a :class:`~asyncbatch._batch.Strings` column; a struct column is its leaves, one field
+and one column chunk each (a Hugging Face ``Image`` / ``Audio`` struct: its bytes), as
+:mod:`~asyncbatch.formats._arrow_fields` names them. A null is a FormatError naming the file,
 row group and column, unless the dataset was opened with ``options={"nulls": "fill"}``
 (numbers read 0, or NaN when floating; lists and strings read empty). With ``seq_len``,
 :class:`PackedParquet` packs a token list column into windows as the documents format does
@@ -34,7 +36,7 @@ import bisect
 import fnmatch
 import io
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,7 +50,16 @@ from .._errors import ConfigError, FormatError, NotFoundError
 from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ListsInfo, ObjectInfo, Store, fetch_tail, tail_by_stat
-from ._base import Fetch, OffLoop, Opener, Read, natural_key
+from ._arrow_fields import (
+    Field,
+    StoredByPath,
+    field_array,
+    fields_of,
+    media_bytes,
+    path_name,
+    stored_by_path,
+)
+from ._base import Fetch, OffLoop, Opener, Read, Step, natural_key
 from ._documents import boundaries
 from ._npy import gather_limited, may_list, parent_and_name, read_range
 from ._parquet_pages import PageReader
@@ -286,7 +297,7 @@ async def _open_files(
     nulls = options.get("nulls", "error")
     if nulls not in NULLS:
         raise ConfigError(f"options nulls={nulls!r}: expected one of {NULLS}")
-    pyarrow_modules()  # the ConfigError saying how to install it, before any read
+    pa, _ = pyarrow_modules()  # the ConfigError saying how to install it, before any read
     known = known or {}
     footers = await gather_limited(read_footer(store, u, known.get(u)) for u in urls)
     metas = await asyncio.to_thread(
@@ -297,9 +308,9 @@ async def _open_files(
         if not meta.schema.to_arrow_schema().equals(schema):
             raise FormatError(f"{file_url}: its columns differ from those of {urls[0]}")
     columns = list(options.get("columns") or schema.names)
-    missing = [name for name in columns if name not in schema.names]
-    if missing or not columns:
+    if not columns:
         raise ConfigError(f"options columns={columns!r}: the files hold {schema.names}")
+    fields_of(schema, columns, pa)  # every name a column or a struct's child
     leaves = [metas[0].schema.column(c).path for c in range(len(metas[0].schema))]
     parts = [
         footer_arrays(meta, leaves, int.from_bytes(f[-8:], "little"), len(f) - 8, u)
@@ -397,26 +408,45 @@ class KnownRanges(io.RawIOBase):
 
 class ParquetRows:
     """Sample ``i`` is row ``i`` of the files one after another (of the datasets of a mixture
-    one after another); fields are the selected columns."""
+    one after another); fields are those of the selected columns (structs flattened,
+    :mod:`~asyncbatch.formats._arrow_fields`), one column chunk (leaf) each."""
 
     #: Decoding runs in the engine's decode thread (pyarrow drops the GIL).
     converts = True
 
-    def __init__(self, datasets: Sequence[Dataset], columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[Dataset],
+        columns: Sequence[str] | None = None,
+        nulls: str | None = None,
+    ) -> None:
         self.datasets: Sequence[Dataset] = list(datasets)
         first = self.datasets[0].manifest.metadata
-        self.columns: list[str] = list(columns or first["columns"])
+        selection = list(columns or first["columns"])
         self.types: dict[str, str] = dict(first["types"])
         for one in self.datasets[1:]:
             if one.manifest.metadata["types"] != self.types:
                 raise ConfigError(f"{one.url} has other columns than {self.datasets[0].url}")
-        self.nulls = first["nulls"]
-        leaves: list[str] = first["leaves"]
-        self.leaves = np.array(
-            [i for i, leaf in enumerate(leaves) if leaf.split(".")[0] in self.columns],
-            dtype=np.int64,
-        )
+        self.nulls = nulls or first["nulls"]
         self.shard_urls: Sequence[str] = [u for d in self.datasets for u in d.shard_urls]
+        pa, _ = pyarrow_modules()
+        schema = parse_footer(self.footer(0), self.shard_urls[0]).schema.to_arrow_schema()
+        fields = fields_of(schema, selection, pa)
+        #: The batch fields, and their names, in the order selected.
+        self.in_order = fields
+        self.columns: list[str] = [f.name for f in fields]
+        self.schema = {f.name: _field_schema(f.name, f.kind, pa) for f in fields}
+        leaves: list[str] = first["leaves"]
+        at = []
+        for f in fields:
+            mine = [i for i, leaf in enumerate(leaves) if (leaf + ".").startswith(f.dotted + ".")]
+            if len(mine) != 1:
+                raise ConfigError(f"field {f.name!r} is {len(mine)} Parquet columns, not one")
+            at.append(mine[0])
+        order = np.argsort(at, kind="stable")
+        #: The fields in the order of their leaves in the files (the chunks' order).
+        self.fields: list[Field] = [fields[i] for i in order.tolist()]
+        self.leaves = np.array(at, dtype=np.int64)[order]
         files = [len(d.manifest.shards) for d in self.datasets]
         self.shard_dataset = np.repeat(np.arange(len(files), dtype=np.int64), files)
         file_base = np.cumsum([0, *files])[:-1]
@@ -444,11 +474,10 @@ class ParquetRows:
         #: the files have offset indexes (:mod:`~asyncbatch.formats._parquet_pages`).
         self.scattered = False
         self.pages = PageReader(self)
-        pa, _ = pyarrow_modules()
-        schema = parse_footer(self.footer(0), self.shard_urls[0]).schema.to_arrow_schema()
-        self.schema = {
-            name: _field_schema(name, schema.field(name).type, pa) for name in self.columns
-        }
+        #: The source of a media field's paths, made when a row without bytes needs them.
+        self.path_sources: dict[str, ParquetRows] = {}
+        #: What pyarrow is asked to read: each field's leaf by its dotted path.
+        self.dotted = [f.dotted for f in self.fields]
 
     def footer(self, file: int) -> bytes:
         """File ``file``'s footer as :func:`read_footer` returned it."""
@@ -490,7 +519,7 @@ class ParquetRows:
             lengths = np.concatenate([lengths, selection.lengths])
         buffer = yield Read(self.file_map.plan(starts, lengths, gap))
 
-        def decode() -> dict[str, Any]:
+        def decode() -> dict[str, Any] | StoredByPath:
             pa, _ = pyarrow_modules()
             parts: list[dict[str, Any]] = []
             if needed.size:
@@ -498,11 +527,9 @@ class ParquetRows:
                 whole = ~paged
                 base = np.cumsum(self.rows[needed]) - self.rows[needed]
                 rows = base[np.searchsorted(needed, groups[whole])] + in_group[whole]
-                taken = table.take(pa.array(rows))
-                parts.append({name: taken.column(name).combine_chunks() for name in self.columns})
+                parts.append(field_arrays(table.take(pa.array(rows)), self.fields))
             if selection is not None:
                 parts.append(self.pages.decode(buffer[whole_bytes:], selection))
-            fill = self.nulls == "fill"
             if len(parts) == 1:
                 columns = parts[0]
             else:  # rows of both kinds: back in the order asked for
@@ -511,9 +538,11 @@ class ParquetRows:
                     name: pa.concat_arrays([parts[0][name], parts[1][name]]).take(order)
                     for name in self.columns
                 }
-            return {name: _to_field(columns[name], fill, pa) for name in self.columns}
+            return to_fields(columns, self.in_order, ids, self.nulls == "fill", pa)
 
-        fields: dict[str, Any] = yield OffLoop(decode)
+        fields: dict[str, Any] | StoredByPath = yield OffLoop(decode)
+        if isinstance(fields, StoredByPath):
+            raise (yield from path_error(self, fields, gap))
         return fields
 
     def plan_groups(self, needed: Int64Array, gap: int) -> tuple[ReadPlan, Int64Array]:
@@ -556,7 +585,7 @@ class ParquetRows:
             local = self.rg_local[needed[mine]].tolist()
             try:
                 reader = pq.ParquetFile(known, metadata=self._file_metadata(file), pre_buffer=False)
-                table = reader.read_row_groups(local, columns=self.columns, use_threads=False)
+                table = reader.read_row_groups(local, columns=self.dotted, use_threads=False)
             except (pa.ArrowException, OSError) as exc:
                 raise FormatError(
                     f"{self.shard_urls[file]}: row groups {local} do not decode: {exc}"
@@ -565,14 +594,27 @@ class ParquetRows:
             tables.append(table)
         return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
-    def check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None:
-        """A null anywhere in a column of ``table`` (the rows of row groups ``groups`` of
-        file ``file``, or some rows of one; a list's items too) is a FormatError naming
-        where, unless nulls are filled."""
+    def check_nulls(
+        self,
+        table: Any,
+        file: int,
+        groups: Int64Array,
+        pa: Any,
+        fields: Sequence[Field] | None = None,
+    ) -> None:
+        """A null anywhere in a field of ``table`` (the rows of row groups ``groups`` of
+        file ``file``, or some rows of one; a list's items too; of ``fields``, by default all)
+        is a FormatError naming where, unless nulls are filled. A media field's null is a
+        null struct (its rows without bytes are found later)."""
         if self.nulls == "fill":
             return
-        for name in table.column_names:
-            column = table.column(name)
+        for field in self.fields if fields is None else fields:
+            if field.optional:
+                continue
+            name = field.name
+            column = table.column(field.column)
+            if field.path:  # a struct's child (the column's chunks joined: one file's rows)
+                column = field_array(column.combine_chunks(), field)
             inner = column
             while (
                 pa.types.is_list(inner.type)
@@ -581,7 +623,9 @@ class ParquetRows:
             ):
                 if inner.null_count:
                     break
-                inner = inner.combine_chunks().flatten()
+                if isinstance(inner, pa.ChunkedArray):
+                    inner = inner.combine_chunks()
+                inner = inner.flatten()
             if not inner.null_count:
                 continue
             where = (
@@ -672,6 +716,51 @@ def _to_field(array: Any, fill: bool, pa: Any) -> Any:
             values = values.fill_null(0)
         return Jagged(_numbers(values), torch.from_numpy(offsets - offsets[0]))
     return _numbers(array)
+
+
+def field_arrays(table: Any, fields: Sequence[Field]) -> dict[str, Any]:
+    """Each field's array of ``table`` (:func:`~asyncbatch.formats._arrow_fields.field_array`:
+    a media field's struct)."""
+    return {f.name: field_array(table.column(f.column).combine_chunks(), f) for f in fields}
+
+
+def to_fields(
+    arrays: Mapping[str, Any], fields: Sequence[Field], ids: Int64Array, fill: bool, pa: Any
+) -> dict[str, Any] | StoredByPath:
+    """The batch fields of rows ``ids`` from their arrays (of :func:`field_arrays`), or the
+    rows of the first media field that hold no bytes."""
+    out = {}
+    for field in fields:
+        array = arrays[field.name]
+        if field.media:
+            array, bad = media_bytes(array)
+            if bad is not None:
+                return StoredByPath(field, ids[bad])
+        out[field.name] = _to_field(array, fill or field.optional, pa)
+    return out
+
+
+def path_error(source: Any, rows: StoredByPath, gap: int) -> Generator[Step, Any, Exception]:
+    """The FormatError of media rows without bytes, naming the first one's path, read for
+    it by a source of that one field (Parquet: its column chunk or page alone)."""
+    name = path_name(rows.field)
+    paths = source.path_sources.get(name)
+    if paths is None:
+        paths = source.path_sources[name] = type(source)(source.datasets, [name], nulls="fill")
+        paths.scattered = source.scattered
+    first = rows.ids[:1]
+    read = yield from paths.fetch(first, gap)
+    url, row = row_in_file(source, int(first[0]))
+    return stored_by_path(url, row, rows.field, read[name].to_pylist()[0], rows.ids.size - 1)
+
+
+def row_in_file(source: Any, sample: int) -> tuple[str, int]:
+    """The file of sample ``sample`` of a source of row blocks (Parquet row groups, Arrow
+    record batches) and its row there."""
+    block = int(np.searchsorted(source.ends, sample, side="right"))
+    file = int(source.rg_file[block])
+    first = int(np.searchsorted(source.rg_file, file))
+    return source.shard_urls[file], sample - int(source.ends[first] - source.rows[first])
 
 
 class RowGroups(Protocol):

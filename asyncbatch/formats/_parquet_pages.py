@@ -31,6 +31,7 @@ import numpy.typing as npt
 from .._errors import FormatError
 from .._layout import ShardMap
 from . import _thrift as thrift
+from ._arrow_fields import Field, field_array
 from ._base import OffLoop, Read, Step
 
 Int64Array = npt.NDArray[np.int64]
@@ -100,8 +101,9 @@ class RowGroups(Protocol):
     per row group (numbered through the files) its rows, file, number in the file and the
     ``(start, end)`` byte ranges of its selected leaves' chunks."""
 
-    columns: list[str]
-    #: The selected leaves' numbers in a row group's column chunks (one per column).
+    #: The fields read, one leaf each, in the order of ``leaves``.
+    fields: list[Field]
+    #: The selected leaves' numbers in a row group's column chunks (one per field).
     leaves: Int64Array
     rows: Int64Array
     ends: Int64Array
@@ -114,7 +116,14 @@ class RowGroups(Protocol):
 
     def footer(self, file: int) -> bytes: ...
 
-    def check_nulls(self, table: Any, file: int, groups: Int64Array, pa: Any) -> None: ...
+    def check_nulls(
+        self,
+        table: Any,
+        file: int,
+        groups: Int64Array,
+        pa: Any,
+        fields: Sequence[Field] | None = None,
+    ) -> None: ...
 
 
 class PageReader:
@@ -223,8 +232,9 @@ class PageReader:
         )
 
     def decode(self, buffer: npt.NDArray[np.uint8], selection: PageSelection) -> dict[str, Any]:
-        """Each selected column's values of the rows selected, in their order (Arrow
-        arrays), decoded by pyarrow page by page; nulls checked."""
+        """Each field's values of the rows selected, in their order (Arrow arrays, of
+        :func:`~asyncbatch.formats._arrow_fields.field_array`), decoded by pyarrow page by
+        page; nulls checked."""
         # Installed: the Parquet source checked it when it was made.
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -235,7 +245,8 @@ class PageReader:
         lengths = selection.lengths.tolist()
         columns: dict[str, Any] = {}
         piece = 0
-        for j, name in enumerate(rows.columns):
+        for j, field in enumerate(rows.fields):
+            name = field.name
             arrays, bases = [], [0]
             for g, k, chunk, footer in selection.pages[j]:
                 file = int(rows.rg_file[g])
@@ -251,7 +262,7 @@ class PageReader:
                 try:
                     framed = page_file(footer.template, chunk.template, dictionary, page, count)
                     table = pq.ParquetFile(pa.BufferReader(framed)).read_row_group(
-                        0, columns=[name], use_threads=False
+                        0, columns=[field.dotted], use_threads=False
                     )
                 except (pa.ArrowException, OSError, thrift.ThriftError) as exc:
                     raise FormatError(f"{where} does not decode: {exc}") from exc
@@ -259,8 +270,8 @@ class PageReader:
                     raise FormatError(
                         f"{where}: {table.num_rows} rows decoded, {count} in its offset index"
                     )
-                rows.check_nulls(table, file, np.array([g], dtype=np.int64), pa)
-                arrays.append(table.column(0).combine_chunks())
+                rows.check_nulls(table, file, np.array([g], dtype=np.int64), pa, [field])
+                arrays.append(field_array(table.column(0).combine_chunks(), field))
                 bases.append(bases[-1] + count)
             joined = pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]
             at = np.asarray(bases[:-1], dtype=np.int64)[selection.which[j]] + selection.local[j]
@@ -284,7 +295,7 @@ class PageReader:
         rows = self.rows
         return (
             f"{rows.shard_urls[int(rows.rg_file[g])]}: row group {int(rows.rg_local[g])},"
-            f" column {rows.columns[j]!r}"
+            f" column {rows.fields[j].name!r}"
         )
 
     def _check_index_range(self, g: int, j: int, at: int, length: int) -> int:
