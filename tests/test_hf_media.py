@@ -39,9 +39,9 @@ def png(i: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def hf() -> Iterator[Any]:
+def hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The ``datasets`` module, offline, its cache in a folder of its own."""
-    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"hf-media-{os.getpid()}"
+    home = tmp_path_factory.mktemp("hf-home")
     settings = {
         "HF_HOME": str(home),
         "HF_DATASETS_CACHE": str(home / "datasets"),
