@@ -351,3 +351,16 @@ def test_a_null_struct_is_a_null_in_each_leaf(tmp_path: Path, kind: str) -> None
     expected = [0 if i % 5 == 2 else i for i in range(20)]
     assert batch["meta.pos.x"].tolist() == expected
     assert batch["meta.tag"].to_pylist() == ["" if i % 5 == 2 else f"t{i}" for i in range(20)]
+
+
+def test_a_list_of_images_is_refused_by_name(tmp_path: Path) -> None:
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    frames = pa.array([[{"bytes": png(i), "path": None}] for i in range(4)], pa.list_(media))
+    table = pa.table({"id": pa.array(range(4), pa.int64()), "frames": frames})
+    pq.write_table(table, tmp_path / "a.parquet")
+    dataset = ab.open_dataset(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"column 'frames' has Arrow type list<.*leave it out"):
+        ab.Loader(dataset, batch_size=2)
+    only = ab.open_dataset(str(tmp_path), options={"columns": ["id"]})
+    with ab.Loader(only, batch_size=4, shuffle=False) as loader:
+        assert [b["id"].tolist() for b in loader] == [[0, 1, 2, 3]]

@@ -824,9 +824,10 @@ class ArrowRows:
         lengths = (spans[..., 1] - spans[..., 0]).reshape(needed.size, -1)
         at = np.cumsum(lengths).reshape(needed.size, -1) - lengths
         batch_buffers = self.buffers[needed[rows_of], :, 0]
+        needed_nodes = self.nodes[needed]
         for c, column in enumerate(self.selected):
             layout = self.picker.layouts[c]
-            nodes = self.nodes[needed][:, column.node_ids, 1]
+            nodes = needed_nodes[:, column.node_ids, 1]
             if layout is None or layout.kind == "bits" or (nodes > 0).any():
                 continue
             self._pieces(buffer, needed, spans, c)  # validated, never used

@@ -662,7 +662,8 @@ def _field_schema(name: str, kind: Any, pa: Any) -> FieldSchema:
             return FieldSchema(dtype=dtype, shape=(-1,), nested=True)
     raise ConfigError(
         f"column {name!r} has Arrow type {kind}; asyncbatch batches numbers, (fixed-size)"
-        " lists of numbers, strings and binary: leave it out with options={'columns': [...]}"
+        " lists of numbers, strings and binary, and structs of them: leave it out with"
+        " options={'columns': [...]}"
     )
 
 
