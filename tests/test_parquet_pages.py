@@ -55,6 +55,16 @@ def test_pages_decode_exactly(options: dict[str, Any], tmp_path: Path, request: 
     assert stats.bytes_fetched > 0
 
 
+def test_columns_in_another_order_than_the_files(tmp_path: Path, request: Any) -> None:
+    # Each page is decoded as the column whose leaf it is (fields were once named in the
+    # order asked for while pages came in the files' order: a page read as another column).
+    root, write, _ = writer_for("local", request, tmp_path)
+    write("a.parquet", make_table(0, 120), 50, write_page_index=True, **SMALL_PAGES)
+    dataset = ab.open_dataset(root, options={"columns": ["vec", "score", "text", "tokens", "id"]})
+    ids, _ = epoch_ids(dataset)
+    assert sorted(ids) == list(range(120))
+
+
 def test_nullable_columns_filled_or_refused(tmp_path: Path, request: Any) -> None:
     root, write, _ = writer_for("local", request, tmp_path)
     n = 200
