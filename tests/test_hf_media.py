@@ -364,3 +364,15 @@ def test_a_list_of_images_is_refused_by_name(tmp_path: Path) -> None:
     only = ab.open_dataset(str(tmp_path), options={"columns": ["id"]})
     with ab.Loader(only, batch_size=4, shuffle=False) as loader:
         assert [b["id"].tolist() for b in loader] == [[0, 1, 2, 3]]
+
+
+def test_images_decode_with_the_loaders_decode_stage(
+    media: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    folder, _ = media
+    dataset = ab.open_dataset(str(folder / "hub"), options={"columns": ["image"]})
+    with ab.Loader(dataset, batch_size=8, shuffle=True, decode={"image": "image"}) as loader:
+        batch = next(iter(loader))
+    for i, pixels in zip(batch.global_indexes.tolist(), batch["image"], strict=True):
+        expected = np.asarray(Image.open(io.BytesIO(png(i))).convert("RGB")).transpose(2, 0, 1)
+        np.testing.assert_array_equal(pixels.numpy(), expected)
