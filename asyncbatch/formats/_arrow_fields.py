@@ -7,9 +7,9 @@ string ``path`` (how Hugging Face's ``Image``, ``Audio``, ``Video`` and ``Pdf`` 
 a sample, recognised by its shape, with or without the ``huggingface`` schema metadata), is
 one field of the struct's name holding the bytes (``image``); ``image.path`` is a field only
 when ``columns=`` names it, and its nulls (no path, as most embedded images have) read as
-empty strings whatever ``nulls=``. ``columns=`` may name a column (a struct: all its fields) or any
-struct's child by its dotted path; a child so named is read as it is: ``image.bytes`` is the
-plain binary child, whose nulls are nulls.
+empty strings whatever ``nulls=``. ``columns=`` may name a column (a struct: all its fields)
+or any struct's child by its dotted path; a child so named is read as it is: ``image.bytes``
+is the plain binary child, whose nulls are nulls.
 
 A media field's row whose bytes are null while the struct is not (an image stored by path
 only) cannot be read: asyncbatch reads the bytes in the files, not the files a path names.
