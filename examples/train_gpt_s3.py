@@ -30,17 +30,13 @@ share of every global batch, with no communication between ranks.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +48,12 @@ from torch import nn
 
 import asyncbatch as ab
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/local_s3.py, run as a file
+from local_s3 import MOTO_OPTIONS, free_port, moto_server  # noqa: E402
+
 VOCAB = 512
 SEQ_LEN = 32
 BUCKET = "examples"
-# moto accepts any key; real S3 takes credentials from the environment instead.
-MOTO_OPTIONS = {"key": "testing", "secret": "testing"}
 
 
 # --- the model: a GPT of about 220 K parameters, pure torch ---------------------------------
@@ -162,39 +159,6 @@ def save_checkpoint(
 
 
 # --- the demo: moto, the data, three torchrun runs, the check -------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server in its own process on 127.0.0.1; yields its URL, stops it after."""
-    url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def torchrun(args: argparse.Namespace, endpoint: str, log: Path, *extra: str) -> None:

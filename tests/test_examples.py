@@ -61,6 +61,21 @@ def test_train_gpt_s3_resumes_exactly(tmp_path: Path) -> None:
     assert (checkpoint / "model.pt").is_file()
 
 
+@pytest.mark.timeout(120)
+def test_train_images_s3_trains_and_resumes_exactly() -> None:
+    out = run_example(
+        "train_images_s3.py",
+        "--images=300",
+        "--epochs=1",
+        "--batch-size=32",
+        "--stop-at=2",
+        timeout=110,
+    )
+    assert "wrote 300 JPEGs" in out
+    assert re.search(r"epoch 0: 300 images, [\d,]+ images/s, loss ", out), out
+    assert "stopped after 2 batches, resumed: the same 10 batches" in out
+
+
 @pytest.mark.timeout(60)
 def test_async_eval(tmp_path: Path) -> None:
     out = run_example("async_eval.py", "--tokens=20000", f"--root={tmp_path}", timeout=50)
