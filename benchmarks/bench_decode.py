@@ -3,8 +3,8 @@
 Makes ``--images`` JPEGs (500) of 300-500 px a side, about 110 KB each at quality 92, from
 smooth gradients under noise (numpy and Pillow, offline), and writes them with a label as
 WebDataset shards of 100 samples (``webdataset.TarWriter``) in a temporary folder (page cache
-warm). Then, in ``--rounds`` rounds (5), each line in turn so that every ratio is paired
-within a round:
+warm). Then, in ``--rounds`` rounds (5), each line in turn (the order rotated each round)
+so that every ratio is paired within a round:
 
 * ``stage, N threads``: the decode stage alone, as the loader runs it: every JPEG's bytes
   decoded by ``asyncbatch._decode.decode_image`` (Pillow, RGB ``[3, H, W]``) on a pool of N
@@ -71,7 +71,7 @@ def make_jpegs(count: int, seed: int = 0) -> list[bytes]:
             ],
             -1,
         )
-        noisy = base + rng.normal(0, 24, (height, width, 3))
+        noisy = base + rng.normal(0, 30, (height, width, 3))
         pixels = np.clip(noisy, 0, 255).astype(np.uint8)
         data = io.BytesIO()
         Image.fromarray(pixels).save(data, "JPEG", quality=92)
@@ -148,12 +148,14 @@ def main() -> None:
         }
         rates: dict[str, list[float]] = {name: [] for name in lines}
         loader_line(root, 1, 1)()  # warm: page cache, imports
-        for _ in range(args.rounds):
-            for name, line in lines.items():
-                rates[name].append(line())
-    print(f"\n{'line':<20} {'images/s':>10}")
+        names = list(lines)
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                rates[name].append(lines[name]())
+    print(f"\n{'line':<20} {'images/s':>10} {'min-max':>12}")
     for name, values in rates.items():
-        print(f"{name:<20} {statistics.median(values):>10.0f}")
+        spread = f"{min(values):.0f}-{max(values):.0f}"
+        print(f"{name:<20} {statistics.median(values):>10.0f} {spread:>12}")
     print()
     for kind in ("stage", "loader"):
         ratio = paired_ratio(rates[f"{kind}, 2 threads"], rates[f"{kind}, 1 thread"])

@@ -382,3 +382,22 @@ def test_jpegs_of_every_mode_decode_as_pillow_does(
     with ab.Loader(str(root), batch_size=3, shuffle=False, decode="image") as loader:
         (batch,) = list(loader)
     assert torch.equal(batch["jpg"], torch.stack([pil_chw(s["jpg"]) for s in samples]))
+
+
+def test_collation_of_one_fields_values() -> None:
+    from asyncbatch._decode import collate_values
+
+    value, schema = collate_values([torch.zeros(2, 3), torch.ones(2, 3)])
+    assert value.shape == (2, 2, 3) and schema.shape == (2, 3) and schema.tensor
+    value, _ = collate_values([np.zeros(4, np.float32), np.ones(4, np.float32)])
+    assert value.dtype == torch.float32 and value.shape == (2, 4)
+    value, _ = collate_values([torch.zeros(2), torch.zeros(3)])
+    assert isinstance(value, list) and [v.shape[0] for v in value] == [2, 3]
+    value, schema = collate_values([1, 2, 3])
+    assert value.dtype == torch.int64 and value.tolist() == [1, 2, 3]
+    value, _ = collate_values([1, 2.5])
+    assert value.dtype == torch.float64 and value.tolist() == [1.0, 2.5]
+    value, schema = collate_values([True, False])  # bools are not counted as numbers
+    assert value == [True, False] and not schema.tensor
+    value, _ = collate_values([{"a": 1}, "x"])
+    assert value == [{"a": 1}, "x"]
