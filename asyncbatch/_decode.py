@@ -240,14 +240,17 @@ class Decoding:
         on_error: OnError = "raise",
         threads: int | None = None,
         shard_urls: Sequence[str] = (),
+        shard_samples: Sequence[int] | None = None,
     ) -> None:
         self.fields = resolve_fields(decode, schema)
         self.sample_transform = sample_transform
         self.skip = on_error == "skip"
         self.threads = threads or usable_cores()
         self.schema = dict(schema)
-        #: The dataset's shards: one named in an error when the samples carry no ``__url__``.
+        #: The shards, and where each one's samples end (global ids), to name a sample's
+        #: shard in an error when the samples carry no ``__url__`` (None: not known).
         self.shard_urls = list(shard_urls)
+        self.shard_ends = None if shard_samples is None else np.cumsum(shard_samples)
         #: Samples left out of their batches by ``on_error="skip"`` (batches read ahead too).
         self.skipped = 0
 
@@ -304,14 +307,16 @@ class Decoding:
         """Sample ``i``'s shard, key (its ``__key__``, else its global index) and the key
         as a message names it."""
         urls, keys = fields.get(URL), fields.get(KEY)
-        shard = str(urls[i]) if isinstance(urls, Strings) else self._shard()
+        shard = str(urls[i]) if isinstance(urls, Strings) else self._shard(int(ids[i]))
         if isinstance(keys, Strings):
             key = str(keys[i])
             return shard, key, repr(key)
         return shard, int(ids[i]), f"#{int(ids[i])} (global index)"
 
-    def _shard(self) -> str:
-        urls = self.shard_urls
+    def _shard(self, sample: int) -> str:
+        urls, ends = self.shard_urls, self.shard_ends
+        if ends is not None:
+            return urls[int(np.searchsorted(ends, sample, side="right"))]
         return urls[0] if len(urls) == 1 else f"one of {len(urls)} shards ({urls[0]}, ...)"
 
     def _error(

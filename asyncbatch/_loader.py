@@ -359,6 +359,7 @@ class _LoaderBase:
                 on_error=config.on_error,
                 threads=config.decode_threads,
                 shard_urls=source.shard_urls,
+                shard_samples=_shard_samples(source),
             ),
         )
         return self._engine
@@ -620,6 +621,13 @@ class _LoaderBase:
 
     def _run_finished(self) -> None:
         raise NotImplementedError
+
+
+def _shard_samples(source: Source) -> list[int] | None:
+    """Samples of each shard of ``source``, where its manifests count samples (WebDataset,
+    Parquet, Arrow: their elements); None where they count something else (tokens)."""
+    counts = [shard.elements for data in source.datasets for shard in data.manifest.shards]
+    return counts if sum(counts) == source.num_samples else None
 
 
 def _restore(

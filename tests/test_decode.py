@@ -401,3 +401,22 @@ def test_collation_of_one_fields_values() -> None:
     assert value == [True, False] and not schema.tensor
     value, _ = collate_values([{"a": 1}, "x"])
     assert value == [{"a": 1}, "x"]
+
+
+def test_a_corrupt_image_in_parquet_names_its_file_and_row(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    for n in range(2):
+        images = [image_bytes(8, 6, i, "PNG") for i in range(5)]
+        if n == 1:
+            images[2] = images[2][:30]  # row 7 of the dataset: a PNG cut short
+        table = pa.table({"png": pa.array(images, pa.binary())})
+        pq.write_table(table, tmp_path / f"part-{n}.parquet")
+    with (
+        ab.Loader(str(tmp_path), batch_size=10, shuffle=False, decode="image") as loader,
+        pytest.raises(DecodeError) as caught,
+    ):
+        next(iter(loader))
+    assert caught.value.url.endswith("part-1.parquet")
+    assert caught.value.key == 7
+    assert "#7 (global index)" in str(caught.value)
