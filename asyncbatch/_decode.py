@@ -187,13 +187,16 @@ def resolve_fields(decode: Any, schema: Mapping[str, FieldSchema]) -> dict[str, 
     strings = {name for name, s in schema.items() if s.dtype in ("bytes", "str")}
     binary = sorted(name for name in strings if schema[name].dtype == "bytes")
     if decode == IMAGE:
+        # Fields named as images, and those the format says are (a Hugging Face Image).
         found: dict[str, FieldDecoder] = {
-            n: decode_image for n in binary if extension(n) in IMAGE_EXTENSIONS
+            n: decode_image
+            for n in binary
+            if extension(n) in IMAGE_EXTENSIONS or schema[n].media == IMAGE
         }
         if not found:
             raise ConfigError(
-                f"decode='image': no field is an image ({', '.join(IMAGE_EXTENSIONS_SHOWN)});"
-                f" the binary fields are {binary or 'none'}"
+                f"decode='image': no field is an image ({', '.join(IMAGE_EXTENSIONS_SHOWN)},"
+                f" or a Hugging Face Image column); the binary fields are {binary or 'none'}"
             )
         return found
     fields: dict[str, FieldDecoder] = {}

@@ -18,3 +18,6 @@ class FieldSchema:
     nested: bool = False
     #: False for values that are not numbers (strings, JSON objects).
     tensor: bool = True
+    #: What bytes hold where the format says so (a Hugging Face ``Image`` column:
+    #: ``"image"``; ``Audio``: ``"audio"``); empty where it does not.
+    media: str = ""

@@ -376,3 +376,23 @@ def test_images_decode_with_the_loaders_decode_stage(
     for i, pixels in zip(batch.global_indexes.tolist(), batch["image"], strict=True):
         expected = np.asarray(Image.open(io.BytesIO(png(i))).convert("RGB")).transpose(2, 0, 1)
         np.testing.assert_array_equal(pixels.numpy(), expected)
+
+
+@pytest.mark.parametrize("kind", ["hub", "paged", "saved"])
+def test_decode_image_takes_the_image_columns(
+    media: tuple[Path, list[dict[str, Any]]], kind: str
+) -> None:
+    # The huggingface metadata says which media column is an Image: decode="image" decodes
+    # it by that (its name has no image extension), and leaves the Audio column as bytes.
+    folder, rows = media
+    dataset = ab.open_dataset(str(folder / kind))
+    with ab.Loader(dataset, batch_size=8, shuffle=False) as loader:
+        plain = next(iter(loader))
+    assert (plain.schema["image"].media, plain.schema["audio"].media) == ("image", "audio")
+    with ab.Loader(dataset, batch_size=8, shuffle=True, decode="image") as loader:
+        batch = next(iter(loader))
+    ids = batch.global_indexes.tolist()
+    assert batch["audio"].to_pylist() == [rows[i]["audio"]["bytes"] for i in ids]
+    for i, pixels in zip(ids, batch["image"], strict=True):
+        expected = np.asarray(Image.open(io.BytesIO(png(i))).convert("RGB")).transpose(2, 0, 1)
+        np.testing.assert_array_equal(pixels.numpy(), expected)

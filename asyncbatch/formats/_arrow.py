@@ -56,7 +56,7 @@ from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ObjectInfo, Store, fetch_tail, tail_by_stat
 from . import _arrow_ipc as ipc
-from ._arrow_fields import Field, StoredByPath, field_array, fields_of
+from ._arrow_fields import Field, StoredByPath, field_array, fields_of, with_media
 from ._arrow_rows import Column, RowPicker, gathered
 from ._base import Fetch, OffLoop, Opener, Read
 from ._npy import gather_limited, may_list, read_range
@@ -599,9 +599,11 @@ class ArrowRows:
         self.fields = fields
         #: The source of a media field's paths, made when a row without bytes needs them.
         self.path_sources: dict[str, ArrowRows] = {}
-        self.schema: dict[str, FieldSchema] = {
-            c.name: _field_schema(c.name, c.kind, pa) for c in self.selected
-        }
+        self.schema: dict[str, FieldSchema] = with_media(
+            {c.name: _field_schema(c.name, c.kind, pa) for c in self.selected},
+            fields,
+            arrow_schema,
+        )
         self.shard_urls: Sequence[str] = [u for d in self.datasets for u in d.shard_urls]
         files = [len(d.manifest.shards) for d in self.datasets]
         self.shard_dataset = np.repeat(np.arange(len(files), dtype=np.int64), files)

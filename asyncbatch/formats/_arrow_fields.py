@@ -18,14 +18,16 @@ The source reads that row's path and raises :func:`stored_by_path`'s FormatError
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError, FormatError
+from .._schema import FieldSchema
 
 #: The children of a media struct, in order.
 MEDIA = ("bytes", "path")
@@ -181,3 +183,29 @@ def stored_by_path(url: str, row: int, field: Field, path: str, more: int) -> Fo
         f" or read them as they are with options={{'columns': ['{field.dotted}',"
         f" '{path_name(field)}'], 'nulls': 'fill'}}"
     )
+
+
+def with_media(
+    schema: Mapping[str, FieldSchema], fields: Sequence[Field], arrow_schema: Any
+) -> dict[str, FieldSchema]:
+    """``schema`` with each media field's :attr:`FieldSchema.media`: its Hugging Face feature's
+    type, lowercased (``"image"``, ``"audio"``), as the Arrow schema's ``huggingface``
+    metadata says; fields it says nothing of keep ``""``."""
+    out = dict(schema)
+    features: Any = {}
+    raw = (arrow_schema.metadata or {}).get(b"huggingface")
+    if raw:
+        try:
+            features = json.loads(raw).get("info", {}).get("features", {})
+        except (ValueError, AttributeError):
+            features = {}  # metadata of another writer: the fields stay plain bytes
+    for field in fields:
+        if not field.media:
+            continue
+        node = features.get(field.column) if isinstance(features, dict) else None
+        for child in field.path[:-1]:  # down to the media struct (its ``bytes`` excluded)
+            node = node.get(child) if isinstance(node, dict) else None
+        kind = node.get("_type") if isinstance(node, dict) else None
+        if isinstance(kind, str) and field.name in out:
+            out[field.name] = replace(out[field.name], media=kind.lower())
+    return out

@@ -58,6 +58,7 @@ from ._arrow_fields import (
     media_bytes,
     path_name,
     stored_by_path,
+    with_media,
 )
 from ._base import Fetch, OffLoop, Opener, Read, Step, natural_key
 from ._documents import boundaries
@@ -435,7 +436,9 @@ class ParquetRows:
         #: The batch fields, and their names, in the order selected.
         self.in_order = fields
         self.columns: list[str] = [f.name for f in fields]
-        self.schema = {f.name: _field_schema(f.name, f.kind, pa) for f in fields}
+        self.schema = with_media(
+            {f.name: _field_schema(f.name, f.kind, pa) for f in fields}, fields, schema
+        )
         leaves: list[str] = first["leaves"]
         at = []
         for f in fields:
