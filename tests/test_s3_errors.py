@@ -164,6 +164,16 @@ def test_token_codes_of_gets_and_listings_are_credentials_errors(
         asyncio.run(_list("s3://bucket/folder", options))
 
 
+def test_a_listing_refused_as_a_bad_request_is_not_retried(refusing: TokenServer) -> None:
+    # s3fs makes a listing's 400 an OSError(EINVAL), which reads as transient; S3's own
+    # answer says the request is wrong: sending it again cannot help.
+    refusing.code = "InvalidArgument"
+    with pytest.raises(ab.StoreError, match="InvalidArgument") as caught:
+        asyncio.run(_list("s3://bucket/folder", with_token(refusing.url, None)))
+    assert not isinstance(caught.value, ab.RetriesExhaustedError)
+    assert [method for method, _ in refusing.log] == ["GET"]
+
+
 def test_opening_a_dataset_with_an_expired_token_says_so(refusing: TokenServer) -> None:
     with pytest.raises(ab.CredentialsError, match="ExpiredToken"):
         ab.open_dataset("s3://bucket/dataset", with_token(refusing.url))

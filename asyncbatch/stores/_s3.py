@@ -295,13 +295,16 @@ class S3Store(FsspecStore):
         """Raise the typed error that s3fs's listings and writes turn into a plain
         ``PermissionError`` or ``OSError``: a :class:`CredentialsError` for a rejected key
         or session token (``ExpiredToken`` is a PermissionError there, ``InvalidToken`` an
-        EINVAL), a :class:`BucketNotFoundError` for a missing bucket."""
+        EINVAL), a :class:`BucketNotFoundError` for a missing bucket, any other S3 answer
+        typed by its status and code (a 400 not retried)."""
         # Called outside the except that caught ``error``, as :meth:`_explain_head` is.
         found = _client_error(error)
         if found is not None:
             client, _, _ = await self._client()
             typed = self._error(found, client.meta.endpoint_url, url, error.start, error.end)
-            if isinstance(typed, CredentialsError | BucketNotFoundError):
+            # S3's own answer, typed as a GET's would be: a 400 (EINVAL to s3fs, which
+            # reads as transient) is not retried, a 503 is.
+            if isinstance(typed, StoreError | ConfigError):
                 raise typed from found
         if isinstance(error, NotFoundError):
             await self._explain_not_found(url, error)
