@@ -25,7 +25,7 @@ from conftest import BUCKET, s3_options
 import asyncbatch as ab
 from asyncbatch._cli import main
 from asyncbatch._errors import ConfigError, FormatError, ResumeStateError
-from asyncbatch.formats import _webdataset_index
+from asyncbatch.formats import _webdataset, _webdataset_index
 from asyncbatch.formats._webdataset_index import BLOCK, ShardIndex, scan_shard, sidecar_url
 from asyncbatch.formats._webdataset_shards import expand_braces
 from asyncbatch.stores import open_store
@@ -367,6 +367,44 @@ def test_a_scan_skips_the_data_of_large_members(
     assert index.num_samples == 4
     fetched = sum(b - a for _, a, b in counted.reads)
     assert fetched < path.stat().st_size / 4  # the images' bytes are jumped over
+
+
+def test_a_scans_index_is_kept_in_the_node_cache(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    local_shards: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without sidecars, the first process of a node to open the shards through the cache
+    # scans them; the next ones (other ranks) find each shard's index there, scan nothing
+    # and read no byte of the shards: one HEAD each, for the version the index is kept under.
+    url, options, _ = shards_in("http", request, tmp_path, local_shards)
+    server = request.getfixturevalue("http_root")[1]
+    cache = tmp_path / "cache"
+    first = ab.open_dataset(url, options, cache=str(cache))
+    gets, heads = server.requests, server.heads
+
+    async def no_scan(*args: Any) -> ShardIndex:
+        raise AssertionError("scanned again")
+
+    for module in (_webdataset_index, _webdataset):  # wherever it is called from
+        monkeypatch.setattr(module, "scan_shard", no_scan, raising=False)
+    again = ab.open_dataset(url, options, cache=ab.DiskCache(str(cache)))
+    monkeypatch.undo()
+    assert server.requests == gets
+    assert server.heads - heads == len(local_shards)
+    assert again.fingerprint() == first.fingerprint()
+    for name, array in first.arrays.items():
+        np.testing.assert_array_equal(again.arrays[name], array)
+    # An entry that is not an index (damaged on disk) is scanned again, never trusted.
+    damaged = 0
+    for entry in cache.glob("objects/*/1"):  # block 1 of an index entry: the index itself
+        if entry.with_name("0").stat().st_size == 8:
+            entry.write_bytes(b"\0" * entry.stat().st_size)
+            damaged += 1
+    assert damaged == len(local_shards)
+    rescanned = ab.open_dataset(url, options, cache=str(cache))
+    assert rescanned.fingerprint() == first.fingerprint()
 
 
 @pytest.mark.parametrize("store", ["local", "s3", "http"])

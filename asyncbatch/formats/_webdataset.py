@@ -36,7 +36,7 @@ from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ObjectInfo, Store
 from ._base import Opener, PlannedSource
-from ._webdataset_index import BLOCK, FORMAT, ShardIndex, read_whole, scan_shard, sidecar_url
+from ._webdataset_index import BLOCK, FORMAT, ShardIndex, read_whole, scanned_index, sidecar_url
 from ._webdataset_shards import claims, find_shards, limited, probe_webdataset
 
 Int64Array = npt.NDArray[np.int64]
@@ -73,8 +73,9 @@ async def shard_index(
                     f" index again with `asyncbatch index {url}`"
                 )
             return index, True
-    size = info.size if info is not None else await store.size(url)
-    return await scan_shard(store, url, size), False
+    if info is None:
+        info = await store.stat(url)
+    return await scanned_index(store, url, info), False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ import numpy.typing as npt
 from .._checksums import digest
 from .._errors import FormatError
 from ..stores._base import ObjectInfo, Store, fetch_tail, tail_by_stat
+from ..stores._cache import CachedStore
+from ..stores._disk_cache import DiskCache
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -534,3 +536,41 @@ async def read_whole(store: Store, url: str, info: ObjectInfo | None = None) -> 
         await store.read_ranges(url, starts=[0], ends=[len(head)], buffers=[memoryview(head)])
         return bytes(head) + bytes(tail)
     return bytes(tail)
+
+
+#: What the node cache keeps a scan's index of a shard under: the shard's URL with this
+#: suffix, at the shard's version (a new version of the shard is a new entry).
+CACHED_INDEX = "#asyncbatch-webdataset-index"
+
+
+async def scanned_index(store: Store, url: str, info: ObjectInfo) -> ShardIndex:
+    """The index of a shard without a sidecar: from the node cache where a scan of this
+    version of it (by any process of the node) kept it, else a scan, then kept there. Without
+    a cache (``cache=``) or a version, a scan."""
+    cache = store.cache if isinstance(store, CachedStore) else None
+    if cache is None or info.version is None:
+        return await scan_shard(store, url, info.size)
+    directory = cache.object_dir(url + CACHED_INDEX, info.version)
+    data = await asyncio.to_thread(_cached_index, cache, directory)
+    if data is not None:
+        try:
+            return ShardIndex.parse(data, url)
+        except FormatError:  # not an entry this code wrote whole: scanned again below
+            pass
+    index = await scan_shard(store, url, info.size)
+    packed = index.pack()
+    entry = {0: memoryview(len(packed).to_bytes(8, "little")), 1: memoryview(packed)}
+    await asyncio.to_thread(cache.store, directory, entry)
+    return index
+
+
+def _cached_index(cache: DiskCache, directory: str) -> bytes | None:
+    """The index bytes kept in ``directory`` (block 0: their length; block 1: them), or None."""
+    length = bytearray(8)
+    if not cache.read(directory, [(0, 8, [(0, 8, memoryview(length), 0)])]):
+        return None
+    size = int.from_bytes(length, "little")
+    data = bytearray(size)
+    if not cache.read(directory, [(1, size, [(0, size, memoryview(data), 0)])]):
+        return None
+    return bytes(data)
