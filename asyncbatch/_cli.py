@@ -292,7 +292,14 @@ def index_command(args: argparse.Namespace) -> int:
 
     urls = args.urls[0] if len(args.urls) == 1 else args.urls
     try:
-        report = index_webdataset(urls, _options(args.option), progress=progress)
+        report = index_webdataset(
+            urls,
+            _options(args.option),
+            progress=progress,
+            workers=args.workers,
+            engine=args.engine,
+            address=args.ray_address,
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -533,6 +540,24 @@ def parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a .tar shard, a folder or prefix of them, a glob, a brace pattern"
         " ('s3://b/laion/{000000..000123}.tar'), or several shard URLs",
+    )
+    index.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes or Ray tasks at once; 1: this process, 16 shards at once on"
+        " its event loop (default: %(default)s)",
+    )
+    index.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="with --workers: a local process pool, or Ray tasks (default: %(default)s)",
+    )
+    index.add_argument(
+        "--ray-address",
+        default=None,
+        help="a running Ray cluster: auto, ray://host:10001 (default: start a local one)",
     )
     index.add_argument(
         "--no-progress",

@@ -114,3 +114,13 @@ def expected_windows(
 
 def asyncbatch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("asyncbatch")]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A real local Ray cluster, started once per session (prepare's and index's engines
+    join it)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,15 +264,6 @@ def test_byte_identical_for_any_worker_count(
         outputs.append(tree(out))
     assert outputs[0] == outputs[1] == outputs[2]
     assert "manifest.json" in outputs[0]
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """A real local Ray cluster, started once per session."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_ray_engine_writes_the_local_engines_bytes(

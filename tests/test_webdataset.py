@@ -814,6 +814,51 @@ def test_the_index_command(local_shards: list[Path], capsys: pytest.CaptureFixtu
     assert seen == [(n, len(local_shards)) for n in range(len(local_shards) + 1)]
 
 
+def sidecars(paths: Sequence[Path]) -> list[bytes]:
+    return [Path(sidecar_url(str(p))).read_bytes() for p in paths]
+
+
+def test_index_on_a_process_pool_writes_the_same_sidecars(local_shards: list[Path]) -> None:
+    folder = str(local_shards[0].parent)
+    ab.index_webdataset(folder)
+    alone = sidecars(local_shards)
+    seen: list[tuple[int, int]] = []
+    report = ab.index_webdataset(
+        folder, workers=2, progress=lambda done, shards: seen.append((done, shards))
+    )
+    assert sidecars(local_shards) == alone
+    assert report.shards == len(local_shards) and report.samples == SAMPLES
+    assert seen[0] == (0, len(local_shards)) and seen[-1] == (len(local_shards),) * 2
+
+
+def test_index_on_ray_writes_the_same_sidecars(
+    local_shards: list[Path], ray_cluster: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = str(local_shards[0].parent)
+    ab.index_webdataset(folder)
+    alone = sidecars(local_shards)
+    for path in local_shards:
+        Path(sidecar_url(str(path))).unlink()
+    command = ["index", "--no-progress", "--engine", "ray", "--workers", "2", folder]
+    assert main(command) == 0
+    assert f"samples   {SAMPLES}" in capsys.readouterr().out
+    assert sidecars(local_shards) == alone
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_index_workers_report_a_bad_shard_by_name(
+    tmp_path: Path, engine: str, request: pytest.FixtureRequest
+) -> None:
+    if engine == "ray":
+        request.getfixturevalue("ray_cluster")
+    paths = write_shards(tmp_path / "ds", make_samples(30, seed=5), per_shard=10)
+    paths[1].write_bytes(b"not a tar at all" * 64)
+    with pytest.raises(FormatError, match=paths[1].name):
+        ab.index_webdataset(str(tmp_path / "ds"), workers=2, engine=engine)
+    with pytest.raises(ConfigError, match="engine='spark'"):
+        ab.index_webdataset(str(tmp_path / "ds"), workers=2, engine="spark")
+
+
 def test_a_mixture_of_two_webdatasets(tmp_path: Path) -> None:
     one = write_shards(tmp_path / "one", make_samples(40, seed=3), per_shard=15)
     two = write_shards(tmp_path / "two", make_samples(25, seed=4), per_shard=10)

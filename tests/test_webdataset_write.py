@@ -22,7 +22,7 @@ from conftest import BUCKET, s3_options
 
 import asyncbatch as ab
 from asyncbatch._errors import ConfigError
-from asyncbatch.formats import _webdataset
+from asyncbatch.formats import _webdataset_index
 from asyncbatch.formats._webdataset_index import ShardIndex, sidecar_url
 
 wds = pytest.importorskip("webdataset")
@@ -116,7 +116,7 @@ def test_asyncbatch_reads_it_back_from_the_sidecars(
     def no_scan(*args: Any) -> None:
         raise AssertionError("a shard was scanned")
 
-    monkeypatch.setattr(_webdataset, "scan_shard", no_scan)
+    monkeypatch.setattr(_webdataset_index, "scan_shard", no_scan)
     dataset = ab.open_dataset(folder)
     assert dataset.manifest.metadata["sidecars"] == len(paths)
     assert dataset.fingerprint() == written.fingerprint()
