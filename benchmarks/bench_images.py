@@ -754,23 +754,55 @@ def header(
     )
 
 
+def server_cpu(pids: list[int]) -> float:
+    """User + system seconds so far of the processes ``pids`` (the S3 server and the proxy)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def server_pids() -> list[int]:
+    """This process's children now: the S3 server and the proxy (Linux ``/proc``)."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
+    return pids
+
+
 def measure(
     args: argparse.Namespace, names: list[str], specs: dict[str, dict[str, Any]]
 ) -> list[dict[str, list[dict[str, Any]]]]:
     """Each line once per round, the order rotated each round."""
+    servers = server_pids()
     rounds = []
     for round_ in range(args.rounds):
         shift = round_ % len(names)
         results: dict[str, list[dict[str, Any]]] = {}
         for name in names[shift:] + names[:shift]:
-            results[name] = run_child(specs[name], "scratch")["epochs"]
-            epoch = results[name][-1]
-            print(
-                f"  round {round_ + 1} {name}: {epoch['images'] / epoch['seconds']:.0f} img/s"
-                f" ({epoch['first_batch']:.2f} s to 1st)",
-                file=sys.stderr,
-                flush=True,
-            )
+            before = server_cpu(servers)
+            epochs = run_child(specs[name], "scratch")["epochs"]
+            # The servers' CPU over the whole child goes to its first epoch (a cached second
+            # epoch asks the store nothing).
+            for n, epoch in enumerate(epochs):
+                epoch["server_cpu"] = server_cpu(servers) - before if n == 0 else 0.0
+            results[name] = epochs
+            for epoch in epochs:
+                print(
+                    f"  round {round_ + 1} {name}: {epoch['images']} images in"
+                    f" {epoch['seconds']:.2f} s, {epoch['images'] / epoch['seconds']:.0f} img/s,"
+                    f" 1st batch {epoch['first_batch']:.2f} s, CPU {epoch['cpu']:.1f} s,"
+                    f" server+proxy CPU {epoch['server_cpu']:.1f} s,"
+                    f" fetched {epoch['down'] / 1e6:.0f} MB"
+                    f" ({epoch['first_down'] / 1e6:.1f} by 1st)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         rounds.append(results)
     return rounds
 
@@ -809,7 +841,7 @@ def report(
     print()
     print(
         f"{'line':26} {'img/s':>7} {'min-max':>11} {'1st batch s':>12} {'CPU s/1k img':>13}"
-        f" {'fetched/delivered':>18} {'/ ceiling':>10}"
+        f" {'server CPU s/1k':>16} {'fetched/delivered':>18} {'/ ceiling':>10}"
     )
     for name, runs in lines.items():
         values = rates[name]
@@ -818,6 +850,8 @@ def report(
             run["down"] / (run["images"] * corpus["mean_jpeg"]) for run in runs
         )
         shown = f"{fetched:18.3f}" if any(run["down"] for run in runs) else f"{'-':>18}"
+        served = statistics.median(run["server_cpu"] / run["images"] * 1000 for run in runs)
+        shown = (f"{served:16.2f}" if served else f"{'-':>16}") + shown
         ratio = f"{paired_ratio(values, ceiling):10.2f}" if ceiling else ""
         print(
             f"{name:26} {statistics.median(values):7.0f}"
@@ -827,8 +861,9 @@ def report(
         )
     print(
         "(img/s: median over rounds, from building the loader to its last batch; CPU: user +"
-        " system of the line's processes; fetched/delivered: bytes the proxy passed back /"
-        " (images delivered x mean JPEG bytes); / ceiling: paired)"
+        " system of the line's processes; server CPU: the S3 server's and the proxy's, over the"
+        " line's process (a two-epoch line's all on its first epoch); fetched/delivered: bytes"
+        " the proxy passed back / (images delivered x mean JPEG bytes); / ceiling: paired)"
     )
     peers = [n for n in rates if n.split()[0] in ("litData", "Mosaic", "webdataset") and "S3" in n]
     best = max(peers, key=lambda n: statistics.median(rates[n]), default=None)
