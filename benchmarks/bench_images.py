@@ -79,6 +79,7 @@ import resource
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tarfile
 import time
@@ -786,7 +787,12 @@ def measure(
         results: dict[str, list[dict[str, Any]]] = {}
         for name in names[shift:] + names[:shift]:
             before = server_cpu(servers)
-            epochs = run_child(specs[name], "scratch")["epochs"]
+            try:
+                epochs = run_child(specs[name], "scratch")["epochs"]
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                # One failed run leaves a gap in its line; the rounds go on.
+                print(f"  round {round_ + 1} {name}: FAILED ({exc})", file=sys.stderr, flush=True)
+                continue
             # The servers' CPU over the whole child goes to its first epoch (a cached second
             # epoch asks the store nothing).
             for n, epoch in enumerate(epochs):
@@ -809,20 +815,27 @@ def measure(
 
 def figures(
     names: list[str], rounds: list[dict[str, list[dict[str, Any]]]]
-) -> dict[str, list[dict[str, Any]]]:
-    """Per reported line, its run in each round (the local and cached lines give two)."""
-    out: dict[str, list[dict[str, Any]]] = {}
+) -> dict[str, list[dict[str, Any] | None]]:
+    """Per reported line, its run in each round, None where it failed (the local and cached
+    lines give two)."""
+    out: dict[str, list[dict[str, Any] | None]] = {}
     for name in names:
-        runs = [results[name] for results in rounds]
+        runs = [results.get(name) for results in rounds]
         if name == "ab local":
-            out["ab exact local"] = [epochs[0] for epochs in runs]
-            out["ab local, 2nd epoch"] = [epochs[1] for epochs in runs]
+            out["ab exact local"] = [epochs[0] if epochs else None for epochs in runs]
+            out["ab local, 2nd epoch"] = [epochs[1] if epochs else None for epochs in runs]
         elif name == "ab cached S3":
-            out["ab cached S3, 1st epoch"] = [epochs[0] for epochs in runs]
-            out["ab cached S3, 2nd epoch"] = [epochs[1] for epochs in runs]
+            out["ab cached S3, 1st epoch"] = [epochs[0] if epochs else None for epochs in runs]
+            out["ab cached S3, 2nd epoch"] = [epochs[1] if epochs else None for epochs in runs]
         else:
-            out[name] = [epochs[0] for epochs in runs]
+            out[name] = [epochs[0] if epochs else None for epochs in runs]
     return out
+
+
+def paired(a: list[float | None], b: list[float | None]) -> float | None:
+    """The median over the rounds where both lines ran of the ratio of ``a`` to ``b``."""
+    both = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    return paired_ratio([x for x, _ in both], [y for _, y in both]) if both else None
 
 
 def rate(run: dict[str, Any]) -> float:
@@ -835,9 +848,14 @@ def report(
     names: list[str],
     rounds: list[dict[str, list[dict[str, Any]]]],
 ) -> None:
-    lines = figures(names, rounds)
+    every = figures(names, rounds)
+    lines = {name: [run for run in runs if run] for name, runs in every.items()}
+    lines = {name: runs for name, runs in lines.items() if runs}
+    rates_by_round = {
+        name: [rate(run) if run else None for run in runs] for name, runs in every.items()
+    }
     rates = {name: [rate(run) for run in runs] for name, runs in lines.items()}
-    ceiling = rates.get("ceiling")
+    ceiling = rates_by_round.get("ceiling") if "ceiling" in lines else None
     print()
     print(
         f"{'line':26} {'img/s':>7} {'min-max':>11} {'1st batch s':>12} {'CPU s/1k img':>13}"
@@ -852,7 +870,8 @@ def report(
         shown = f"{fetched:18.3f}" if any(run["down"] for run in runs) else f"{'-':>18}"
         served = statistics.median(run["server_cpu"] / run["images"] * 1000 for run in runs)
         shown = (f"{served:16.2f}" if served else f"{'-':>16}") + shown
-        ratio = f"{paired_ratio(values, ceiling):10.2f}" if ceiling else ""
+        to_ceiling = paired(rates_by_round[name], ceiling) if ceiling else None
+        ratio = f"{to_ceiling:10.2f}" if to_ceiling is not None else ""
         print(
             f"{name:26} {statistics.median(values):7.0f}"
             f" {f'{min(values):.0f}-{max(values):.0f}':>11}"
@@ -881,8 +900,8 @@ def report(
     ]
     print()
     for label, a, b, target in targets:
-        if a in rates and b in rates:
-            ratio = paired_ratio(rates[a], rates[b])
+        ratio = paired(rates_by_round[a], rates_by_round[b]) if a in rates and b in rates else None
+        if ratio is not None:
             verdict = "met" if ratio >= target else "NOT met"
             print(f"  {label}: {a} / {b} = {ratio:.2f} (target >= {target}: {verdict})")
     print(f"  load after {os.getloadavg()}")
@@ -894,7 +913,7 @@ def report(
                     "command": " ".join(["benchmarks/bench_images.py", *sys.argv[1:]]),
                     "git": git_revision(),
                     "corpus": {k: v for k, v in corpus.items() if k != "made"},
-                    "lines": lines,
+                    "lines": every,
                 },
                 indent=1,
             )
