@@ -25,7 +25,7 @@ from conftest import BUCKET, s3_options
 import asyncbatch as ab
 from asyncbatch._cli import main
 from asyncbatch._errors import ConfigError, FormatError, ResumeStateError
-from asyncbatch.formats import _webdataset, _webdataset_index
+from asyncbatch.formats import _webdataset_index
 from asyncbatch.formats._webdataset_index import BLOCK, ShardIndex, scan_shard, sidecar_url
 from asyncbatch.formats._webdataset_shards import expand_braces
 from asyncbatch.stores import open_store
@@ -387,8 +387,7 @@ def test_a_scans_index_is_kept_in_the_node_cache(
     async def no_scan(*args: Any) -> ShardIndex:
         raise AssertionError("scanned again")
 
-    for module in (_webdataset_index, _webdataset):  # wherever it is called from
-        monkeypatch.setattr(module, "scan_shard", no_scan, raising=False)
+    monkeypatch.setattr(_webdataset_index, "scan_shard", no_scan)  # scanned_index's call
     again = ab.open_dataset(url, options, cache=ab.DiskCache(str(cache)))
     monkeypatch.undo()
     assert server.requests == gets
