@@ -21,7 +21,8 @@ an int or float; otherwise a Python list with one value per sample. Fields not d
 the format's own column.
 
 A sample whose field fails to decode is a :class:`DecodeError` naming the shard, the sample's
-key (``__key__``, else its global index) and the field; with ``on_error="skip"`` the sample
+key (``__key__``, else its global index) and the field, delivered after every batch before
+its own; with ``on_error="skip"`` the sample
 is left out of its batch instead (shorter, its ``global_indexes`` those delivered; an
 empty batch keeps its place) and counted. ``sample_transform=`` errors are never skipped.
 """
@@ -259,11 +260,12 @@ class Decoding:
 
     def decode_rows(
         self, fields: Mapping[str, Any], ids: npt.NDArray[np.int64], start: int, stop: int
-    ) -> list[dict[str, Any] | None]:
+    ) -> list[dict[str, Any] | None | Exception]:
         """Samples ``start`` to ``stop`` of a group, decoded and transformed (None: skipped);
-        in a pool thread."""
+        in a pool thread. A sample that fails (and is not skipped) ends the list as its
+        error: the samples before it still reach their batches."""
         columns = [(name, decode, *_raw(fields[name])) for name, decode in self.fields.items()]
-        out: list[dict[str, Any] | None] = []
+        out: list[dict[str, Any] | None | Exception] = []
         transform = self.sample_transform
         for i in range(start, stop):
             sample: dict[str, Any] = {}
@@ -273,12 +275,19 @@ class Decoding:
                     sample[name] = decode(raw)
                 except Exception as exc:  # noqa: BLE001 - any decoder's error, named
                     if not self.skip:
-                        raise self._error(fields, ids, i, name, exc) from exc
+                        error = self._error(fields, ids, i, name, exc)
+                        error.__cause__ = exc
+                        out.append(error)
+                        return out
                     sample = {}
                     break
             else:
                 if transform is not None:
-                    sample = self._transform(transform, sample, fields, ids, i)
+                    try:
+                        sample = self._transform(transform, sample, fields, ids, i)
+                    except TransformError as error:
+                        out.append(error)
+                        return out
                 out.append(sample)
                 continue
             out.append(None)
@@ -454,29 +463,39 @@ async def decode_group(
     lengths: Sequence[int],
     batches: Sequence[int],
     epoch: int,
-) -> tuple[list[Batch], list[int]]:
+) -> tuple[list[Batch], list[int], Exception | None]:
     """A group's batches (``lengths`` samples each) with their samples decoded,
-    transformed and collated in ``pool``, and each batch's bytes; never blocks the loop."""
+    transformed and collated in ``pool``, and each batch's bytes; never blocks the loop.
+    A sample that fails cuts the group short: the batches before its own, and its error."""
     loop = asyncio.get_running_loop()
     work = _chunks(len(ids), decoding.threads * CHUNKS_PER_THREAD)
     decoded = await asyncio.gather(
         *(loop.run_in_executor(pool, decoding.decode_rows, fields, ids, a, b) for a, b in work)
     )
-    samples = [sample for part in decoded for sample in part]
+    samples: list[dict[str, Any] | None] = []
+    error: Exception | None = None
+    for part in decoded:
+        if part and isinstance(part[-1], Exception):
+            error = part[-1]
+            samples.extend(part[:-1])  # type: ignore[arg-type]
+            break
+        samples.extend(part)  # type: ignore[arg-type]
     cuts = np.cumsum([0, *lengths]).tolist()
     spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+    if error is not None:  # only the batches wholly before the failed sample
+        spans = spans[: int(np.searchsorted(cuts, len(samples), side="right")) - 1]
     parts = _chunks(len(spans), decoding.threads)
 
     def collate(a: int, b: int) -> list[tuple[Any, ...]]:
         return [decoding.collate(fields, samples, ids, *span) for span in spans[a:b]]
 
     collated = await asyncio.gather(*(loop.run_in_executor(pool, collate, a, b) for a, b in parts))
-    skipped = sum(1 for sample in samples if sample is None)
+    skipped = sum(1 for sample in samples[: cuts[len(spans)]] if sample is None)
     decoding.skipped += skipped
     group: list[Batch] = []
     sizes: list[int] = []
     made = [batch for part in collated for batch in part]
-    for number, (batch_ids, out, schema, nbytes) in zip(batches, made, strict=True):
+    for number, (batch_ids, out, schema, nbytes) in zip(batches, made, strict=False):
         group.append(Batch(batch_ids, out, schema, {"epoch": epoch, "batch": number}))
         sizes.append(nbytes)
-    return group, sizes
+    return group, sizes, error

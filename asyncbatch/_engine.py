@@ -335,6 +335,9 @@ class Engine:
                 items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
                 raise
+            except CutShort as cut:  # a sample failed: the batches before its own, then it
+                group, stored, sizes = cut.group, [*cut.stored, 0], [*cut.sizes, 0]
+                items = [*group, Final(cut.error)]
             except BaseException as exc:  # noqa: BLE001 - every error must reach the consumer
                 held.release()
                 group, items, stored, sizes = [], [Final(exc)], [0], None
@@ -344,9 +347,12 @@ class Engine:
             # read meanwhile. A failure keeps the batches before it and ends with its Final.
             if transformer is not None and group:
                 assert self.transform is not None
+                failed = items[len(group) :]  # a sample's error after the batches before it
                 items = await asyncio.get_running_loop().run_in_executor(
                     transformer, apply_transform, self.transform, group
                 )
+                if not isinstance(items[-1], Final):
+                    items.extend(failed)
                 stored, sizes = stored[: len(items)], None  # transformed: counted anew
                 if isinstance(items[-1], Final):
                     stored[-1] = 0
@@ -405,9 +411,11 @@ class Engine:
         stored = [b - a for a, b in itertools.pairwise(shares)]
         if self.decoding is not None:
             assert samples is not None
-            group, decoded = await decode_group(
+            group, decoded, error = await decode_group(
                 self.decoding, samples, fields, ids, lengths, batches, epoch
             )
+            if error is not None:
+                raise CutShort(group, stored[: len(group)], decoded, error)
             return group, stored, decoded
         schema = source.schema
         names = list(fields)
@@ -431,6 +439,17 @@ class Engine:
             for n, a, b, fields in zip(batches, cuts[:-1], cuts[1:], fields_of, strict=True)
         ]
         return group, stored, sizes
+
+
+class CutShort(Exception):
+    """A group whose sample failed to decode: the batches before the failed one's, what
+    each holds and weighs, and the error."""
+
+    def __init__(
+        self, group: list[Batch], stored: list[int], sizes: list[int], error: Exception
+    ) -> None:
+        super().__init__(error)
+        self.group, self.stored, self.sizes, self.error = group, stored, sizes, error
 
 
 def split_sized(value: Any, lengths: Sequence[int]) -> tuple[Sequence[Any], list[int] | None]:

@@ -242,6 +242,34 @@ def test_skip_leaves_corrupt_samples_out_and_counts_them(
     assert batches[4].global_indexes.tolist() == [16, 19]
 
 
+@pytest.mark.parametrize("transform", [False, True])
+def test_a_decode_error_comes_after_the_good_batches_before_it(
+    corrupt: tuple[str, list[dict[str, Any]], set[int]], tmp_path: Path, transform: bool
+) -> None:
+    """Batches 0-3 and 4 are read as one group; batch 4 holds the corrupt sample 17: 0-3
+    arrive, then the error, and the state then resumes at batch 4, losing nothing."""
+    _, samples, _ = corrupt
+    repaired = [dict(sample) for sample in samples]
+    repaired[3]["jpg"] = image_bytes(12, 10, 3)  # only 17 and 18 stay corrupt
+    url = str(write_shards(tmp_path, repaired))
+    args: dict[str, Any] = dict(batch_size=4, shuffle=False, prefetch=8, decode="image")
+    if transform:
+        args["transform"] = lambda batch: batch
+    got: list[list[int]] = []
+    with ab.Loader(url, **args) as loader:
+        with pytest.raises(DecodeError) as caught:
+            for batch in loader:
+                got.append(batch.global_indexes.tolist())
+        state = loader.state_dict()
+    assert caught.value.key == "s00017"
+    assert got == [list(range(4 * b, 4 * b + 4)) for b in range(4)]
+    with ab.Loader(url, **args) as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(DecodeError) as again:
+            next(iter(loader))
+    assert again.value.key == "s00017"
+
+
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 @pytest.mark.parametrize("stop", [1, 4])
 def test_resume_with_decode_is_exact(
