@@ -21,12 +21,19 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import BUCKET, s3_options
+from faults import fault_server
 
 import asyncbatch as ab
 from asyncbatch._cli import main
 from asyncbatch._errors import ConfigError, FormatError, ResumeStateError
 from asyncbatch.formats import _webdataset_index
-from asyncbatch.formats._webdataset_index import BLOCK, ShardIndex, scan_shard, sidecar_url
+from asyncbatch.formats._webdataset_index import (
+    BLOCK,
+    ShardIndex,
+    SidecarSummary,
+    scan_shard,
+    sidecar_url,
+)
 from asyncbatch.formats._webdataset_shards import expand_braces
 from asyncbatch.stores import open_store
 from asyncbatch.stores._base import Store
@@ -273,7 +280,8 @@ def test_a_state_of_other_bytes_of_the_same_layout_is_refused_where_listed(
     first, options, _ = shards_in("s3", request, tmp_path, one)
     second, _, _ = shards_in("s3", request, tmp_path, two)
     a, b = ab.open_dataset(first, options), ab.open_dataset(second, options)
-    np.testing.assert_array_equal(a.arrays["wds_offsets"], b.arrays["wds_offsets"])
+    for x, y in zip(a.arrays["wds_indexes"], b.arrays["wds_indexes"], strict=True):
+        np.testing.assert_array_equal(x.offsets, y.offsets)
     assert a.fingerprint() != b.fingerprint()
     args: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=1)
     with ab.Loader(a, **args) as loader:
@@ -296,6 +304,13 @@ def test_workers_read_each_sample_once(local_shards: list[Path]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The index: sidecars and scans
+
+
+def packed(dataset: ab.Dataset) -> list[bytes]:
+    """Each shard's index as its sidecar holds it (whole), or its summary (opened lazily)."""
+    return [
+        e.pack() if isinstance(e, ShardIndex) else e.packed for e in dataset.arrays["wds_indexes"]
+    ]
 
 
 class Counted:
@@ -393,8 +408,7 @@ def test_a_scans_index_is_kept_in_the_node_cache(
     assert server.requests == gets
     assert server.heads - heads == len(local_shards)
     assert again.fingerprint() == first.fingerprint()
-    for name, array in first.arrays.items():
-        np.testing.assert_array_equal(again.arrays[name], array)
+    assert packed(again) == packed(first)
     # An entry that is not an index (damaged on disk) is scanned again, never trusted.
     damaged = 0
     for entry in cache.glob("objects/*/1"):  # block 1 of an index entry: the index itself
@@ -437,8 +451,12 @@ def test_sidecars_and_scan_give_identical_batches(
         assert server.requests + server.heads - before == len(local_shards)
     assert indexed.manifest.metadata["sidecars"] == len(local_shards)
     assert indexed.fingerprint() == scanned.fingerprint()
-    for name, array in scanned.arrays.items():
-        np.testing.assert_array_equal(indexed.arrays[name], array)
+    # The scan made whole indexes; the sidecars gave their summaries only, which agree.
+    assert all(isinstance(entry, ShardIndex) for entry in scanned.arrays["wds_indexes"])
+    assert all(isinstance(entry, SidecarSummary) for entry in indexed.arrays["wds_indexes"])
+    assert [e.summary().packed for e in scanned.arrays["wds_indexes"]] == [
+        e.packed for e in indexed.arrays["wds_indexes"]
+    ]
     args: dict[str, Any] = dict(batch_size=24, shuffle=True, seed=2, drop_last=False)
     with ab.Loader(scanned, **args) as one, ab.Loader(indexed, **args) as two:
         for a, b in zip(one, two, strict=True):
@@ -478,6 +496,61 @@ def test_block_shuffle_is_one_request_per_block(local_shards: list[Path]) -> Non
         stats = loader.statistics()
     blocks = -(-SAMPLES // block)
     assert stats.requests <= blocks + len(local_shards)  # a block across two shards: two
+
+
+def test_a_rank_fetches_only_the_sidecars_of_the_shards_it_reads(
+    request: pytest.FixtureRequest, tmp_path: Path, samples: list[dict[str, Any]]
+) -> None:
+    """4 ranks under a block shuffle, over moto's S3 behind a proxy that logs each request:
+    opening reads each sidecar's summary only (one suffix range), no shard; a rank then
+    fetches the rest of the sidecars of the shards it reads, each once over two epochs,
+    and no other."""
+    paths = write_shards(tmp_path / "ranks", samples, per_shard=29)  # 8 shards
+    url, options, shard_urls = shards_in("s3", request, tmp_path, paths)
+    ab.index_webdataset(url, options)
+    ab.index_webdataset([str(p) for p in paths])  # the same sidecars, here to measure
+    sidecar_paths = [sidecar_url(u).split("://", 1)[1] for u in shard_urls]
+    # A sidecar's header and body: all but its summary (the field names, counts and the
+    # header again) and its 16-byte trailer.
+    body = []
+    for p in paths:
+        index = ShardIndex.parse(Path(sidecar_url(str(p))).read_bytes(), "x")
+        names = sum(len(f) for f in index.fields)
+        summary = 16 * len(index.fields) + 4 * (len(index.fields) + 1) + names + 64
+        body.append(Path(sidecar_url(str(p))).stat().st_size - summary - 16)
+    with fault_server(upstream=request.getfixturevalue("s3_endpoint")) as proxy:
+        options = s3_options(proxy.url)
+
+        def gets(suffix: str) -> list[tuple[str, str]]:
+            return [
+                (p.lstrip("/"), r) for m, p, r in proxy.log if m == "GET" and p.endswith(suffix)
+            ]
+
+        for rank in range(4):
+            proxy.reset()
+            dataset = ab.open_dataset(url, options)
+            opened = gets(".abidx")
+            assert sorted(p for p, _ in opened) == sorted(sidecar_paths)  # one request each
+            assert all(r.startswith("bytes=") for _, r in opened)
+            assert proxy.sent("GET", ".abidx") <= len(paths) * _webdataset_index.SUMMARY_PROBE
+            assert not gets(".tar")
+            ends = np.cumsum([s.elements for s in dataset.manifest.shards])
+            proxy.reset()
+            read: list[set[int]] = []
+            args: dict[str, Any] = dict(batch_size=8, block_size=29, window=1, seed=3)
+            with ab.Loader(
+                dataset, rank=rank, world_size=4, shuffle="block", drop_last=False, **args
+            ) as loader:
+                for epoch in range(2):
+                    loader.set_epoch(epoch)
+                    ids = np.concatenate([b.global_indexes for b in loader])
+                    read.append(set(np.searchsorted(ends, ids, side="right").tolist()))
+            assert len(read[0]) < len(paths)  # a rank's blocks lie in some shards only
+            touched = sorted(read[0] | read[1])
+            fetched = gets(".abidx")
+            assert sorted(p for p, _ in fetched) == [sidecar_paths[s] for s in touched]
+            # Each the sidecar's header and body: its index's arrays, not its summary.
+            assert proxy.sent("GET", ".abidx") == sum(body[s] for s in touched)
 
 
 def test_requests_over_s3_exact_and_block_shuffles(
@@ -700,6 +773,7 @@ def test_gzip_shards_are_refused_with_what_to_do(tmp_path: Path, local_shards: l
 def test_a_sidecar_that_disagrees_with_its_shard(tmp_path: Path) -> None:
     samples = make_samples(40)
     (path,) = write_shards(tmp_path / "one", samples, per_shard=100)
+    original = path.read_bytes()
     ab.index_webdataset(str(path))
     # The same size (tar pads to 10 KiB records, a member to 512 bytes), another member size.
     samples[7]["cls"] = b"77"
@@ -726,22 +800,75 @@ def test_a_sidecar_that_disagrees_with_its_shard(tmp_path: Path) -> None:
         pytest.raises(FormatError, match=r"size mismatch: .*shard-000000.tar has \d+ bytes"),
     ):
         list(loader)
-    # A sidecar whose own bytes are damaged.
+    # A sidecar whose own bytes are damaged: in its summary (read at open), in its body
+    # (read when a batch first reads its shard), in its trailer.
+    path.write_bytes(original)
     side = Path(sidecar_url(str(path)))
-    data = bytearray(side.read_bytes())
-    data[-3] ^= 1
-    side.write_bytes(bytes(data))
-    with pytest.raises(FormatError, match=r"shard-000000.tar.abidx: its checksum does not match"):
-        ab.open_dataset(str(path))
+    good = side.read_bytes()
+    for at, when in ((len(good) - 16 - 64 - 2, "open"), (100, "read"), (len(good) - 3, "open")):
+        data = bytearray(good)
+        data[at] ^= 1
+        side.write_bytes(bytes(data))
+        expected = "checksum does not match" if at != len(good) - 3 else "without its summary"
+        with pytest.raises(FormatError, match=rf"shard-000000.tar.abidx: .*{expected}"):
+            dataset = ab.open_dataset(str(path))
+            assert when == "read"
+            with ab.Loader(dataset, batch_size=8) as loader:
+                list(loader)
     side.write_bytes(b"not an index at all")
     with pytest.raises(FormatError, match="not an asyncbatch tar index"):
         ab.open_dataset(str(path))
-    # A sidecar whose digest holds but whose arrays do not fit the shard.
-    index = ShardIndex.parse(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], "x")
+    # A sidecar whose digests hold but whose arrays do not fit the shard: when it is read.
+    index = ShardIndex.parse(good, "x")
     wrong = dataclasses.replace(index, ends=index.ends + path.stat().st_size)
     side.write_bytes(wrong.pack())
-    with pytest.raises(FormatError, match=r"abidx: corrupt tar index \(a sample past the shard"):
-        ab.open_dataset(str(path))
+    with (
+        ab.Loader(ab.open_dataset(str(path)), batch_size=8) as loader,
+        pytest.raises(FormatError, match=r"abidx: corrupt tar index \(a sample past the shard"),
+    ):
+        list(loader)
+    # A sidecar of version 1 (written before summaries) is still read, whole, at open.
+    side.write_bytes(pack_v1(index))
+    dataset = ab.open_dataset(str(path))
+    assert isinstance(dataset.arrays["wds_indexes"][0], ShardIndex)
+    with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
+        for batch in loader:
+            check_batch(batch, reference([str(path)]))
+
+
+def pack_v1(index: ShardIndex) -> bytes:
+    """``index`` as a version 1 sidecar: no summary, the field names closing the body."""
+    names = [n.encode() for n in index.fields]
+    name_offsets = np.cumsum([0, *(len(n) for n in names)]).astype("<u4")
+    body = b"".join(
+        (
+            index.starts.astype("<u8").tobytes(),
+            index.ends.astype("<u8").tobytes(),
+            index.key_offsets.astype("<u8").tobytes(),
+            index.offsets.astype("<u8").tobytes(),
+            index.lengths.astype("<u8").tobytes(),
+            index.members.astype("<u4").tobytes(),
+            name_offsets.tobytes(),
+            index.field.astype("<u4").tobytes(),
+            index.keys.tobytes(),
+            b"".join(names),
+        )
+    )
+    from asyncbatch._checksums import digest
+
+    header = struct.pack(
+        "<8sIIQQQQQQ",
+        b"ABTARIDX",
+        1,
+        len(names),
+        index.size,
+        index.num_samples,
+        index.offsets.size,
+        index.keys.size,
+        int(name_offsets[-1]),
+        digest(body),
+    )
+    return header + body
 
 
 def test_a_sidecar_of_another_size_is_refused_at_open_where_listed(

@@ -2,10 +2,13 @@
 its fields sub-ranges of it, found in the member index (:mod:`._webdataset_index`).
 
 Opening finds the shards (a ``.tar`` URL, a folder or prefix, a glob, a list, or a brace
-pattern such as ``s3://b/laion/{000000..000123}.tar``) and reads each one's sidecar index
-(``000000.tar.abidx``), or scans the shards that have none: all at once, each in large
+pattern such as ``s3://b/laion/{000000..000123}.tar``) and reads the summary at the end of
+each one's sidecar index (``000000.tar.abidx``): its samples, fields and shard size, one
+small range each, all at once; it scans the shards that have none, each in large
 sequential ranges. A dataset is a ``Manifest("webdataset")`` with one shard per tar (its
-elements: its samples) and the samples' and members' arrays in ``Dataset.arrays``.
+elements: its samples); ``Dataset.arrays`` holds, per shard, its sidecar's summary or the
+index a scan made. A source fetches the rest of a sidecar (the members' offsets) when a
+batch first reads its shard (:mod:`._webdataset_tables`).
 
 Reading a group of batches plans one byte range per sample (its first header to its last
 member's end; neighbours merged as the store's request cost says), or with
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,47 +38,71 @@ from .._errors import ConfigError, FormatError, NotFoundError
 from .._layout import ReadPlan, ShardMap
 from .._manifest import Manifest, ShardInfo
 from ..stores._base import ObjectInfo, Store
-from ._base import Opener, PlannedSource
-from ._webdataset_index import BLOCK, FORMAT, ShardIndex, read_whole, scanned_index, sidecar_url
+from ._base import Fetch, OffLoop, Opener, Read
+from ._webdataset_index import (
+    BLOCK,
+    FORMAT,
+    ShardIndex,
+    SidecarSummary,
+    read_sidecar,
+    read_whole,
+    scanned_index,
+    sidecar_url,
+)
 from ._webdataset_shards import claims, find_shards, limited, probe_webdataset
+from ._webdataset_tables import (
+    DEFAULT_INDEX_CACHE_BYTES,
+    LazyShard,
+    ShardTable,
+    ShardTables,
+    shard_table,
+)
 
 Int64Array = npt.NDArray[np.int64]
 
 #: open_dataset's options for WebDataset shards.
 OPTIONS = ("columns",)
 KEY, URL = "__key__", "__url__"
-# Dataset.arrays keys.
-STARTS, ENDS, MEMBERS = "wds_starts", "wds_ends", "wds_members"
-FIELDS, OFFSETS, LENGTHS = "wds_field", "wds_offsets", "wds_lengths"
-KEYS, KEY_OFFSETS = "wds_keys", "wds_key_offsets"
+#: The Dataset.arrays key: per shard, its sidecar's summary or its whole index (an object
+#: array, one entry per shard whichever it holds).
+INDEXES = "wds_indexes"
+#: Summaries of sidecars read at once at open (each one small range).
+CONCURRENT_SUMMARIES = 64
 _STRING = FieldSchema(dtype="str", shape=(-1,), nested=True, tensor=False)
 _BYTES = FieldSchema(dtype="bytes", shape=(-1,), nested=True, tensor=False)
 
+#: What opening knows of a shard's index: its sidecar's summary, or the whole index.
+Entry = SidecarSummary | ShardIndex
 
-async def shard_index(
+
+async def sidecar_entry(
     store: Store, url: str, info: ObjectInfo | None, sidecar: ObjectInfo | None, has: bool | None
-) -> tuple[ShardIndex, bool]:
-    """The index of the shard ``url`` from its sidecar (unless ``has`` says there is none),
-    else from a scan of the shard; and whether it came from the sidecar."""
+) -> Entry | None:
+    """The summary of the sidecar of the shard ``url`` (the whole index, of a version 1
+    sidecar); None where it has none (``has`` False, or not found)."""
+    if has is False:
+        return None
     side = sidecar_url(url)
-    if has is not False:
-        try:
-            data = await read_whole(store, side, sidecar)
-        except NotFoundError:
-            if has:
-                raise
-        else:
-            index = ShardIndex.parse(data, side)
-            if info is not None and info.size != index.size:
-                raise FormatError(
-                    f"{url}: {info.size} bytes, but its index {side} was made from a shard of"
-                    f" {index.size} bytes: the shard changed after it was indexed; write the"
-                    f" index again with `asyncbatch index {url}`"
-                )
-            return index, True
+    try:
+        entry = await read_sidecar(store, side, sidecar)
+    except NotFoundError:
+        if has:
+            raise
+        return None
+    if info is not None and info.size != entry.size:
+        raise FormatError(
+            f"{url}: {info.size} bytes, but its index {side} was made from a shard of"
+            f" {entry.size} bytes: the shard changed after it was indexed; write the"
+            f" index again with `asyncbatch index {url}`"
+        )
+    return entry
+
+
+async def scan_entry(store: Store, url: str, info: ObjectInfo | None) -> ShardIndex:
+    """The index of the shard ``url`` without a sidecar, from the node cache or a scan."""
     if info is None:
         info = await store.stat(url)
-    return await scanned_index(store, url, info), False
+    return await scanned_index(store, url, info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +113,7 @@ async def open_webdataset(
     url: str, store: Store, storage_options: Mapping[str, Any], options: Mapping[str, Any]
 ) -> Dataset:
     """WebDataset shards at ``url`` (a ``.tar``, folder, prefix, glob or brace pattern): their
-    sidecar indexes, or a scan of the shards without one."""
+    sidecars' summaries, or a scan of the shards without one."""
     columns = _columns_option(options)
     root, shards, known, has = await find_shards(url, store)
     return await _open_shards(root, shards, known, has, store, storage_options, columns)
@@ -131,19 +158,32 @@ async def _open_shards(
     storage_options: Mapping[str, Any],
     columns: list[str] | None,
 ) -> Dataset:
-    found = await limited(
-        [shard_index(store, u, known.get(u), known.get(sidecar_url(u)), has.get(u)) for u in shards]
+    found: list[Entry | None] = await limited(
+        [
+            sidecar_entry(store, u, known.get(u), known.get(sidecar_url(u)), has.get(u))
+            for u in shards
+        ],
+        CONCURRENT_SUMMARIES,
     )
-    indexes: list[ShardIndex] = [index for index, _ in found]
-    dataset = await asyncio.to_thread(
-        webdataset_dataset,
-        root,
-        shards,
-        indexes,
-        storage_options,
-        columns,
-        sum(1 for _, sidecar in found if sidecar),
-    )
+    sidecars = sum(1 for entry in found if entry is not None)
+    scans = [i for i, entry in enumerate(found) if entry is None]
+    scanned = await limited([scan_entry(store, shards[i], known.get(shards[i])) for i in scans])
+    by_shard: dict[int, Entry] = dict(zip(scans, scanned, strict=True))
+    entries = [entry if entry is not None else by_shard[i] for i, entry in enumerate(found)]
+    try:
+        dataset = await asyncio.to_thread(
+            webdataset_dataset, root, shards, entries, storage_options, columns, sidecars
+        )
+    except _LacksField as lacking:  # its whole sidecar, to name the sample
+        side = sidecar_url(shards[lacking.shard])
+        entries[lacking.shard] = ShardIndex.parse(await read_whole(store, side), side)
+        await asyncio.to_thread(
+            webdataset_dataset, root, shards, entries, storage_options, columns, sidecars
+        )
+        raise FormatError(
+            f"{side}: its summary says a sample lacks a field, its index does not (corrupt);"
+            " write it again with `asyncbatch index`"
+        ) from None
     # Where a listing told every shard's version (an S3 ETag), it identifies the bytes for
     # resume states beside the indexes' digest, at no request of its own.
     versions = tuple(known[u].version if u in known else None for u in shards)
@@ -152,42 +192,29 @@ async def _open_shards(
     return replace(dataset, versions=versions)
 
 
+class _LacksField(Exception):
+    """A shard known by its summary only has a sample without a selected field."""
+
+    def __init__(self, shard: int) -> None:
+        super().__init__(shard)
+        self.shard = shard
+
+
 def webdataset_dataset(
     root: str,
     shards: Sequence[str],
-    indexes: Sequence[ShardIndex],
+    entries: Sequence[Entry],
     storage_options: Mapping[str, Any],
     columns: list[str] | None,
     sidecars: int = 0,
 ) -> Dataset:
-    """The dataset of ``shards`` with these indexes: every sample must hold every field of
-    ``columns`` (default: every field any sample holds)."""
+    """The dataset of ``shards`` with these summaries or indexes: every sample must hold
+    every field of ``columns`` (default: every field any sample holds)."""
     names: dict[str, int] = {}
-    for index in indexes:
-        for name in index.fields:
+    for entry in entries:
+        for name in entry.fields:
             names.setdefault(name, len(names))
     fields = list(names)
-    field_ids = [
-        np.array([names[n] for n in index.fields], dtype=np.int64)[index.field]
-        if index.fields
-        else index.field
-        for index in indexes
-    ]
-    counts = np.array([index.num_samples for index in indexes], dtype=np.int64)
-    members = _concat([index.members for index in indexes])
-    key_lengths = _concat([np.diff(index.key_offsets) for index in indexes])
-    arrays: dict[str, npt.NDArray[Any]] = {
-        STARTS: _concat([index.starts for index in indexes]),
-        ENDS: _concat([index.ends for index in indexes]),
-        MEMBERS: members,
-        FIELDS: _concat(field_ids).astype(np.int32),
-        OFFSETS: _concat([index.offsets for index in indexes]),
-        LENGTHS: _concat([index.lengths for index in indexes]),
-        KEYS: np.concatenate([index.keys for index in indexes])
-        if indexes
-        else np.empty(0, np.uint8),
-        KEY_OFFSETS: np.cumsum(np.append(0, key_lengths)).astype(np.int64),
-    }
     chosen = list(columns) if columns is not None else fields
     missing = [c for c in chosen if c not in names]
     if missing:
@@ -195,58 +222,71 @@ def webdataset_dataset(
     reserved = [c for c in chosen if c in (KEY, URL)]
     if reserved:
         raise FormatError(f"{shards[0]}: a field named {reserved[0]!r}, which the batch's own uses")
-    _check_fields(shards, counts, arrays, fields, chosen)
+    summaries = [e.summary() if isinstance(e, ShardIndex) else e for e in entries]
+    for s, (entry, summary) in enumerate(zip(entries, summaries, strict=True)):
+        held = dict(zip(summary.fields, summary.field_samples.tolist(), strict=True))
+        if all(held.get(c, 0) == summary.samples for c in chosen):
+            continue
+        if isinstance(entry, SidecarSummary):
+            raise _LacksField(s)
+        _check_fields(shards[s], entry, fields, chosen, summaries)
     prefix = root.rstrip("/") + "/"
     infos = tuple(
-        ShardInfo(u[len(prefix) :] if u.startswith(prefix) else u, index.size, index.num_samples)
-        for u, index in zip(shards, indexes, strict=True)
+        ShardInfo(u[len(prefix) :] if u.startswith(prefix) else u, s.size, s.samples)
+        for u, s in zip(shards, summaries, strict=True)
     )
+    selected = 0
+    for summary in summaries:
+        bytes_of = dict(zip(summary.fields, summary.field_bytes.tolist(), strict=True))
+        selected += sum(bytes_of[c] for c in chosen) + summary.key_bytes
     metadata = {
         "read_in_place": FORMAT,
         "fields": fields,
         "columns": chosen,
         "sidecars": sidecars,
+        # Bytes of the selected fields' data and the keys, all samples together.
+        "selected_bytes": selected,
         # The indexes say where every sample lies: two datasets of one shape still differ
-        # here, so a resume state of one is refused on the other.
-        "fingerprint": format_digest(digest(b"".join(index.pack() for index in indexes))),
+        # here, so a resume state of one is refused on the other. Their summaries hold
+        # their digests, so a sidecar's summary and a scan of its shard agree.
+        "fingerprint": format_digest(digest(b"".join(s.packed for s in summaries))),
     }
     manifest = Manifest(FORMAT, np.dtype(np.uint8), infos, metadata)
-    return Dataset(root, manifest, dict(storage_options), arrays)
-
-
-def _concat(parts: Sequence[Int64Array]) -> Int64Array:
-    return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+    kept = np.empty(len(entries), dtype=object)
+    kept[:] = list(entries)
+    return Dataset(root, manifest, dict(storage_options), {INDEXES: kept})
 
 
 def _check_fields(
-    shards: Sequence[str],
-    counts: Int64Array,
-    arrays: Mapping[str, npt.NDArray[Any]],
+    shard: str,
+    index: ShardIndex,
     fields: list[str],
     chosen: list[str],
+    summaries: Sequence[SidecarSummary],
 ) -> None:
-    """A ConfigError naming the first sample that lacks a field of ``chosen``."""
-    members = arrays[MEMBERS]
-    samples = int(members.size)
-    if not samples:
-        return
-    owner = np.repeat(np.arange(samples), members)
-    present = np.zeros((samples, len(fields)), dtype=bool)
-    present[owner, arrays[FIELDS]] = True
-    wanted = np.array([fields.index(c) for c in chosen], dtype=np.int64)
-    lacking = ~present[:, wanted]
-    bad = np.flatnonzero(lacking.any(axis=1))
-    if not bad.size:
-        return
-    s = int(bad[0])
-    shard = int(np.searchsorted(np.cumsum(counts), s, side="right"))
-    offsets = arrays[KEY_OFFSETS]
-    key = arrays[KEYS][offsets[s] : offsets[s + 1]].tobytes().decode("utf-8", "surrogateescape")
+    """A ConfigError naming the first sample of ``index`` that lacks a field of ``chosen``."""
+    samples = index.num_samples
+    owner = np.repeat(np.arange(samples), index.members)
+    present = np.zeros((samples, len(index.fields)), dtype=bool)
+    present[owner, index.field] = True
+    wanted = [index.fields.index(c) if c in index.fields else -1 for c in chosen]
+    lacking = np.stack(
+        [present[:, w] if w >= 0 else np.zeros(samples, bool) for w in wanted], axis=1
+    )
+    lacking = ~lacking
+    s = int(np.flatnonzero(lacking.any(axis=1))[0])
     absent = [chosen[j] for j in np.flatnonzero(lacking[s]).tolist()]
-    held = [fields[j] for j in np.flatnonzero(present[s]).tolist()]
-    common = [fields[j] for j in np.flatnonzero(present.all(axis=0)).tolist()]
+    held = [index.fields[j] for j in np.flatnonzero(present[s]).tolist()]
+    common = [
+        name
+        for name in fields
+        if all(
+            dict(zip(m.fields, m.field_samples.tolist(), strict=True)).get(name, 0) == m.samples
+            for m in summaries
+        )
+    ]
     raise ConfigError(
-        f"{shards[shard]}: sample {key!r} has no {', '.join(map(repr, absent))} field (it holds"
+        f"{shard}: sample {index.key(s)!r} has no {', '.join(map(repr, absent))} field (it holds"
         f" {held}); a batch has one column per field with a value for every sample, and the"
         f" fields every sample holds are {common}: choose among them with"
         " ab.open_dataset(..., options={'columns': [...]})"
@@ -287,14 +327,44 @@ def _octal(fields: npt.NDArray[np.uint8]) -> Int64Array:
     return value
 
 
-class WebDatasetSamples(PlannedSource):
+@dataclass(frozen=True, eq=False)
+class _Picked:
+    """What the index says of the samples of one group, in their order: shard, byte range
+    and the selected members' data offsets and lengths (``[samples, columns]``), offsets
+    local to the shard; their keys as UTF-8 bytes with offsets."""
+
+    shards: Int64Array
+    starts: Int64Array
+    ends: Int64Array
+    offsets: Int64Array
+    lengths: Int64Array
+    keys: npt.NDArray[np.uint8]
+    key_offsets: Int64Array
+
+
+class WebDatasetSamples:
     """Sample ``i`` is sample ``i`` of the shards one after another (of the datasets of a
-    mixture one after another); fields: ``__key__``, ``__url__`` and the selected ones."""
+    mixture one after another); fields: ``__key__``, ``__url__`` and the selected ones.
+
+    The sidecars of shards opened from their summaries follow the shards in
+    :attr:`shard_urls`; a group fetches those of the shards it reads that are not cached
+    (:class:`~._webdataset_tables.ShardTables`), then its samples."""
 
     #: Decoding checks every member's header (numpy over the headers, off the loop).
     converts = True
 
-    def __init__(self, datasets: Sequence[Dataset]) -> None:
+    def __init__(
+        self, datasets: Sequence[Dataset], index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES
+    ) -> None:
+        if (
+            isinstance(index_cache_bytes, bool)
+            or not isinstance(index_cache_bytes, int)
+            or index_cache_bytes < 0
+        ):
+            raise ConfigError(
+                "format_options index_cache_bytes must be a number of bytes,"
+                f" got {index_cache_bytes!r}"
+            )
         self.datasets: Sequence[Dataset] = list(datasets)
         first = self.datasets[0].manifest.metadata
         self.columns: list[str] = list(first["columns"])
@@ -305,55 +375,57 @@ class WebDatasetSamples(PlannedSource):
                     f" {self.columns} as {self.datasets[0].url}: open both with the same"
                     " options={'columns': [...]}"
                 )
-        self.shard_urls: Sequence[str] = [u for d in self.datasets for u in d.shard_urls]
+        shard_urls = [u for d in self.datasets for u in d.shard_urls]
         shards = [len(d.manifest.shards) for d in self.datasets]
-        self.shard_dataset = np.repeat(np.arange(len(shards), dtype=np.int64), shards)
+        shard_dataset = np.repeat(np.arange(len(shards), dtype=np.int64), shards)
         per_shard = np.array(
             [s.elements for d in self.datasets for s in d.manifest.shards], dtype=np.int64
         )
         #: Samples before the end of each shard: a sample's shard by ``np.searchsorted``.
         self.shard_ends = np.cumsum(per_shard)
+        self.shard_starts = self.shard_ends - per_shard
         self.sizes = np.array([d.manifest.total_elements for d in self.datasets], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
         self.file_sizes = np.array(
             [s.nbytes for d in self.datasets for s in d.manifest.shards], dtype=np.int64
         )
         self.file_map = ShardMap(self.file_sizes, 1)
-        arrays = [d.arrays for d in self.datasets]
-        self.starts = _concat([a[STARTS] for a in arrays])
-        self.ends = _concat([a[ENDS] for a in arrays])
-        self.offsets = _concat([a[OFFSETS] for a in arrays])
-        self.lengths = _concat([a[LENGTHS] for a in arrays])
-        # Which member holds each selected field of each sample: [samples, fields].
         width = len(self.columns)
-        self.table = np.full((self.num_samples, width), -1, dtype=np.int64)
-        sample_base = member_base = 0
+        fixed: dict[int, ShardTable] = {}
+        lazy: dict[int, LazyShard] = {}
+        sidecars: list[str] = []
+        sidecar_dataset: list[int] = []
+        #: What the engine checks of each sidecar it reads: its size.
+        self.described_files: dict[str, tuple[int, int | None]] = {}
         whole = True
-        for dataset, a in zip(self.datasets, arrays, strict=True):
-            fields: list[str] = dataset.manifest.metadata["fields"]
-            whole = whole and set(fields) <= set(self.columns)
-            column_of = np.full(len(fields), -1, dtype=np.int64)
-            for j, name in enumerate(self.columns):
-                column_of[fields.index(name)] = j
-            counts = a[MEMBERS]
-            owner = np.repeat(np.arange(counts.size, dtype=np.int64), counts) + sample_base
-            column = column_of[a[FIELDS]]
-            chosen = np.flatnonzero(column >= 0)
-            self.table[owner[chosen], column[chosen]] = chosen + member_base
-            sample_base += int(counts.size)
-            member_base += int(counts.sum())
-        if (self.table < 0).any():
-            raise ConfigError("a sample lacks a selected field (the datasets were opened apart)")
+        g = 0
+        for k, dataset in enumerate(self.datasets):
+            whole = whole and set(dataset.manifest.metadata["fields"]) <= set(self.columns)
+            for entry in dataset.arrays[INDEXES].tolist():
+                column_of = np.array(
+                    [self.columns.index(f) if f in self.columns else -1 for f in entry.fields],
+                    dtype=np.int64,
+                )
+                if isinstance(entry, ShardIndex):
+                    fixed[g] = shard_table(entry, column_of, width, shard_urls[g])
+                else:
+                    side = sidecar_url(shard_urls[g])
+                    file = len(shard_urls) + len(sidecars)
+                    lazy[g] = LazyShard(file, side, entry, column_of)
+                    sidecars.append(side)
+                    sidecar_dataset.append(k)
+                    self.described_files[side] = (entry.sidecar_bytes, None)
+                g += 1
+        self.tables = ShardTables(fixed, lazy, width, index_cache_bytes)
+        self.shard_urls: Sequence[str] = [*shard_urls, *sidecars]
+        self.shard_dataset = np.concatenate(
+            [shard_dataset, np.array(sidecar_dataset, dtype=np.int64)]
+        )
         #: Every member of every sample is selected: a sample is read as one range.
         self.whole = whole
-        key_lengths = _concat([np.diff(a[KEY_OFFSETS]) for a in arrays])
-        self.keys = np.concatenate([a[KEYS] for a in arrays])
-        self.key_offsets = np.cumsum(np.append(0, key_lengths)).astype(np.int64)
-        self.urls, self.url_offsets = _string_table(self.shard_urls)
-        data = int(self.lengths[self.table].sum())
-        self.sample_bytes = max(
-            1, (data + int(self.keys.size)) // max(1, self.num_samples) + BLOCK * width
-        )
+        self.urls, self.url_offsets = _string_table(shard_urls)
+        data = sum(int(d.manifest.metadata["selected_bytes"]) for d in self.datasets)
+        self.sample_bytes = max(1, data // max(1, self.num_samples) + BLOCK * width)
         self.schema = {KEY: _STRING, URL: _STRING}
         self.schema.update({name: _BYTES for name in self.columns})
 
@@ -361,28 +433,80 @@ class WebDatasetSamples(PlannedSource):
         """The shard (numbered through the datasets) of each sample of ``ids``."""
         return np.searchsorted(self.shard_ends, ids, side="right").astype(np.int64)
 
-    def plan(self, ids: Int64Array, gap: int) -> ReadPlan:
+    def fetch(self, ids: Int64Array, gap: int) -> Fetch:
+        """The tables of the shards ``ids`` lie in (their sidecars fetched where not cached,
+        in this group's turn), then one range per sample (or per selected member), then the
+        fields, their headers checked."""
+        shards = self.shard_of(ids)
+        wait, turn = self.tables.turns.take()
+        try:
+            if wait is not None:
+                yield wait
+            tables = yield from self.tables.load(np.unique(shards))
+            picked = self._pick(ids, shards, tables)
+            plan = self._plan(picked, gap)
+        finally:  # the next group may fetch its sidecars
+            if not turn.done():
+                turn.set_result(None)
+        buffer = yield Read(plan)
+        fields: dict[str, Any] = yield OffLoop(lambda: self._decode(buffer, picked))
+        return fields
+
+    def _pick(
+        self, ids: Int64Array, shards: Int64Array, tables: Mapping[int, ShardTable]
+    ) -> _Picked:
+        """What the tables say of samples ``ids``: one numpy pass per shard they lie in."""
+        count, width = ids.size, len(self.columns)
+        local = ids - self.shard_starts[shards]
+        starts = np.empty(count, dtype=np.int64)
+        ends = np.empty(count, dtype=np.int64)
+        offsets = np.empty((count, width), dtype=np.int64)
+        lengths = np.empty((count, width), dtype=np.int64)
+        key_lengths = np.empty(count, dtype=np.int64)
+        order = np.argsort(shards, kind="stable")
+        cuts = np.flatnonzero(np.diff(shards[order])) + 1
+        keys: list[npt.NDArray[np.uint8]] = []
+        for rows in np.split(order, cuts) if count else []:
+            table, at = tables[int(shards[rows[0]])], local[rows]
+            starts[rows], ends[rows] = table.starts[at], table.ends[at]
+            offsets[rows], lengths[rows] = table.offsets[at], table.lengths[at]
+            first, last = table.key_offsets[at], table.key_offsets[at + 1]
+            key_lengths[rows] = last - first
+            within = np.arange(int((last - first).sum())) - np.repeat(
+                np.cumsum(last - first) - (last - first), last - first
+            )
+            keys.append(table.keys[np.repeat(first, last - first) + within])
+        key_offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(key_lengths, out=key_offsets[1:])
+        sorted_keys = np.concatenate(keys) if keys else np.empty(0, np.uint8)
+        # The keys came shard by shard (``order``): each to its sample's place.
+        moved = key_lengths[order]
+        dest = np.repeat(key_offsets[order] - (np.cumsum(moved) - moved), moved)
+        key_data = np.empty(int(key_offsets[-1]), dtype=np.uint8)
+        key_data[dest + np.arange(dest.size)] = sorted_keys
+        return _Picked(shards, starts, ends, offsets, lengths, key_data, key_offsets)
+
+    def _plan(self, picked: _Picked, gap: int) -> ReadPlan:
         """One range per sample (or per selected member), merged across gaps the store says
         cost less than a request; each member's data copied to its field's place, field
         after field, then every member's header."""
-        members = self.table[ids].T.ravel()  # field-major
-        base = self.file_map.starts[self.shard_of(ids)]
-        member_base = np.tile(base, len(self.columns))
-        data_at = member_base + self.offsets[members]
-        lengths = self.lengths[members]
+        base = self.file_map.starts[picked.shards]
+        data_at = (base[:, None] + picked.offsets).T.ravel()  # field-major
+        lengths = picked.lengths.T.ravel()
         if self.whole:
-            starts = base + self.starts[ids]
-            spans = self.ends[ids] - self.starts[ids]
+            starts = base + picked.starts
+            spans = picked.ends - picked.starts
         else:
             starts = data_at - BLOCK
             spans = lengths + BLOCK
         planned = self.file_map.plan(starts, spans, gap)
         read_at = self.file_map.starts[planned.read_shard] + planned.read_start
         data = int(lengths.sum())
+        members = lengths.size
         sources = np.concatenate([data_at, data_at - BLOCK])
-        sizes = np.concatenate([lengths, np.full(members.size, BLOCK, dtype=np.int64)])
+        sizes = np.concatenate([lengths, np.full(members, BLOCK, dtype=np.int64)])
         dest = np.concatenate(
-            [np.cumsum(lengths) - lengths, data + BLOCK * np.arange(members.size, dtype=np.int64)]
+            [np.cumsum(lengths) - lengths, data + BLOCK * np.arange(members, dtype=np.int64)]
         )
         read = np.searchsorted(read_at, sources, side="right") - 1
         keep = sizes > 0
@@ -395,21 +519,20 @@ class WebDatasetSamples(PlannedSource):
             piece_src=(sources - read_at[read])[keep],
             piece_dest=dest[keep],
             piece_length=sizes[keep],
-            nbytes=data + BLOCK * int(members.size),
+            nbytes=data + BLOCK * members,
         )
 
-    def decode(self, buffer: npt.NDArray[np.uint8], ids: Int64Array) -> dict[str, Any]:
-        """The fields of samples ``ids`` as views of ``buffer``, after their headers are
+    def _decode(self, buffer: npt.NDArray[np.uint8], picked: _Picked) -> dict[str, Any]:
+        """The fields of the picked samples as views of ``buffer``, after their headers are
         checked against the index."""
-        count = ids.size
-        members = self.table[ids].T.ravel()
-        lengths = self.lengths[members]
+        count = picked.shards.size
+        lengths = picked.lengths.T.ravel()
         data = int(lengths.sum())
-        headers = buffer[data : data + BLOCK * members.size].reshape(members.size, BLOCK)
-        self._check_headers(headers, members, lengths, ids)
+        headers = buffer[data : data + BLOCK * lengths.size].reshape(lengths.size, BLOCK)
+        self._check_headers(headers, lengths, picked)
         fields: dict[str, Any] = {
-            KEY: _gather(self.keys, self.key_offsets, ids),
-            URL: _gather(self.urls, self.url_offsets, self.shard_of(ids)),
+            KEY: Strings(torch.from_numpy(picked.keys), torch.from_numpy(picked.key_offsets)),
+            URL: _gather(self.urls, self.url_offsets, picked.shards),
         }
         at = 0
         for j, name in enumerate(self.columns):
@@ -424,16 +547,12 @@ class WebDatasetSamples(PlannedSource):
         return fields
 
     def _check_headers(
-        self,
-        headers: npt.NDArray[np.uint8],
-        members: Int64Array,
-        lengths: Int64Array,
-        ids: Int64Array,
+        self, headers: npt.NDArray[np.uint8], lengths: Int64Array, picked: _Picked
     ) -> None:
         """Each member's header (the 512 bytes before its data) must be a tar header (its
         checksum right) of a regular file of the indexed length; else a FormatError naming the
         shard, the sample's key and the header's byte range."""
-        if not members.size:
+        if not lengths.size:
             return
         unsigned = headers.sum(axis=1, dtype=np.int64)
         stored_field = headers[:, 148:156]
@@ -451,11 +570,12 @@ class WebDatasetSamples(PlannedSource):
         if not bad.size:
             return
         m = int(bad[0])
-        sample = int(ids[m % ids.size])
-        field = self.columns[m // ids.size]
-        shard = int(self.shard_of(np.array([sample]))[0])
-        start = int(self.offsets[members[m]]) - BLOCK
-        key = self.keys[self.key_offsets[sample] : self.key_offsets[sample + 1]].tobytes()
+        count = picked.shards.size
+        row, column = m % count, m // count
+        field = self.columns[column]
+        start = int(picked.offsets[row, column]) - BLOCK
+        at = picked.key_offsets
+        key = picked.keys[at[row] : at[row + 1]].tobytes()
         why = (
             "bad checksum"
             if not checksum[m]
@@ -466,10 +586,11 @@ class WebDatasetSamples(PlannedSource):
             )
         )
         raise FormatError(
-            f"{self.shard_urls[shard]}: sample {key.decode('utf-8', 'surrogateescape')!r},"
-            f" field {field!r}: bytes [{start}, {start + BLOCK}) are not the member's tar header"
-            f" the index says ({why}); the shard changed after it was indexed, or is corrupt:"
-            " write its index again with `asyncbatch index`"
+            f"{self.shard_urls[int(picked.shards[row])]}: sample"
+            f" {key.decode('utf-8', 'surrogateescape')!r}, field {field!r}: bytes [{start},"
+            f" {start + BLOCK}) are not the member's tar header the index says ({why}); the"
+            " shard changed after it was indexed, or is corrupt: write its index again with"
+            " `asyncbatch index`"
         )
 
 
@@ -479,19 +600,22 @@ def webdataset_samples(
     seq_len: int | None,
     next_token: bool,
     dtype: Any,
+    index_cache_bytes: int = DEFAULT_INDEX_CACHE_BYTES,
     **options: Any,
 ) -> WebDatasetSamples:
-    """Source factory of the ``webdataset`` format: samples of tar shards."""
+    """Source factory of the ``webdataset`` format: samples of tar shards. Its one
+    ``format_options`` entry, ``index_cache_bytes``, bounds the sidecar tables kept."""
     if options:
         raise ConfigError(
-            f"WebDataset shards take no format_options, got {sorted(options)}; choose fields"
-            " with ab.open_dataset(..., options={'columns': [...]})"
+            f"WebDataset shards take no format_options but index_cache_bytes, got"
+            f" {sorted(options)}; choose fields with ab.open_dataset(..., options={{'columns':"
+            " [...]})"
         )
     if seq_len is not None or next_token:
         raise ConfigError("seq_len= and next_token= do not apply to WebDataset samples")
     if dtype is not None:
         raise ConfigError("dtype= does not apply to WebDataset samples: fields are bytes")
-    return WebDatasetSamples(datasets)
+    return WebDatasetSamples(datasets, index_cache_bytes)
 
 
 WEBDATASET_OPENER = Opener(

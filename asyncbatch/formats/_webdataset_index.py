@@ -10,31 +10,44 @@ rest of the name, lowercased (``jpg``, ``seg.png``). A sample ends at its shard'
 key split across two shards is two samples; a key seen again after another is another
 sample; one field twice in a sample is a FormatError, as webdataset raises.
 
-The sidecar layout, little-endian::
+The sidecar layout (version 2), little-endian::
 
     offset size type   field
     0      8    bytes  magic "ABTARIDX"
-    8      4    u32    version (1)
+    8      4    u32    version (2)
     12     4    u32    F: field names
     16     8    u64    the shard's size in bytes
     24     8    u64    S: samples
     32     8    u64    M: members (fields of all samples)
     40     8    u64    K: bytes of the keys
     48     8    u64    N: bytes of the field names
-    56     8    u64    xxh3-64 of every byte after the header
-    64          u64[S]   sample start: the first header of its first member
+    56     8    u64    xxh3-64 of the body
+    64          body:
+                u64[S]   sample start: the first header of its first member
                 u64[S]   sample end: the end of its last member's data
                 u64[S+1] key offsets into the keys
                 u64[M]   member data offset in the shard
                 u64[M]   member data length
                 u32[S]   members of each sample (they follow each other)
-                u32[F+1] field name offsets into the names
                 u32[M]   member field (index into the names)
                 u8[K]    keys, UTF-8, one after another
+                summary:
+                u64[F]   samples holding each field
+                u64[F]   bytes of each field's data, all samples together
+                u32[F+1] field name offsets into the names
                 u8[N]    field names, UTF-8, one after another
+                64 bytes the header again
+    end - 16    u64    xxh3-64 of the summary
+    end - 8     bytes  magic "ABTARIDX"
 
-Every array is read with one ``np.frombuffer``; the header's digest and the arrays' own
-consistency (starts before ends, members inside their sample, inside the shard) are checked.
+Opening reads the summary only, from the sidecar's end (one suffix range, which also tells
+the sidecar's size): each shard's sample count, fields and size. The header and body, bytes
+``[0, 64 + body)``, are fetched when a batch first reads the shard; their header must be the
+summary's copy, and their digest the header's. Every array is read with one
+``np.frombuffer``; the arrays' own consistency (starts before ends, members inside their
+sample, inside the shard, the fields' counts the summary's) is checked. Sidecars of version
+1 (the same header and arrays, the field names' offsets and names closing the body, no
+summary) are still read, whole, at open.
 """
 
 from __future__ import annotations
@@ -59,15 +72,18 @@ Int64Array = npt.NDArray[np.int64]
 FORMAT = "webdataset"
 SIDECAR_SUFFIX = ".abidx"
 MAGIC = b"ABTARIDX"
-VERSION = 1
+VERSION = 2
 BLOCK = 512
 #: Bytes of a shard read at once when it is scanned without a sidecar.
 SCAN_CHUNK = 8 << 20
-#: Bytes of a sidecar read first (a larger one takes a second read of the rest).
+#: Bytes of a version 1 sidecar read first (a larger one takes a second read of the rest).
 SIDECAR_PROBE = 256 << 10
+#: Bytes at a sidecar's end read at open: its summary (a larger one takes a second read).
+SUMMARY_PROBE = 1 << 10
 #: The most bytes a long-name or pax header's data may hold.
 MAX_NAME_DATA = 1 << 20
 _HEADER = struct.Struct("<8sIIQQQQQQ")
+_TRAILER = struct.Struct("<Q8s")
 #: webdataset's ``base_plus_ext``: the key (folder part kept) and the extensions.
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 #: webdataset's ``skip_meta`` (matched at the start of a name).
@@ -79,6 +95,116 @@ _REGULAR = (b"0", b"\0", b"7")
 def sidecar_url(shard_url: str) -> str:
     """Where the sidecar index of ``shard_url`` lives: beside it, the name plus ``.abidx``."""
     return shard_url + SIDECAR_SUFFIX
+
+
+@dataclass(frozen=True, eq=False)
+class SidecarSummary:
+    """What opening reads of a sidecar: its header and summary (see the module's layout).
+    Enough to place the shard's samples and choose its fields; the rest, its body, is
+    fetched (``[0, fetch_bytes)``) when a batch first reads the shard."""
+
+    #: The 64-byte header, as the sidecar's start must hold it.
+    header: bytes
+    size: int
+    samples: int
+    members: int
+    key_bytes: int
+    fields: tuple[str, ...]
+    #: Samples holding each field; bytes of each field's data (all samples).
+    field_samples: Int64Array
+    field_bytes: Int64Array
+    #: The summary's own bytes (the header copy last): what identifies the index.
+    packed: bytes
+
+    @property
+    def body_bytes(self) -> int:
+        s, m = self.samples, self.members
+        return 8 * (3 * s + 1 + 2 * m) + 4 * (s + m) + self.key_bytes
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Bytes of the sidecar a batch fetches: its header and body."""
+        return _HEADER.size + self.body_bytes
+
+    @property
+    def sidecar_bytes(self) -> int:
+        """The whole sidecar's size."""
+        return self.fetch_bytes + len(self.packed) + _TRAILER.size
+
+    @classmethod
+    def parse(cls, data: bytes | bytearray | memoryview, total: int, url: str) -> SidecarSummary:
+        """The summary from the sidecar's last bytes ``data`` (its summary and trailer,
+        :func:`summary_span` of them), the sidecar being ``total`` bytes."""
+        view = memoryview(data)
+        packed = bytes(view[: -_TRAILER.size])
+        checksum, _ = _TRAILER.unpack_from(view, len(view) - _TRAILER.size)
+        if digest(packed) != checksum:
+            raise FormatError(f"{url}: its checksum does not match its bytes (corrupt)")
+        header = packed[-_HEADER.size :]
+        _, _, nfields, size, samples, members, nkeys, nnames, _ = _HEADER.unpack(header)
+        at = 0
+
+        def take(dtype: str, count: int) -> Int64Array:
+            nonlocal at
+            array = np.frombuffer(packed, dtype=dtype, count=count, offset=at)
+            at += array.nbytes
+            return array.astype(np.int64)
+
+        field_samples, field_bytes = take("<u8", nfields), take("<u8", nfields)
+        name_offsets = take("<u4", nfields + 1)
+        fields = _names(packed[at : at + nnames], name_offsets, url)
+        summary = cls(
+            header, size, samples, members, nkeys, fields, field_samples, field_bytes, packed
+        )
+        if summary.sidecar_bytes != total:
+            raise FormatError(
+                f"{url}: {total} bytes, but its header ({samples} samples, {members} members)"
+                f" needs {summary.sidecar_bytes}: truncated or corrupt; write it again with"
+                " `asyncbatch index`"
+            )
+        if (
+            len(set(fields)) != len(fields)
+            or bool((field_samples > samples).any())
+            or int(field_samples.sum()) != members
+        ):
+            raise FormatError(f"{url}: corrupt tar index (its field counts); write it again")
+        return summary
+
+
+def summary_span(tail: bytes | bytearray | memoryview, total: int, url: str) -> int | None:
+    """Bytes at the end of a ``total``-byte sidecar that hold its summary and trailer, from
+    its last bytes ``tail`` (at least 80 of them, or all); None for a sidecar
+    without a summary (version 1, or not a sidecar at all)."""
+    view = memoryview(tail)
+    if len(view) < _TRAILER.size or bytes(view[-8:]) != MAGIC:
+        return None
+    if total < _HEADER.size * 2 + _TRAILER.size:
+        raise FormatError(
+            f"{url}: {total} bytes: truncated; write it again with `asyncbatch index`"
+        )
+    end = len(view) - _TRAILER.size
+    magic, version, nfields, *_, nnames, _ = _HEADER.unpack_from(view, end - _HEADER.size)
+    if magic != MAGIC or version != VERSION:
+        raise FormatError(
+            f"{url}: tar index version {version} is unknown (known: {VERSION}), or corrupt;"
+            " write it again with `asyncbatch index`"
+        )
+    span: int = 16 * nfields + 4 * (nfields + 1) + nnames + _HEADER.size + _TRAILER.size
+    if span > total:
+        raise FormatError(f"{url}: corrupt tar index (its summary is larger than it)")
+    return span
+
+
+def _names(raw: bytes, offsets: Int64Array, url: str) -> tuple[str, ...]:
+    if offsets.size and (int(offsets[0]) != 0 or int(offsets[-1]) != len(raw)):
+        raise FormatError(f"{url}: corrupt field names; write it again")
+    try:
+        return tuple(
+            raw[a:b].decode("utf-8", "surrogateescape")
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+        )
+    except ValueError as exc:
+        raise FormatError(f"{url}: corrupt field names: {exc}") from exc
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,11 +232,8 @@ class ShardIndex:
         raw = self.keys[int(self.key_offsets[sample]) : int(self.key_offsets[sample + 1])]
         return raw.tobytes().decode("utf-8", "surrogateescape")
 
-    def pack(self) -> bytes:
-        """The sidecar's bytes."""
-        names = [name.encode("utf-8", "surrogateescape") for name in self.fields]
-        name_offsets = np.cumsum([0, *(len(n) for n in names)]).astype("<u4")
-        body = b"".join(
+    def _body(self) -> bytes:
+        return b"".join(
             (
                 self.starts.astype("<u8").tobytes(),
                 self.ends.astype("<u8").tobytes(),
@@ -118,13 +241,13 @@ class ShardIndex:
                 self.offsets.astype("<u8").tobytes(),
                 self.lengths.astype("<u8").tobytes(),
                 self.members.astype("<u4").tobytes(),
-                name_offsets.tobytes(),
                 self.field.astype("<u4").tobytes(),
                 self.keys.tobytes(),
-                b"".join(names),
             )
         )
-        header = _HEADER.pack(
+
+    def _header(self, body: bytes, nnames: int) -> bytes:
+        return _HEADER.pack(
             MAGIC,
             VERSION,
             len(self.fields),
@@ -132,27 +255,117 @@ class ShardIndex:
             self.num_samples,
             int(self.offsets.size),
             int(self.keys.size),
-            int(name_offsets[-1]),
+            nnames,
             digest(body),
         )
-        return header + body
+
+    def _summary(self, header: bytes) -> bytes:
+        names = [name.encode("utf-8", "surrogateescape") for name in self.fields]
+        name_offsets = np.cumsum([0, *(len(n) for n in names)]).astype("<u4")
+        count = len(self.fields)
+        field_samples = np.bincount(self.field, minlength=count)[:count]
+        field_bytes = np.bincount(self.field, weights=self.lengths, minlength=count)[:count]
+        return b"".join(
+            (
+                field_samples.astype("<u8").tobytes(),
+                field_bytes.astype("<u8").tobytes(),
+                name_offsets.tobytes(),
+                b"".join(names),
+                header,
+            )
+        )
+
+    def pack(self) -> bytes:
+        """The sidecar's bytes."""
+        body = self._body()
+        nnames = sum(len(n.encode("utf-8", "surrogateescape")) for n in self.fields)
+        header = self._header(body, nnames)
+        summary = self._summary(header)
+        return header + body + summary + _TRAILER.pack(digest(summary), MAGIC)
+
+    def summary(self) -> SidecarSummary:
+        """What opening reads of this index's sidecar."""
+        packed = self.pack()
+        span = summary_span(packed, len(packed), "")
+        assert span is not None
+        return SidecarSummary.parse(packed[-span:], len(packed), "")
 
     @classmethod
     def parse(cls, data: bytes | bytearray | memoryview, url: str) -> ShardIndex:
-        """The index in the sidecar ``data`` read from ``url``; a FormatError naming the URL
-        for anything the layout does not allow."""
+        """The index in the whole sidecar ``data`` read from ``url`` (version 1 or 2); a
+        FormatError naming the URL for anything the layout does not allow."""
         view = memoryview(data)
         if len(view) < _HEADER.size or bytes(view[:8]) != MAGIC:
             raise FormatError(
                 f"{url}: not an asyncbatch tar index (no {MAGIC.decode()} magic); write it"
                 " again with `asyncbatch index`"
             )
-        magic, version, nfields, size, samples, members, nkeys, nnames, checksum = (
-            _HEADER.unpack_from(view)
+        version = _HEADER.unpack_from(view)[1]
+        if version == 1:
+            return cls._parse_v1(view, url)
+        span = summary_span(view, len(view), url)
+        if span is None:
+            raise FormatError(
+                f"{url}: tar index version {version} without its summary: truncated or corrupt;"
+                " write it again with `asyncbatch index`"
+            )
+        summary = SidecarSummary.parse(view[-span:], len(view), url)
+        return cls.from_body(view[: summary.fetch_bytes], summary, url)
+
+    @classmethod
+    def from_body(
+        cls, data: bytes | bytearray | memoryview, summary: SidecarSummary, url: str
+    ) -> ShardIndex:
+        """The index from a sidecar's first ``summary.fetch_bytes`` bytes ``data`` (its
+        header and body), whose summary was read before."""
+        view = memoryview(data)
+        if bytes(view[: _HEADER.size]) != summary.header:
+            raise FormatError(
+                f"{url}: bytes [0, {_HEADER.size}) are not the header its summary holds: it"
+                " changed after it was opened, or is corrupt; write it again with"
+                " `asyncbatch index`"
+            )
+        body = view[_HEADER.size : summary.fetch_bytes]
+        checksum = _HEADER.unpack(summary.header)[-1]
+        if len(body) != summary.body_bytes or digest(body) != checksum:
+            raise FormatError(f"{url}: its checksum does not match its bytes (corrupt)")
+        samples, members = summary.samples, summary.members
+        at = 0
+
+        def take(dtype: str, count: int) -> Int64Array:
+            nonlocal at
+            array = np.frombuffer(body, dtype=dtype, count=count, offset=at)
+            at += array.nbytes
+            return array.astype(np.int64)
+
+        starts, ends = take("<u8", samples), take("<u8", samples)
+        key_offsets = take("<u8", samples + 1)
+        offsets, lengths = take("<u8", members), take("<u8", members)
+        per_sample = take("<u4", samples)
+        field = take("<u4", members)
+        keys = np.frombuffer(body, dtype=np.uint8, count=summary.key_bytes, offset=at)
+        index = cls(
+            summary.size,
+            starts,
+            ends,
+            key_offsets,
+            keys,
+            per_sample,
+            offsets,
+            lengths,
+            field,
+            summary.fields,
         )
-        del magic
-        if version != VERSION:
-            raise FormatError(f"{url}: tar index version {version} is unknown (known: {VERSION})")
+        index.check(url)
+        count = len(summary.fields)
+        if not np.array_equal(np.bincount(field, minlength=count), summary.field_samples):
+            raise FormatError(f"{url}: corrupt tar index (its field counts); write it again")
+        return index
+
+    @classmethod
+    def _parse_v1(cls, view: memoryview, url: str) -> ShardIndex:
+        """A version 1 sidecar: no summary, the field names closing the body."""
+        _, _, nfields, size, samples, members, nkeys, nnames, checksum = _HEADER.unpack_from(view)
         expected = (
             _HEADER.size
             + 8 * (3 * samples + 1 + 2 * members)
@@ -171,7 +384,7 @@ class ShardIndex:
             raise FormatError(f"{url}: its checksum does not match its bytes (corrupt)")
         at = 0
 
-        def take(dtype: str, count: int) -> npt.NDArray[np.int64]:
+        def take(dtype: str, count: int) -> Int64Array:
             nonlocal at
             array = np.frombuffer(body, dtype=dtype, count=count, offset=at)
             at += array.nbytes
@@ -184,14 +397,7 @@ class ShardIndex:
         name_offsets = take("<u4", nfields + 1)
         field = take("<u4", members)
         keys = np.frombuffer(body, dtype=np.uint8, count=nkeys, offset=at)
-        raw_names = bytes(body[at + nkeys :])
-        try:
-            fields = tuple(
-                raw_names[a:b].decode("utf-8", "surrogateescape")
-                for a, b in zip(name_offsets[:-1].tolist(), name_offsets[1:].tolist(), strict=True)
-            )
-        except ValueError as exc:
-            raise FormatError(f"{url}: corrupt field names: {exc}") from exc
+        fields = _names(bytes(body[at + nkeys :]), name_offsets, url)
         index = cls(
             size, starts, ends, key_offsets, keys, per_sample, offsets, lengths, field, fields
         )
@@ -522,6 +728,39 @@ async def scan_shard(store: Store, url: str, size: int) -> ShardIndex:
         # header's data is at most MAX_NAME_DATA, so this ends.
         want = SCAN_CHUNK if walk.position > start else 2 * want
     return await asyncio.to_thread(walk.index)
+
+
+async def read_sidecar(
+    store: Store, url: str, info: ObjectInfo | None = None
+) -> SidecarSummary | ShardIndex:
+    """The summary of the sidecar at ``url``: one read of its last :data:`SUMMARY_PROBE`
+    bytes that also tells its size (a plain range when ``info`` tells it), a second where
+    the summary is larger. A version 1 sidecar, which has none, is read whole: its index."""
+    if info is None:
+        tail, info = await fetch_tail(store, url, SUMMARY_PROBE)
+    else:
+        tail, info = await tail_by_stat(store, url, SUMMARY_PROBE, info)
+    span = summary_span(tail, info.size, url)
+    if span is None:
+        return ShardIndex.parse(await _rest(store, url, info.size, tail), url)
+    if span > len(tail):
+        tail = await _rest(store, url, info.size, tail, span)
+    return SidecarSummary.parse(memoryview(tail)[-span:], info.size, url)
+
+
+async def _rest(
+    store: Store, url: str, size: int, tail: bytes | bytearray, want: int | None = None
+) -> bytes:
+    """The last ``want`` bytes (default: all) of the ``size``-byte object ``url`` whose last
+    bytes ``tail`` were read."""
+    start = size - (size if want is None else want)
+    if start >= size - len(tail):
+        return bytes(tail)
+    head = bytearray(size - len(tail) - start)
+    await store.read_ranges(
+        url, starts=[start], ends=[start + len(head)], buffers=[memoryview(head)]
+    )
+    return bytes(head) + bytes(tail)
 
 
 async def read_whole(store: Store, url: str, info: ObjectInfo | None = None) -> bytes:

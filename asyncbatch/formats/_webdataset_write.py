@@ -405,22 +405,21 @@ async def write_webdataset_async(
 def _dataset(
     root: str, urls: list[str], indexes: list[ShardIndex], options: Mapping[str, Any]
 ) -> Dataset:
-    """The dataset written: every field, or where samples hold other fields, those every
-    sample holds (a batch has a value of each of its fields for every sample)."""
-    try:
+    """The dataset written, as opening it finds it (the sidecars' summaries): every field,
+    or where samples hold other fields, those every sample holds (a batch has a value of
+    each of its fields for every sample)."""
+    common: set[str] | None = None
+    for index in indexes:
+        bounds = np.cumsum(np.append(0, index.members)).tolist()
+        for a, b in itertools.pairwise(bounds):
+            held = {index.fields[f] for f in index.field[a:b].tolist()}
+            common = held if common is None else common & held
+    order = dict.fromkeys(name for index in indexes for name in index.fields)
+    if not common:  # the error that names a sample without the fields
         return webdataset_dataset(root, urls, indexes, options, None, len(urls))
-    except ConfigError:
-        common: set[str] | None = None
-        for index in indexes:
-            bounds = np.cumsum(np.append(0, index.members)).tolist()
-            for a, b in itertools.pairwise(bounds):
-                held = {index.fields[f] for f in index.field[a:b].tolist()}
-                common = held if common is None else common & held
-        if not common:
-            raise
-        order = dict.fromkeys(name for index in indexes for name in index.fields)
-        columns = [name for name in order if name in common]
-        return webdataset_dataset(root, urls, indexes, options, columns, len(urls))
+    columns = None if set(order) == common else [name for name in order if name in common]
+    summaries = [index.summary() for index in indexes]
+    return webdataset_dataset(root, urls, summaries, options, columns, len(urls))
 
 
 async def _listed_versions(
