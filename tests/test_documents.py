@@ -683,8 +683,11 @@ def test_checksums_cover_document_shards(tmp_path: Path, verify: str, index: str
 
 
 def test_per_shard_writer_cuts_shards_at_document_ends(tmp_path: Path) -> None:
+    # Whole indexes (the earlier per-shard files; paged ones: test_documents_paged.py).
     docs = [[1, 2], [3], [], [4, 5, 6, 7, 8, 9, 10, 11], [], [12], [13, 14]]
-    dataset = ab.write_documents(str(tmp_path / "ds"), docs, dtype=np.uint16, shard_size=6)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), docs, dtype=np.uint16, shard_size=6, page_documents=None
+    )
     root = tmp_path / "ds"
     # Shards close after the document reaching 6 bytes (3 tokens); the empty document after
     # one joins it; the document of 8 tokens makes one larger shard.
@@ -700,7 +703,10 @@ def test_per_shard_writer_cuts_shards_at_document_ends(tmp_path: Path) -> None:
         assert np.frombuffer(raw, "<i8").tolist() == local
         assert entry["bytes"] == len(raw) and entry["checksum"] == format_digest(digest(raw))
     # The helpers a writer of its own (prepare) uses give the same entries.
-    infos = [shard_index_info(p, shard_index_bytes(o)) for p, o in zip(paths, wanted, strict=True)]
+    infos = [
+        shard_index_info(p, shard_index_bytes(o, page_documents=None))
+        for p, o in zip(paths, wanted, strict=True)
+    ]
     assert per_shard_metadata([3, 2, 2], infos) == metadata
     with ab.Loader(dataset, batch_size=len(docs), shuffle=False) as loader:
         column = next(iter(loader))["tokens"]
@@ -712,8 +718,11 @@ def test_a_rank_fetches_only_the_indexes_of_its_shards_once(
     tmp_path: Path, documents: Documents
 ) -> None:
     """Counted at the server: opening reads the manifest alone; each index file is fetched
-    once at most, and only when a batch touches its shard."""
-    dataset = ab.write_documents(str(tmp_path / "ds"), documents, shard_size=2000)
+    once at most, and only when a batch touches its shard (whole indexes; paged ones:
+    test_documents_paged.py)."""
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), documents, shard_size=2000, page_documents=None
+    )
     shards = len(dataset.manifest.shards)
     counts = np.array(dataset.manifest.metadata["shard_documents"])
     assert shards > 8
@@ -784,7 +793,7 @@ def _rewrite_manifest(root: Path, change: Any) -> None:
 def test_per_shard_index_that_disagrees_is_refused(tmp_path: Path) -> None:
     docs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     root = tmp_path / "ds"
-    ab.write_documents(str(root), docs, dtype=np.uint16, shard_size=6)
+    ab.write_documents(str(root), docs, dtype=np.uint16, shard_size=6, page_documents=None)
     saved = (root / "manifest.json").read_text()
     index = root / "shard-00001.idx"  # documents [4, 5] and [6]
     url = str(index)
@@ -859,7 +868,8 @@ def test_verify_checks_the_index_files(tmp_path: Path) -> None:
 def write_many_documents(root: Path, count: int, per_shard: int) -> npt.NDArray[np.int64]:
     """A per-shard documents dataset of ``count`` short documents (0 to 5 tokens, each token
     its document's number modulo 60,000), written with numpy and the writers' helpers as
-    ``prepare`` writes one: fast for millions of documents. The documents' lengths."""
+    ``prepare`` wrote one before paged indexes (whole ones): fast for millions of documents.
+    The documents' lengths."""
     lengths = np.random.default_rng(1).integers(0, 6, count)
     tokens = np.repeat(np.arange(count) % 60_000, lengths).astype(np.uint16)
     ends = np.cumsum(lengths)
@@ -874,7 +884,7 @@ def write_many_documents(root: Path, count: int, per_shard: int) -> npt.NDArray[
         blocks = block_digests(data, DEFAULT_CHECKSUM_BLOCK)
         shards.append(ShardInfo(name, len(data), len(data) // 2, 0, digest(data), blocks))
         local = np.concatenate([[0], ends[first:last] - start])
-        raw = shard_index_bytes(local)
+        raw = shard_index_bytes(local, page_documents=None)
         (root / index_path(name)).write_bytes(raw)
         infos.append(shard_index_info(index_path(name), raw))
         counts.append(last - first)

@@ -407,11 +407,7 @@ class DocumentSamples(PlannedSource):
         index = self.index
         assert index is not None
         try:
-            if index.ranged:
-                starts, ends = yield from index.read_spans(ids, gap)
-            else:
-                table = yield from index.load(np.unique(index.segments_of_documents(ids)))
-                starts, ends = index.spans(ids, table)
+            starts, ends = yield from index.document_spans(ids, gap)
             starts, lengths = self._cut(starts, ends - starts)
             plan = self._plan(starts, lengths, gap)
         finally:
@@ -542,10 +538,8 @@ class PackedDocuments(TokenWindows):
         that are not cached yet are fetched while the tokens are read."""
         if self.index is None:
             return (yield from super().fetch(ids, gap))
-        index = self.index
         starts = self.window_starts(ids)
-        segments = index.segments_of_windows(starts, self.window)
-        loading = self._offsets(ids, starts, segments, gap)
+        loading = self._offsets(ids, starts, gap)
         (offsets, numbers, meta), buffer = yield (loading, Read(self.windows(ids, gap)))
 
         def decode() -> dict[str, Any]:
@@ -563,13 +557,13 @@ class PackedDocuments(TokenWindows):
         return decode()
 
     def _offsets(
-        self, ids: Int64Array, starts: Int64Array, segments: Int64Array, gap: int
+        self, ids: Int64Array, starts: Int64Array, gap: int
     ) -> Generator[Step, Any, tuple[Int64Array, Int64Array, Callable[[], dict[str, Any]] | None]]:
         """The offsets around the windows (see :meth:`DocumentIndex.window_offsets`), and with
         metadata, once its values are fetched, what makes its columns."""
         index = self.index
         assert index is not None
-        offsets, numbers = index.window_offsets(segments, (yield from index.load(segments)))
+        offsets, numbers = yield from index.window_offsets(starts, self.window)
         metadata = self.metadata
         if metadata is None:
             return offsets, numbers, None

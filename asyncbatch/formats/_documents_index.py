@@ -1,28 +1,41 @@
 """The per-shard document index: its manifest entries, the helpers a writer needs, and the
-cache a source fetches shard indexes into as batches need them.
+cache a source fetches index pieces into as batches need them.
 
 Layout (``metadata["document_index"] == "per_shard"``): documents never cross shard ends.
 Shard ``s`` holds ``metadata["shard_documents"][s]`` documents and has an index file beside it
 (``metadata["shard_indexes"][s]``: ``path``, ``bytes``, and ``checksum`` when the manifest
-records checksums) of ``n_s + 1`` little-endian int64 offsets *local to the shard*: 0 first,
-the shard's element count last, never decreasing. Global document ``d`` lives in shard
-``searchsorted(cumsum(shard_documents), d, "right")``.
+records checksums) holding the ``n_s + 1`` little-endian int64 offsets of its documents
+*local to the shard*: 0 first, the shard's element count last, never decreasing. Global
+document ``d`` lives in shard ``searchsorted(cumsum(shard_documents), d, "right")``.
 
-Opening reads the manifest only: O(shards) bytes, whatever the number of documents. A
-source fetches the index of a shard whole (one range read through the engine) the first time
-a batch touches that shard, checks it, and keeps it in a cache of at most
-``index_cache_bytes`` (least recently used indexes dropped first); concurrent batches that
-need one index share one fetch. Documents as samples, when the indexes of all shards do not
-fit that cache, read instead just the two offsets of each document asked for, by range
-(neighbouring documents' merged as the token reads are): a shuffle over more shards than the
-cache holds then costs 16 bytes of index per document, not a whole index per shard touched.
+Two kinds of index file:
+
+* *paged* (what the writers write; the entry has ``page_documents`` ``P`` and
+  ``top_checksum``): a 24-byte header (``ABDXPG01``, ``P``, ``n`` as int64), the ``n + 1``
+  offsets, then the *top level*: the first offset of each of the ``ceil(n / P)`` pages, then
+  each page's xxh3-64 (uint64). Page ``k`` is offsets ``kP .. min(n, (k+1)P)`` (both ends
+  included: ``P + 1`` offsets, a page's last being the next page's first). A source fetches a
+  shard's top level (checked against ``top_checksum``) the first time a batch touches the
+  shard, then only the pages the batch needs, by range (neighbouring pages in one read), each
+  checked against its checksum and its neighbours in the top level. Index bytes then grow
+  with what a rank reads, not with the documents of the shards it touches.
+* *whole* (earlier writers; no ``page_documents``): the offsets alone, fetched whole (one read)
+  the first time a batch touches the shard. Documents as samples, when the whole indexes of all
+  shards do not fit the cache, read instead just the two offsets of each document asked for,
+  by range (neighbouring documents' merged as the token reads are).
+
+Opening reads the manifest only: O(shards) bytes, whatever the number of documents. Top
+levels, pages and whole indexes share one cache of at most ``index_cache_bytes`` (least
+recently used dropped first, never what the batch fetching them needs); concurrent batches
+that need one piece share one fetch, so no piece is fetched twice while the cache holds it.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -32,7 +45,7 @@ import numpy.typing as npt
 
 from .._checksums import digest, format_digest, parse_digest
 from .._dataset import join_url
-from .._errors import ConfigError, FormatError, ManifestError, NotFoundError
+from .._errors import ChecksumError, ConfigError, FormatError, ManifestError, NotFoundError
 from .._layout import ReadPlan, ShardMap
 from .._manifest import MANIFEST_NAME
 from ._base import Read, Step, Wait
@@ -47,8 +60,31 @@ PER_SHARD = "per_shard"
 #: The key of the per-shard document counts in ``Dataset.arrays``.
 SHARD_DOCUMENTS = "shard_documents"
 INDEX_DTYPE = np.dtype("<i8")
-#: Bytes of shard indexes one source keeps (``format_options={"index_cache_bytes": ...}``).
-DEFAULT_INDEX_CACHE_BYTES = 256 * 2**20
+#: Bytes of index pieces one source keeps (``format_options={"index_cache_bytes": ...}``).
+DEFAULT_INDEX_CACHE_BYTES = 64 * 2**20
+#: The first bytes of a paged index file, and its header's size (magic, P, n).
+PAGED_MAGIC = b"ABDXPG01"
+HEADER_BYTES = 24
+#: Documents per page of the paged index the writers write (a page: 4 KiB of offsets).
+PAGE_DOCUMENTS = 512
+#: A page's bytes in the top level: its first offset and its checksum.
+TOP_ENTRY_BYTES = 16
+#: Cache keys' second part: a whole index, a top level (pages are numbered from 0).
+WHOLE, TOP = -1, -2
+Key = tuple[int, int]
+
+
+def page_count(documents: int, page_documents: int) -> int:
+    return -(-documents // page_documents)
+
+
+def index_file_bytes(documents: int, page_documents: int | None) -> int:
+    """The size of the index file of a shard of ``documents`` (whole when
+    ``page_documents`` is None)."""
+    entries = INDEX_DTYPE.itemsize * (documents + 1)
+    if page_documents is None:
+        return entries
+    return HEADER_BYTES + entries + TOP_ENTRY_BYTES * page_count(documents, page_documents)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,10 +97,13 @@ def index_path(shard_path: str) -> str:
     return f"{stem}.idx"
 
 
-def shard_index_bytes(local_offsets: npt.ArrayLike) -> bytes:
+def shard_index_bytes(
+    local_offsets: npt.ArrayLike, *, page_documents: int | None = PAGE_DOCUMENTS
+) -> bytes:
     """One shard's index file: the ``n + 1`` offsets of its ``n`` documents, local to the
     shard (0 first, never decreasing, the shard's element count last), as little-endian
-    int64."""
+    int64; paged (header, offsets, top level: see the module) unless ``page_documents`` is
+    None (the earlier whole layout, offsets alone)."""
     offsets = np.asarray(local_offsets)
     if (
         offsets.ndim != 1
@@ -78,15 +117,48 @@ def shard_index_bytes(local_offsets: npt.ArrayLike) -> bytes:
     offsets = offsets.astype(INDEX_DTYPE)
     if offsets[0] != 0 or (offsets[1:] < offsets[:-1]).any():
         raise ConfigError("shard offsets must start at 0 and never decrease")
-    return offsets.tobytes()
+    raw = offsets.tobytes()
+    if page_documents is None:
+        return raw
+    if (
+        isinstance(page_documents, bool)
+        or not isinstance(page_documents, int)
+        or page_documents < 1
+    ):
+        raise ConfigError(f"page_documents must be a positive integer, got {page_documents!r}")
+    n, size = offsets.size - 1, INDEX_DTYPE.itemsize
+    pages = page_count(n, page_documents)
+    view = memoryview(raw)
+    firsts = offsets[: pages * page_documents : page_documents]
+    sums = np.array(
+        [
+            digest(view[k * page_documents * size : (min(n, (k + 1) * page_documents) + 1) * size])
+            for k in range(pages)
+        ],
+        dtype="<u8",
+    )
+    header = PAGED_MAGIC + struct.pack("<qq", page_documents, n)
+    return header + raw + firsts.tobytes() + sums.tobytes()
 
 
 def shard_index_info(path: str, data: bytes, *, checksum: bool = True) -> dict[str, Any]:
     """The manifest entry of one shard's index file ``data`` written at ``path`` (relative to
-    the dataset root); ``checksum``: record its xxh3-64 (as the shards' checksums are)."""
+    the dataset root); ``checksum``: record its xxh3-64 (as the shards' checksums are). Of a
+    paged file, also its ``page_documents`` and its top level's checksum (always: it is what
+    the pages are checked against)."""
     info: dict[str, Any] = {"path": path, "bytes": len(data)}
     if checksum:
         info["checksum"] = format_digest(digest(data))
+    if bytes(data[: len(PAGED_MAGIC)]) == PAGED_MAGIC:
+        page_documents, n = struct.unpack_from("<qq", data, len(PAGED_MAGIC))
+        if page_documents < 1 or n < 0 or len(data) != index_file_bytes(n, page_documents):
+            raise ConfigError(
+                f"index file {path!r} of {len(data)} bytes is not a paged index of {n}"
+                f" documents in pages of {page_documents}"
+            )
+        top = memoryview(data)[HEADER_BYTES + INDEX_DTYPE.itemsize * (n + 1) :]
+        info["page_documents"] = page_documents
+        info["top_checksum"] = format_digest(digest(top))
     return info
 
 
@@ -100,10 +172,12 @@ def per_shard_metadata(
         raise ConfigError(f"{len(counts)} document counts for {len(index_infos)} index files")
     numbers = [int(n) for n in counts]
     for n, info in zip(numbers, index_infos, strict=True):
-        if n < 0 or int(info["bytes"]) != INDEX_DTYPE.itemsize * (n + 1):
+        page = info.get("page_documents")
+        if n < 0 or int(info["bytes"]) != index_file_bytes(n, None if page is None else int(page)):
             raise ConfigError(
                 f"index file {info.get('path')!r} of {info['bytes']} bytes cannot hold the"
                 f" {n + 1} offsets of {n} documents"
+                + ("" if page is None else f" in pages of {page}")
             )
     return {
         "documents": sum(numbers),
@@ -123,12 +197,15 @@ def is_per_shard(dataset: Dataset) -> bool:
 
 @dataclass(frozen=True)
 class ShardIndexes:
-    """The per-shard index entries of one dataset's manifest, checked."""
+    """The per-shard index entries of one dataset's manifest, checked. ``pages[s]``: the
+    documents per page of a paged index, 0 for a whole one."""
 
     counts: Int64Array
     urls: tuple[str, ...]
     nbytes: Int64Array
     checksums: tuple[int | None, ...]
+    pages: Int64Array
+    top_checksums: tuple[int | None, ...]
 
     @classmethod
     def of(cls, dataset: Dataset) -> ShardIndexes:
@@ -144,8 +221,15 @@ class ShardIndexes:
             checksums = [
                 None if e.get("checksum") is None else parse_digest(e["checksum"]) for e in entries
             ]
+            pages = [int(e.get("page_documents") or 0) for e in entries]
+            tops = [
+                parse_digest(e["top_checksum"]) if "page_documents" in e else None for e in entries
+            ]
             if isinstance(total, bool) or not isinstance(total, int):
                 raise TypeError(f"documents is {total!r}")
+            paged = ["page_documents" in e for e in entries]
+            if any(p < 1 for p, on in zip(pages, paged, strict=True) if on):
+                raise ValueError(f"page_documents {pages[:8]} must be positive")
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: no valid per-shard document index: {exc!r}") from exc
         if not len(counts) == len(paths) == len(shards):
@@ -158,12 +242,13 @@ class ShardIndexes:
                 f"{where}: shard_documents {counts[:8]}{'...' if len(counts) > 8 else ''}"
                 f" do not add up to the {total} documents"
             )
-        for n, path, size, shard in zip(counts, paths, nbytes, shards, strict=True):
+        for n, path, size, page, shard in zip(counts, paths, nbytes, pages, shards, strict=True):
             url = join_url(dataset.url, path)
-            if size != INDEX_DTYPE.itemsize * (n + 1):
+            if size != index_file_bytes(n, page or None):
+                kind = f" paged index ({page} documents a page)" if page else " int64 offsets"
                 raise ManifestError(
                     f"{where}: the index {url} (bytes [0, {size})) cannot hold the {n + 1}"
-                    f" int64 offsets of the {n} documents of {shard.path}"
+                    f"{kind} of the {n} documents of {shard.path}"
                 )
             if n == 0 and shard.elements:
                 raise ManifestError(
@@ -174,6 +259,8 @@ class ShardIndexes:
             tuple(join_url(dataset.url, p) for p in paths),
             np.array(nbytes, dtype=np.int64),
             tuple(checksums),
+            np.array(pages, dtype=np.int64),
+            tuple(tops),
         )
 
 
@@ -213,8 +300,9 @@ def check_local(offsets: Int64Array, elements: int, url: str) -> None:
 
 class DocumentIndex:
     """Document offsets of datasets numbered one after another, by *segment*: a shard of a
-    per-shard dataset (its offsets fetched when first needed) or a whole dataset whose offsets
-    are in memory (a single ``documents.idx``, Megatron). Documents never cross segments.
+    per-shard dataset (its offsets fetched when needed: whole, or by page) or a whole dataset
+    whose offsets are in memory (a single ``documents.idx``, Megatron). Documents never cross
+    segments.
 
     ``parts[k]``: dataset ``k``'s checked offsets if in memory, None if per-shard. Index files
     are numbered in the source's ``shard_urls`` from ``first_file`` on.
@@ -231,8 +319,11 @@ class DocumentIndex:
         elements: list[int] = []
         files: list[int] = []
         nbytes: list[int] = []
+        pages: list[int] = []
         checksums: list[int | None] = []
+        tops: list[int | None] = []
         self.urls: list[str] = []  # of each segment's index ("" when in memory)
+        self.shard_urls: list[str] = []  # of each segment's shard ("" when in memory)
         #: The index files, in the order of the source's ``shard_urls`` after the shards,
         #: and the dataset of each.
         self.index_urls: list[str] = []
@@ -245,8 +336,11 @@ class DocumentIndex:
                 elements.append(int(offsets[-1]))
                 files.append(-1)
                 nbytes.append(0)
+                pages.append(0)
                 checksums.append(None)
+                tops.append(None)
                 self.urls.append("")
+                self.shard_urls.append("")
                 continue
             layout = ShardIndexes.of(dataset)
             documents += layout.counts.tolist()
@@ -256,8 +350,11 @@ class DocumentIndex:
                 first_file + len(self.index_urls) + len(layout.urls),
             )
             nbytes += layout.nbytes.tolist()
+            pages += layout.pages.tolist()
             checksums += layout.checksums
+            tops += layout.top_checksums
             self.urls += layout.urls
+            self.shard_urls += dataset.shard_urls
             self.index_urls += layout.urls
             self.index_dataset += [k] * len(layout.urls)
         self.documents = np.array(documents, dtype=np.int64)
@@ -268,13 +365,17 @@ class DocumentIndex:
         self.element_starts = self.element_ends - self.elements
         self.file = np.array(files, dtype=np.int64)
         self.nbytes = np.array(nbytes, dtype=np.int64)
+        #: Documents per page of each segment's paged index (0: whole, or in memory).
+        self.page = np.array(pages, dtype=np.int64)
         lazy = self.file >= 0
-        #: The index files' entries as one stream (for reads of a few entries by range).
+        #: The index files' entries as one stream (for reads of a few entries by range, of
+        #: whole indexes only: a paged one's entries are read by checked page).
         self.entries = ShardMap(self.nbytes[lazy] // INDEX_DTYPE.itemsize, INDEX_DTYPE.itemsize)
         self.entry_base = np.zeros(len(documents), dtype=np.int64)
         self.entry_base[lazy] = self.entries.starts
         self.first_file = first_file
         self.checksums = checksums
+        self.top_checksums = tops
         #: What the manifests record of each index file, for the engine's checks.
         self.described_files: dict[str, tuple[int, int | None]] = {
             url: (int(n), c)
@@ -282,13 +383,13 @@ class DocumentIndex:
             if f >= 0
         }
         self.budget = budget
-        #: Whether documents as samples read their offsets by range instead of whole indexes:
-        #: when the indexes of all shards do not fit the cache.
-        self.ranged = int(self.nbytes.sum()) > budget
-        self._cache: OrderedDict[int, Int64Array] = OrderedDict()
+        #: Whether documents as samples read the offsets of whole indexes by range instead
+        #: of whole: when the whole indexes of all shards do not fit the cache.
+        self.ranged = int(self.nbytes[lazy & (self.page == 0)].sum()) > budget
+        self._cache: OrderedDict[Key, Int64Array] = OrderedDict()
         self._cached_bytes = 0
-        #: Fetches of shard indexes under way, settled by the batch that fetches them.
-        self._loading: dict[int, Future[Int64Array]] = {}
+        #: Fetches of index pieces under way, settled by the batch that fetches them.
+        self._loading: dict[Key, Future[Int64Array]] = {}
         self._pid = os.getpid()
         self.turns = Turns()
 
@@ -300,6 +401,11 @@ class DocumentIndex:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _pid=os.getpid())
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of index pieces the cache holds now (at most ``budget``, bar one batch's)."""
+        return self._cached_bytes
 
     def segments_of_documents(self, ids: Int64Array) -> Int64Array:
         return np.searchsorted(self.document_ends, ids, side="right").astype(np.int64)
@@ -315,98 +421,291 @@ class DocumentIndex:
             first = np.repeat(first, count) + step
         return np.unique(first).astype(np.int64)
 
-    def load(self, segments: Int64Array) -> Generator[Step, Any, dict[int, Int64Array]]:
-        """The local offsets of ``segments`` (unique), fetching those not cached; a fetch
+    # -- pieces, fetched once and shared -------------------------------------------------------
+
+    def _obtain(
+        self,
+        keys: Sequence[Key],
+        fetch: Callable[[list[Key]], Generator[Step, Any, dict[Key, Int64Array]]],
+    ) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        """The pieces ``keys`` (unique), fetching with ``fetch`` those not cached; a fetch
         another batch started is waited for, not repeated."""
         self._forked()
-        table: dict[int, Int64Array] = {}
-        todo = segments.tolist()
+        table: dict[Key, Int64Array] = {}
+        todo = list(keys)
         while todo:
-            missing: list[int] = []
-            waiting: dict[int, Future[Int64Array]] = {}
-            for s in todo:
-                offsets = self._fixed.get(s)
-                if offsets is None:
-                    offsets = self._cache.get(s)
-                    if offsets is not None:
-                        self._cache.move_to_end(s)
-                if offsets is not None:
-                    table[s] = offsets
-                elif s in self._loading:
-                    waiting[s] = self._loading[s]
+            missing: list[Key] = []
+            waiting: dict[Key, Future[Int64Array]] = {}
+            for key in todo:
+                value = self._cache.get(key)
+                if value is not None:
+                    self._cache.move_to_end(key)
+                    table[key] = value
+                elif key in self._loading:
+                    waiting[key] = self._loading[key]
                 else:
-                    missing.append(s)
+                    missing.append(key)
             if missing:
-                table.update((yield from self._fetch(missing)))
+                table.update((yield from self._fetching(missing, fetch)))
             if waiting:
                 yield Wait(tuple(waiting.values()))
             todo = []
-            for s, future in waiting.items():
+            for key, future in waiting.items():
                 if future.cancelled():  # the batch fetching it was stopped: fetch it here
-                    todo.append(s)
+                    todo.append(key)
                     continue
                 error = future.exception()
                 if error is not None:
                     raise error
-                table[s] = future.result()
+                table[key] = future.result()
         return table
 
-    def _fetch(self, segments: list[int]) -> Generator[Step, Any, dict[int, Int64Array]]:
-        futures: dict[int, Future[Int64Array]] = {s: Future() for s in segments}
+    def _fetching(
+        self,
+        keys: list[Key],
+        fetch: Callable[[list[Key]], Generator[Step, Any, dict[Key, Int64Array]]],
+    ) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        futures: dict[Key, Future[Int64Array]] = {key: Future() for key in keys}
         self._loading.update(futures)
         try:
-            chosen = np.array(segments, dtype=np.int64)
-            sizes = self.nbytes[chosen]
-            dest = np.cumsum(sizes) - sizes
-            none = np.zeros(0, dtype=np.int64)
-            plan = ReadPlan(
-                self.file[chosen], np.zeros_like(sizes), sizes, dest, none, none, none, none,
-                int(sizes.sum()),
-            )  # fmt: skip
-            try:
-                buffer = yield Read(plan)
-            except NotFoundError as exc:
-                raise FormatError(
-                    f"{exc.url or ', '.join(self.urls[s] for s in segments)}: a document index"
-                    " the manifest names is missing"
-                ) from exc
-            got: dict[int, Int64Array] = {}
-            for s, at, size in zip(segments, dest.tolist(), sizes.tolist(), strict=True):
-                raw = buffer[at : at + size]
-                expected = self.checksums[s]
-                if expected is not None and digest(raw) != expected:
-                    raise FormatError(
-                        f"{self.urls[s]}: bytes [0, {size}): checksum"
-                        f" {format_digest(digest(raw))}, the manifest says"
-                        f" {format_digest(expected)}"
-                    )
-                offsets = raw.view(INDEX_DTYPE).astype(np.int64)  # a copy: the buffer is pooled
-                check_local(offsets, int(self.elements[s]), self.urls[s])
-                got[s] = offsets
+            got = yield from fetch(keys)
         except BaseException as exc:
             # Stopped (cancelled, or the generator closed): the waiters fetch it themselves.
-            for s, future in futures.items():
-                del self._loading[s]
+            for key, future in futures.items():
+                del self._loading[key]
                 if isinstance(exc, Exception):
                     future.set_exception(exc)
                 else:
                     future.cancel()
             raise
-        for s, offsets in got.items():
-            del self._loading[s]
-            futures[s].set_result(offsets)
-            self._cache[s] = offsets
-            self._cached_bytes += offsets.nbytes
+        for key, value in got.items():
+            del self._loading[key]
+            futures[key].set_result(value)
+            self._cache[key] = value
+            self._cached_bytes += value.nbytes
         while self._cached_bytes > self.budget and len(self._cache) > len(got):
             _, dropped = self._cache.popitem(last=False)
             self._cached_bytes -= dropped.nbytes
         return got
+
+    def _read(
+        self, segments: Sequence[int], starts: Sequence[int], sizes: Sequence[int]
+    ) -> Generator[Step, Any, tuple[npt.NDArray[np.uint8], list[int]]]:
+        """Bytes ``[start, start + size)`` of the index files of ``segments``, in one read;
+        the buffer and where each range lies in it."""
+        chosen = np.array(segments, dtype=np.int64)
+        size = np.array(sizes, dtype=np.int64)
+        dest = np.cumsum(size) - size
+        start = np.array(starts, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        plan = ReadPlan(
+            self.file[chosen], start, start + size, dest, none, none, none, none, int(size.sum())
+        )
+        try:
+            buffer = yield Read(plan)
+        except NotFoundError as exc:
+            named = exc.url or ", ".join(sorted({self.urls[s] for s in segments}))
+            raise FormatError(f"{named}: a document index the manifest names is missing") from exc
+        return buffer, dest.tolist()
+
+    def load(self, segments: Int64Array) -> Generator[Step, Any, dict[int, Int64Array]]:
+        """The local offsets of ``segments`` (unique; in memory, or of whole indexes),
+        fetching those not cached."""
+        table = {s: self._fixed[s] for s in segments.tolist() if s in self._fixed}
+        keys = [(s, WHOLE) for s in segments.tolist() if s not in self._fixed]
+        if keys:
+            got = yield from self._obtain(keys, self._fetch_whole)
+            table.update((s, offsets) for (s, _), offsets in got.items())
+        return table
+
+    def _fetch_whole(self, keys: list[Key]) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        segments = [s for s, _ in keys]
+        sizes = self.nbytes[segments].tolist()
+        buffer, dest = yield from self._read(segments, [0] * len(segments), sizes)
+        got: dict[Key, Int64Array] = {}
+        for s, at, size in zip(segments, dest, sizes, strict=True):
+            raw = buffer[at : at + size]
+            expected = self.checksums[s]
+            if expected is not None and digest(raw) != expected:
+                raise FormatError(
+                    f"{self.urls[s]}: bytes [0, {size}): checksum"
+                    f" {format_digest(digest(raw))}, the manifest says"
+                    f" {format_digest(expected)}"
+                )
+            offsets = raw.view(INDEX_DTYPE).astype(np.int64)  # a copy: the buffer is pooled
+            check_local(offsets, int(self.elements[s]), self.urls[s])
+            got[(s, WHOLE)] = offsets
+        return got
+
+    def _top_range(self, s: int) -> tuple[int, int]:
+        n, page = int(self.documents[s]), int(self.page[s])
+        start = HEADER_BYTES + INDEX_DTYPE.itemsize * (n + 1)
+        return start, start + TOP_ENTRY_BYTES * page_count(n, page)
+
+    def tops(self, segments: Sequence[int]) -> Generator[Step, Any, dict[int, Int64Array]]:
+        """The top levels of paged ``segments``: per segment ``[2, pages]`` int64, the first
+        offset of each page, then its checksum (as int64 bits)."""
+        got = yield from self._obtain([(s, TOP) for s in segments], self._fetch_tops)
+        return {s: top for (s, _), top in got.items()}
+
+    def _fetch_tops(self, keys: list[Key]) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        segments = [s for s, _ in keys]
+        ranges = [self._top_range(s) for s in segments]
+        buffer, dest = yield from self._read(
+            segments, [a for a, _ in ranges], [b - a for a, b in ranges]
+        )
+        got: dict[Key, Int64Array] = {}
+        for s, (a, b), at in zip(segments, ranges, dest, strict=True):
+            raw = buffer[at : at + b - a]
+            expected = self.top_checksums[s]
+            if expected is not None and digest(raw) != expected:
+                raise ChecksumError(
+                    f"{self.urls[s]}: bytes [{a}, {b}): the top level of the paged index of"
+                    f" shard {self.shard_urls[s]}: checksum {format_digest(digest(raw))},"
+                    f" the manifest says {format_digest(expected)}",
+                    self.urls[s],
+                    a,
+                    b,
+                )
+            top = raw.view(INDEX_DTYPE).astype(np.int64).reshape(2, -1)
+            firsts = top[0]
+            bad = np.flatnonzero(
+                np.concatenate([firsts[:1] != 0, firsts[1:] < firsts[:-1]])
+                | (firsts > self.elements[s])
+            )
+            if bad.size:
+                k = int(bad[0])
+                raise FormatError(
+                    f"{self.urls[s]}: bytes [{a + 8 * k}, {a + 8 * k + 8}): page {k} of the"
+                    f" index of shard {self.shard_urls[s]} starts at element {firsts[k]},"
+                    f" out of order in the {self.elements[s]} elements of the shard"
+                )
+            got[(s, TOP)] = top
+        return got
+
+    def pages(
+        self, keys: Sequence[Key], tops: Mapping[int, Int64Array]
+    ) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        """Pages ``keys`` (``(segment, page)``, unique), each the page's local offsets
+        (``P + 1``, fewer in the last page), checked against ``tops``."""
+
+        def fetch(missing: list[Key]) -> Generator[Step, Any, dict[Key, Int64Array]]:
+            return self._fetch_pages(missing, tops)
+
+        return (yield from self._obtain(keys, fetch))
+
+    def _fetch_pages(
+        self, keys: list[Key], tops: Mapping[int, Int64Array]
+    ) -> Generator[Step, Any, dict[Key, Int64Array]]:
+        # Neighbouring pages of one index in one range (a page's last offset is the next
+        # page's first: the ranges of neighbours overlap by one offset).
+        keys = sorted(keys)
+        runs: list[list[Key]] = []
+        for key in keys:
+            if runs and runs[-1][-1] == (key[0], key[1] - 1):
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        size = INDEX_DTYPE.itemsize
+        segments, starts, sizes = [], [], []
+        for run in runs:
+            s, first, last = run[0][0], run[0][1], run[-1][1]
+            page, n = int(self.page[s]), int(self.documents[s])
+            segments.append(s)
+            starts.append(HEADER_BYTES + size * first * page)
+            sizes.append(size * (min(n, (last + 1) * page) + 1 - first * page))
+        buffer, dest = yield from self._read(segments, starts, sizes)
+        got: dict[Key, Int64Array] = {}
+        for run, at in zip(runs, dest, strict=True):
+            s, first = run[0]
+            page, n = int(self.page[s]), int(self.documents[s])
+            for _, k in run:
+                lo, hi = k * page, min(n, (k + 1) * page) + 1
+                raw = buffer[at + size * (lo - first * page) : at + size * (hi - first * page)]
+                got[(s, k)] = self._checked_page(s, k, raw, tops[s])
+        return got
+
+    def _checked_page(
+        self, s: int, k: int, raw: npt.NDArray[np.uint8], top: Int64Array
+    ) -> Int64Array:
+        """Page ``k`` of segment ``s``'s index from its bytes: a ChecksumError or FormatError
+        naming the index, the shard, the page and its bytes unless it is whole and agrees
+        with the top level and the shard."""
+        page, n = int(self.page[s]), int(self.documents[s])
+        size = INDEX_DTYPE.itemsize
+        a = HEADER_BYTES + size * k * page
+        b = a + raw.size
+        where = (
+            f"{self.urls[s]}: bytes [{a}, {b}): page {k} of the index of shard {self.shard_urls[s]}"
+        )
+        expected = int(top[1, k]) & 0xFFFFFFFFFFFFFFFF
+        if digest(raw) != expected:
+            raise ChecksumError(
+                f"{where}: checksum {format_digest(digest(raw))}, the top level says"
+                f" {format_digest(expected)}",
+                self.urls[s],
+                a,
+                b,
+            )
+        offsets = raw.view(INDEX_DTYPE).astype(np.int64)  # a copy: the buffer is pooled
+        last = int(top[0, k + 1]) if k + 1 < top.shape[1] else int(self.elements[s])
+        if offsets[0] != top[0, k] or offsets[-1] != last:
+            raise FormatError(
+                f"{where}: offsets {offsets[0]} .. {offsets[-1]}, but the top level puts the"
+                f" page at elements {top[0, k]} .. {last} (the shard holds"
+                f" {self.elements[s]} elements, {n} documents)"
+            )
+        falling = np.flatnonzero(offsets[1:] < offsets[:-1])
+        if falling.size:
+            d = int(falling[0])
+            raise FormatError(
+                f"{where}: document offsets decrease at document {k * page + d}"
+                f" ({offsets[d]} then {offsets[d + 1]})"
+            )
+        return offsets
 
     def _forked(self) -> None:
         """In a forked child, drop the fetches under way in the parent: no one there settles
         their futures."""
         if self._pid != os.getpid():
             self._loading, self._pid = {}, os.getpid()
+
+    # -- documents as samples ------------------------------------------------------------------
+
+    def document_spans(
+        self, ids: Int64Array, gap: int
+    ) -> Generator[Step, Any, tuple[Int64Array, Int64Array]]:
+        """Global element start and end of documents ``ids``: from pages of paged indexes
+        (top levels first), whole indexes (or their entries by range when they do not all fit
+        the cache), offsets in memory."""
+        segments = self.segments_of_documents(ids)
+        paged = self.page[segments] > 0
+        if not paged.any():
+            if self.ranged:
+                return (yield from self.read_spans(ids, gap))
+            return self.spans(ids, (yield from self.load(np.unique(segments))))
+        starts = np.empty(ids.size, dtype=np.int64)
+        ends = np.empty(ids.size, dtype=np.int64)
+        rest = np.flatnonzero(~paged)
+        if rest.size:
+            starts[rest], ends[rest] = yield from self.document_spans(ids[rest], gap)
+        picked = np.flatnonzero(paged)
+        seg = segments[picked]
+        local = ids[picked] - self.document_starts[seg]
+        page = local // self.page[seg]
+        tops = yield from self.tops(np.unique(seg).tolist())
+        pairs = np.unique(np.stack([seg, page]), axis=1)
+        keys = [(int(s), int(k)) for s, k in pairs.T]
+        table = yield from self.pages(keys, tops)
+        order = np.lexsort((page, seg))
+        cuts = np.flatnonzero(np.diff(seg[order]) | np.diff(page[order])) + 1
+        for group in np.split(order, cuts):
+            s, k = int(seg[group[0]]), int(page[group[0]])
+            offsets, at = table[(s, k)], local[group] - k * int(self.page[s])
+            base = self.element_starts[s]
+            starts[picked[group]] = base + offsets[at]
+            ends[picked[group]] = base + offsets[at + 1]
+        return starts, ends
 
     def read_spans(
         self, ids: Int64Array, gap: int
@@ -471,29 +770,56 @@ class DocumentIndex:
             ends[picked] = base + offsets[at + 1]
         return starts, ends
 
+    # -- packed windows ------------------------------------------------------------------------
+
     def window_offsets(
-        self, segments: Int64Array, table: Mapping[int, Int64Array]
-    ) -> tuple[Int64Array, Int64Array]:
-        """Global offsets of the documents of ``segments`` (ascending), and the global number
-        of each, as :func:`~asyncbatch.formats._documents.boundaries` takes them for windows
-        inside these segments: runs of neighbouring segments are slices of the global
-        offsets; between runs one entry stands for the elements no window touches."""
+        self, starts: Int64Array, width: int
+    ) -> Generator[Step, Any, tuple[Int64Array, Int64Array]]:
+        """Global offsets of the documents around the windows of ``width`` elements at
+        ``starts``, and the global number of each, as
+        :func:`~asyncbatch.formats._documents.boundaries` takes them; fetched as needed (whole
+        indexes; of paged ones, the top level, then the pages the windows overlap). Runs of
+        neighbouring pieces (segments, pages) are slices of the global offsets; between runs
+        one entry stands for the elements no window touches."""
+        segments = self.segments_of_windows(starts, width)
+        paged = self.page[segments] > 0
+        pieces: list[tuple[int, int, Int64Array]] = []  # segment, first local document, offsets
+        whole = segments[~paged]
+        if whole.size:
+            table = yield from self.load(whole)
+            pieces += [(s, 0, table[s]) for s in whole.tolist()]
+        if paged.any():
+            chosen = segments[paged].tolist()
+            tops = yield from self.tops(chosen)
+            keys: list[Key] = []
+            for s in chosen:
+                base = self.element_starts[s]
+                lo = np.maximum(starts, base) - base
+                hi = np.minimum(starts + width, self.element_ends[s]) - base
+                inside = lo < hi
+                firsts = tops[s][0]
+                first = np.searchsorted(firsts, lo[inside], side="right") - 1
+                last = np.searchsorted(firsts, hi[inside] - 1, side="right") - 1
+                count = last - first + 1
+                step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+                keys += [(s, k) for k in np.unique(np.repeat(first, count) + step).tolist()]
+            pages = yield from self.pages(keys, tops)
+            pieces += [(s, k * int(self.page[s]), pages[(s, k)]) for s, k in keys]
+        pieces.sort(key=lambda piece: (piece[0], piece[1]))
         parts: list[Int64Array] = []
         numbers: list[Int64Array] = []
-        end = -1
-        for s in segments.tolist():
-            start = int(self.element_starts[s])
-            if parts and end != start:
+        end, after = -1, 0
+        for s, first, offsets in pieces:
+            base = int(self.element_starts[s])
+            if parts and end != base + int(offsets[0]):
                 parts.append(np.array([end], dtype=np.int64))
-                numbers.append(np.array([self.document_starts[s]], dtype=np.int64))
-            offsets = table[s]
-            parts.append(start + offsets[:-1])
-            first = int(self.document_starts[s])
-            numbers.append(np.arange(first, first + offsets.size - 1, dtype=np.int64))
-            end = int(self.element_ends[s])
-        last = int(self.document_ends[segments[-1]]) if segments.size else 0
+                numbers.append(np.array([after], dtype=np.int64))
+            parts.append(base + offsets[:-1])
+            number = int(self.document_starts[s]) + first
+            numbers.append(np.arange(number, number + offsets.size - 1, dtype=np.int64))
+            end, after = base + int(offsets[-1]), number + offsets.size - 1
         parts.append(np.array([max(end, 0)], dtype=np.int64))
-        numbers.append(np.array([last], dtype=np.int64))
+        numbers.append(np.array([after], dtype=np.int64))
         return np.concatenate(parts), np.concatenate(numbers)
 
 

@@ -26,6 +26,7 @@ from ..stores import open_store
 from ..stores._base import Store
 from ._documents import FORMAT, INDEX_DTYPE, INDEX_NAME, OFFSETS
 from ._documents_index import (
+    PAGE_DOCUMENTS,
     SHARD_DOCUMENTS,
     index_path,
     per_shard_metadata,
@@ -48,11 +49,20 @@ async def write_documents_async(
     max_concurrency: int = 4,
     checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
     index: str = "per_shard",
+    page_documents: int | None = PAGE_DOCUMENTS,
 ) -> Dataset:
     """Async form of :func:`write_documents`, in the running loop."""
     check_write_args(shard_size, max_concurrency, checksum_block)
     if index not in INDEX_LAYOUTS:
         raise ConfigError(f"index={index!r}: expected one of {INDEX_LAYOUTS}")
+    if page_documents is not None and (
+        isinstance(page_documents, bool)
+        or not isinstance(page_documents, int)
+        or page_documents < 1
+    ):
+        raise ConfigError(
+            f"page_documents must be a positive integer or None, got {page_documents!r}"
+        )
     if isinstance(documents, np.ndarray) and documents.ndim < 2:
         raise ConfigError(
             f"documents must be an iterable of 1-D arrays, got one array of shape {documents.shape}"
@@ -74,7 +84,7 @@ async def write_documents_async(
             if index == "single":
                 lengths = await _write_stream(shards, documents)
             else:
-                per_shard = await _write_per_shard(store, root, shards, documents)
+                per_shard = await _write_per_shard(store, root, shards, documents, page_documents)
             written = await shards.finish()
         target = shards.dtype
         if target is None:
@@ -126,11 +136,12 @@ async def _write_per_shard(
     root: str,
     shards: ShardWriter,
     documents: Iterable[npt.ArrayLike],
+    page_documents: int | None,
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """The per-shard layout: a shard closes after the document that fills it to
     ``shard_size`` bytes (empty documents after it join it; a document larger than a shard
-    makes one larger shard); each shard's index is written beside it. Documents per shard
-    and the index entries."""
+    makes one larger shard); each shard's index (paged unless ``page_documents`` is None) is
+    written beside it. Documents per shard and the index entries."""
     counts: list[int] = []
     infos: list[dict[str, Any]] = []
     writes: list[asyncio.Task[None]] = []
@@ -146,7 +157,7 @@ async def _write_per_shard(
         shard = await shards.add_shard(data)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        raw = shard_index_bytes(offsets)
+        raw = shard_index_bytes(offsets, page_documents=page_documents)
         path = index_path(shard.path)
         infos.append(shard_index_info(path, raw, checksum=True))
         counts.append(len(lengths))
@@ -186,6 +197,7 @@ def write_documents(
     max_concurrency: int = 4,
     checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
     index: str = "per_shard",
+    page_documents: int | None = PAGE_DOCUMENTS,
 ) -> Dataset:
     """Write ``documents`` (an iterable of 1-D arrays or lists of tokens) as a documents
     dataset at ``url``: shards of the concatenated tokens, the index, the manifest last.
@@ -193,7 +205,10 @@ def write_documents(
     ``index="per_shard"`` (the default): documents never cross shard ends (a shard closes
     after the document that fills it to ``shard_size`` bytes; one larger document makes one
     larger shard) and each shard ``shard-K.bin`` has its index ``shard-K.idx``, so opening
-    reads the manifest alone. ``index="single"``: one ``documents.idx`` for every document,
+    reads the manifest alone. The index is paged (``page_documents`` offsets a page, 512 by
+    default): a loader fetches a shard's small top level, then only the pages its batches
+    need; ``page_documents=None`` writes whole indexes (the earlier per-shard layout).
+    ``index="single"``: one ``documents.idx`` for every document,
     read whole at open, documents cut at shard ends (the earlier layout).
 
     ``dtype`` defaults to the first document's; tokens that do not fit it are an error. As
@@ -211,5 +226,6 @@ def write_documents(
             max_concurrency=max_concurrency,
             checksum_block=checksum_block,
             index=index,
+            page_documents=page_documents,
         )
     )
