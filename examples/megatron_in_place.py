@@ -5,9 +5,10 @@ Run::
     python examples/megatron_in_place.py                   # writes a small one to a temp folder
     python examples/megatron_in_place.py --prefix /data/corpus_text_document   # your own
 
-Opening reads the ``.idx`` header and index arrays only (one or two range reads) and the
-``.bin``'s size; the token data is read by the batches that need it. The same works over any
-store: ``ab.open_dataset("s3://bucket/corpus_text_document.bin")``.
+Opening reads the ``.idx`` header and a summary of it (one pointer per page of 4096
+sequences), never the whole index, and the ``.bin``'s size; batches read the pages of the
+index and the tokens they need, by range. The same works over any store:
+``ab.open_dataset("s3://bucket/corpus_text_document.bin")``.
 
 Two ways to read it:
 

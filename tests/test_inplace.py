@@ -19,6 +19,7 @@ from make_megatron import random_documents, write_megatron
 
 import asyncbatch as ab
 from asyncbatch.formats._base import natural_key
+from asyncbatch.formats._megatron import DOCUMENT_PAGES, SEQUENCE_PAGES
 from asyncbatch.formats._registry import FORMATS
 from asyncbatch.stores._base import ObjectInfo
 from asyncbatch.stores._local import LocalStore
@@ -332,23 +333,27 @@ def test_megatron_dataset_arrays_equal_the_fixture(
     url, options = place(folder)
     for unit in ["sequence", "document"]:
         dataset = ab.open_dataset(
-            f"{url}/corpus_text_document{suffix}", options, options={"unit": unit}
+            f"{url}/corpus_text_document{suffix}", options, options={"unit": unit, "index_page": 6}
         )
         manifest = dataset.manifest
-        assert (manifest.format, manifest.dtype) == ("documents", np.dtype("uint16"))
+        assert (manifest.format, manifest.dtype) == ("megatron", np.dtype("uint16"))
         (shard,) = manifest.shards
         assert (shard.path, shard.offset) == ("corpus_text_document.bin", 0)
         assert dataset.shard_urls == [f"{url}/corpus_text_document.bin"]
-        offsets = dataset.arrays["document_offsets"]
-        assert offsets.dtype == np.int64
-        np.testing.assert_array_equal(offsets, megatron_offsets(documents, unit))
+        # Open keeps a summary: the first offset of each page of 6 entries, then the end.
+        offsets = megatron_offsets(documents, unit)
+        pages = dataset.arrays[SEQUENCE_PAGES if unit == "sequence" else DOCUMENT_PAGES]
+        assert pages.dtype == np.int64
+        np.testing.assert_array_equal(pages, np.append(offsets[:-1:6], offsets[-1]))
         assert shard.elements == offsets[-1] == sum(len(s) for doc in documents for s in doc)
         stream = np.concatenate([s for doc in documents for s in doc])
         assert manifest.metadata["documents"] == 40
         assert manifest.metadata["sequences"] == sum(len(doc) for doc in documents)
-        if unit == "document":
-            starts = offsets[:-1]
-            np.testing.assert_array_equal(stream[starts], [doc[0][0] for doc in documents])
+        with ab.Loader(dataset, batch_size=8, shuffle=False, drop_last=False) as loader:
+            for batch in loader:
+                for i, sample in enumerate(batch.global_indexes.tolist()):
+                    want = stream[offsets[sample] : offsets[sample + 1]]
+                    np.testing.assert_array_equal(np.asarray(batch["tokens"][i]), want)
 
 
 def test_megatron_options_and_dtypes(tmp_path: Path) -> None:
@@ -356,9 +361,13 @@ def test_megatron_options_and_dtypes(tmp_path: Path) -> None:
     write_megatron(tmp_path / "m", documents, dtype="int32", modes=True)  # multimodal: modes
     dataset = ab.open_dataset(str(tmp_path / "m"))  # probed: no manifest, an .idx beside
     assert dataset.manifest.dtype == np.int32
-    np.testing.assert_array_equal(
-        dataset.arrays["document_offsets"], megatron_offsets(documents, "sequence")
-    )
+    offsets = megatron_offsets(documents, "sequence")
+    np.testing.assert_array_equal(dataset.arrays[SEQUENCE_PAGES], [0, offsets[-1]])
+    with ab.Loader(dataset, batch_size=100, shuffle=False, drop_last=False) as loader:
+        (batch,) = list(loader)
+    np.testing.assert_array_equal(batch["tokens"].offsets.numpy(), offsets)
+    with pytest.raises(ab.ConfigError, match="index_page must be a positive integer"):
+        ab.open_dataset(str(tmp_path / "m"), options={"index_page": 0})
     with pytest.raises(ab.ConfigError, match="unit"):
         ab.open_dataset(str(tmp_path / "m"), options={"unit": "page"})
     with pytest.raises(ab.ConfigError, match="only"):
@@ -408,9 +417,12 @@ _S = sum(len(doc) for doc in random_documents(9, 6))  # sequences in the corrupt
 def test_corrupt_megatron_index_is_a_format_error(
     tmp_path: Path, change: Callable[[bytearray], bytes | bytearray], match: str
 ) -> None:
+    # Found at open (the header, the summary) or where the page at fault is read.
     url = _corrupt(tmp_path, change)
     with pytest.raises(ab.FormatError, match=match) as info:
-        ab.open_dataset(url)
+        dataset = ab.open_dataset(url, options={"unit": "document"})
+        with ab.Loader(dataset, batch_size=2, shuffle=False, drop_last=False) as loader:
+            list(loader)
     assert f"{url}.idx" in str(info.value)
 
 
@@ -490,14 +502,16 @@ def test_opening_reads_no_token_data(tmp_path: Path) -> None:
     assert READS == []
 
 
-def test_a_large_megatron_index_takes_two_reads(tmp_path: Path) -> None:
+def test_a_large_megatron_index_is_opened_by_its_summary(tmp_path: Path) -> None:
     documents = [[np.zeros(1, np.uint16)] for _ in range(60_000)]  # ~1.2 MB of index
     write_megatron(tmp_path / "big", documents)
     READS.clear()
     dataset = ab.open_dataset(f"counting://{tmp_path}/big")
-    idx_size = (tmp_path / "big.idx").stat().st_size
-    assert [(s, e) for _, s, e in READS] == [(0, 1 << 20), (1 << 20, idx_size)]
-    assert len(dataset.arrays["document_offsets"]) == 60_001
+    # The first 16 KiB, then a pointer a page of 4096 sequences (15), the last pointer and
+    # length, the first and the last document index (neighbours merged): never the arrays.
+    assert READS[0][1:] == (0, 16 * 2**10)
+    assert all(e - s <= 16 for _, s, e in READS[1:]) and len(READS) <= 1 + 15 + 4
+    assert dataset.arrays[SEQUENCE_PAGES].tolist() == [*range(0, 60_000, 4096), 60_000]
 
 
 @pytest.mark.timeout(60)

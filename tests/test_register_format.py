@@ -124,6 +124,7 @@ def test_the_built_in_formats_are_registered() -> None:
         "tokens",
         "documents",
         "metadata_stream",
+        "megatron",
         "llmbatch",
         "parquet",
         "arrow",

@@ -19,6 +19,7 @@ from ._documents import documents, load_document_index
 from ._llmbatch import OPENER as LLMBATCH_OPENER
 from ._llmbatch import llmbatch_records
 from ._megatron import MEGATRON_OPENER
+from ._megatron_source import megatron_documents
 from ._metadata import load_metadata_layout, metadata_windows
 from ._npy import NPY_OPENER, RAW_OPENER
 from ._parquet import PARQUET_OPENER, parquet_rows
@@ -125,7 +126,7 @@ def _register_builtin_formats() -> None:
     register_format("tokens", source=token_windows)
     register_format("documents", source=documents, index_loader=load_document_index)
     register_format("metadata_stream", source=metadata_windows, index_loader=load_metadata_layout)
-    register_format("megatron", opener=MEGATRON_OPENER)
+    register_format("megatron", source=megatron_documents, opener=MEGATRON_OPENER)
     register_format("npy", opener=NPY_OPENER)
     register_format("raw", opener=RAW_OPENER)
     register_format("llmbatch", source=llmbatch_records, opener=LLMBATCH_OPENER)
