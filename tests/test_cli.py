@@ -119,3 +119,14 @@ def test_human_bytes() -> None:
     assert human_bytes(1024) == "1.0 KiB (1,024 bytes)"
     assert human_bytes(1_288_490_188) == "1.2 GiB (1,288,490,188 bytes)"
     assert human_bytes(2**60) == "1024.0 PiB (1,152,921,504,606,846,976 bytes)"
+
+
+def test_readme_commands_call_the_venvs_script() -> None:
+    # The README sets up .venv and never activates it: a bare `asyncbatch` is not on PATH.
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```(?:bash|sh|console)\n(.*?)```", readme, flags=re.S)
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    commands = [line for line in lines if re.match(r"(\S*/)?asyncbatch\s", line)]
+    assert commands, "the README shows no asyncbatch command"
+    for line in commands:
+        assert line.startswith(".venv/bin/asyncbatch "), line
