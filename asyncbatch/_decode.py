@@ -138,7 +138,7 @@ def jpeg_module() -> Any:
 _simplejpeg: Any = False  # not looked for yet
 
 
-def decode_image(data: bytes) -> torch.Tensor:
+def decode_image(data: bytes | memoryview) -> torch.Tensor:
     """An image file's bytes as a uint8 tensor ``[3, H, W]``, RGB (grayscale repeated,
     alpha dropped: torchvision's ``ImageReadMode.RGB``); a view of ``[H, W, 3]`` memory.
 
@@ -270,9 +270,11 @@ class Decoding:
         for i in range(start, stop):
             sample: dict[str, Any] = {}
             for name, decode, data, offsets in columns:
-                raw = bytes(data[offsets[i] : offsets[i + 1]])
+                view = data[offsets[i] : offsets[i + 1]]
+                # decode_image reads the view in place; other decoders are given bytes.
+                raw: bytes | memoryview = view if decode is decode_image else bytes(view)
                 try:
-                    sample[name] = decode(raw)
+                    sample[name] = decode(raw)  # type: ignore[arg-type]
                 except Exception as exc:  # noqa: BLE001 - any decoder's error, named
                     if not self.skip:
                         error = self._error(fields, ids, i, name, exc)

@@ -464,49 +464,56 @@ async def fill(
     """
     stop = progress.got + expected
     total = end - start
-    while True:
-        broke: BaseException | None = None
-        try:
-            async with asyncio.timeout(idle_timeout):
-                chunk = await read()
-        except TimeoutError as exc:
-            raise fail(
-                StoreTimeoutError,
-                f"stalled: no bytes for {idle_timeout:g} s after {progress.got} of {total}",
-                url,
-                start,
-                end,
-            ) from exc
-        except StoreError:
+    loop = asyncio.get_running_loop()
+    try:
+        # One deadline for the body, moved on at each chunk (cheaper than one per chunk).
+        async with asyncio.timeout(idle_timeout) as deadline:
+            while True:
+                broke: BaseException | None = None
+                try:
+                    chunk = await read()
+                except (StoreError, TimeoutError):
+                    raise
+                except Exception as exc:  # aiohttp, botocore: the connection broke mid-body
+                    broke = exc
+                if broke is not None:
+                    if progress.got == stop:
+                        break  # every byte asked for arrived; only the end was lost
+                    # Chained scrubbed (its text may quote the URL), outside the except.
+                    raise fail(
+                        ShortReadError,
+                        f"body broke off after {progress.got} of {total} bytes"
+                        f" ({type(broke).__name__})",
+                        url,
+                        start,
+                        end,
+                        retryable=True,
+                    ) from stand_in(broke)
+                if not chunk:
+                    break
+                if progress.got + len(chunk) > stop:
+                    raise fail(
+                        RangeNotSupportedError,
+                        f"the server sent more than the {expected} bytes asked for",
+                        url,
+                        start,
+                        end,
+                    )
+                buffer[progress.got : progress.got + len(chunk)] = chunk
+                progress.got += len(chunk)
+                if framed and progress.got == stop:
+                    break
+                deadline.reschedule(loop.time() + idle_timeout)
+    except TimeoutError as exc:
+        if isinstance(exc, StoreError):
             raise
-        except Exception as exc:  # aiohttp, botocore: the connection broke mid-body
-            broke = exc
-        if broke is not None:
-            if progress.got == stop:
-                break  # every byte asked for arrived; only the end of the body was lost
-            # Chained scrubbed (its text may quote the URL), outside the except clause.
-            raise fail(
-                ShortReadError,
-                f"body broke off after {progress.got} of {total} bytes ({type(broke).__name__})",
-                url,
-                start,
-                end,
-                retryable=True,
-            ) from stand_in(broke)
-        if not chunk:
-            break
-        if progress.got + len(chunk) > stop:
-            raise fail(
-                RangeNotSupportedError,
-                f"the server sent more than the {expected} bytes asked for",
-                url,
-                start,
-                end,
-            )
-        buffer[progress.got : progress.got + len(chunk)] = chunk
-        progress.got += len(chunk)
-        if framed and progress.got == stop:
-            break
+        raise fail(
+            StoreTimeoutError,
+            f"stalled: no bytes for {idle_timeout:g} s after {progress.got} of {total}",
+            url,
+            start,
+            end,
+        ) from exc
     if progress.got < stop:
         raise fail(
             ShortReadError,
