@@ -29,9 +29,13 @@ copies (page cache warm).
 (simplejpeg where installed, else Pillow), then ``random_resized_crop_flip`` below
 (torchvision's ``RandomResizedCrop(224)`` parameters, Pillow's bilinear resize of the box, a
 horizontal flip half the time), batches of 256 (``[256, 3, 224, 224]`` uint8 and the labels).
-Each line runs in a fresh process with ``--cores`` cores' worth of parallelism (2): the peers
-through a ``DataLoader`` with ``num_workers=<cores>`` (their docs' advice; litData's and
-Mosaic's caches in a fresh local folder), asyncbatch with ``decode_threads=<cores>``.
+Each line runs in a fresh process on the line CPUs, with as many threads or workers as there
+are of them (``--cores``): the peers through a ``DataLoader`` with ``num_workers=<cores>``
+(their docs' advice; litData's and Mosaic's caches in a fresh local folder), asyncbatch with
+``decode_threads=<cores>``. The S3 server and the proxy run on CPUs of their own
+(``--server-cpus``, by default the last CPU: on 2 cores, the lines get one and the servers the
+other), as storage is not on the loader's cores in a real run; ``--server-cpus shared`` puts
+everything on every CPU.
 
 Lines (``--lines``, all by default):
 
@@ -60,7 +64,8 @@ mean JPEG size). Paired ratios (the median of the per-round ratios) against the 
 targets are printed at the end.
 
 Usage: ``.venv/bin/python benchmarks/bench_images.py [--images 20000] [--rounds 2]
-[--cores 2] [--delay-ms 10] [--lines ...] [--quick] [--json PATH]`` (needs
+[--server-cpus auto|shared|1] [--cores N] [--delay-ms 10] [--lines ...] [--quick]
+[--json PATH]`` (needs
 ``scripts/bench-setup``: scikit-image, litdata, mosaicml-streaming, datasets).
 """
 
@@ -652,7 +657,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=positive, default=20_000, help="images in the corpus")
     parser.add_argument("--rounds", type=positive, default=2, help="interleaved rounds (median)")
-    parser.add_argument("--cores", type=positive, default=2, help="decode threads / workers")
+    parser.add_argument(
+        "--cores", type=positive, default=None, help="decode threads / workers (the line CPUs)"
+    )
+    parser.add_argument(
+        "--server-cpus",
+        default="auto",
+        help="CPUs the S3 server and the proxy run on, the lines on the others ('auto': the"
+        " last CPU where there are two or more; 'shared': every line and server on all)",
+    )
     parser.add_argument("--delay-ms", type=float, default=10.0, help="proxy delay per request")
     parser.add_argument(
         "--probe-batches", type=positive, default=4, help="batches of the no-sidecars line"
@@ -676,6 +689,9 @@ def main() -> None:
         return
     if args.quick:
         args.images, args.rounds = 600, 1
+    args.server_cpus, args.line_cpus = split_cpus(args.server_cpus)
+    if args.cores is None:
+        args.cores = len(args.line_cpus)
     names = [name.strip() for name in args.lines.split(",") if name.strip()]
     unknown = sorted(set(names) - set(LINES))
     if unknown:
@@ -741,7 +757,9 @@ def header(
         f"  decoder {'simplejpeg ' + jpeg.__version__ if jpeg else 'Pillow'}"
     )
     print(
-        f"  cpus {os.cpu_count()}, {args.cores} per line; load {os.getloadavg()};"
+        f"  cpus {os.cpu_count()}: lines on {sorted(args.line_cpus)} ({args.cores} threads"
+        f" / workers), {server} and the proxy on {sorted(args.server_cpus)};"
+        f" load {os.getloadavg()};"
         f" {server} + proxy (+{args.delay_ms:g} ms per request)"
     )
     print(
@@ -776,11 +794,34 @@ def server_pids() -> list[int]:
     return pids
 
 
+def split_cpus(server: str) -> tuple[set[int], set[int]]:
+    """The CPUs for the S3 server and the proxy, and those for the lines (``--server-cpus``):
+    apart, as storage is apart from the loader's cores in a real run, unless ``shared``."""
+    mine = os.sched_getaffinity(0)
+    if server == "shared" or (server == "auto" and len(mine) < 2):
+        return set(mine), set(mine)
+    servers = {max(mine)} if server == "auto" else {int(cpu) for cpu in server.split(",")}
+    if not servers < mine:
+        raise SystemExit(f"--server-cpus {server}: expected some of the CPUs {sorted(mine)}")
+    return servers, mine - servers
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (threads started later inherit it) onto ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def measure(
     args: argparse.Namespace, names: list[str], specs: dict[str, dict[str, Any]]
 ) -> list[dict[str, list[dict[str, Any]]]]:
-    """Each line once per round, the order rotated each round."""
+    """Each line once per round, the order rotated each round; the servers on their CPUs,
+    this process (so every line's process) on the others."""
     servers = server_pids()
+    for pid in servers:
+        pin(pid, args.server_cpus)
+    pin(os.getpid(), args.line_cpus)
     rounds = []
     for round_ in range(args.rounds):
         shift = round_ % len(names)
