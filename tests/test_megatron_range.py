@@ -15,6 +15,7 @@ import torch
 from conftest import BUCKET, s3_options
 from faults import fault_server
 from make_megatron import random_documents, write_megatron
+from test_inplace import READS
 
 import asyncbatch as ab
 from asyncbatch._dataset import Dataset
@@ -282,3 +283,59 @@ def test_a_bin_shorter_than_the_summary_says_is_refused(tmp_path: Path) -> None:
     (tmp_path / "t.bin").write_bytes(data[:-2])
     with pytest.raises(ab.FormatError, match=r"t\.idx: its sequences end at byte .*/t\.bin has"):
         ab.open_dataset(str(tmp_path / "t"), options={"index_page": 4})
+
+
+def test_the_node_cache_keeps_the_summary(tmp_path: Path) -> None:
+    # The first process of a node reads the summary, range by range, and keeps it; the next
+    # opens read the first 16 KiB (the header) and find the rest in the cache.
+    (tmp_path / "data").mkdir()
+    documents = [[np.arange(i % 5, dtype=np.uint16)] for i in range(3_000)]
+    write_megatron(tmp_path / "data" / "m", documents)
+    url, cache = f"counting://{tmp_path}/data/m", str(tmp_path / "cache")
+    READS.clear()
+    first = ab.open_dataset(url, cache=cache, options={"unit": "document", "index_page": 1024})
+    assert len(READS) > 1 and all(u == f"{url}.idx" for u, _, _ in READS)
+    READS.clear()
+    again = ab.open_dataset(url, cache=cache, options={"unit": "document", "index_page": 1024})
+    assert [(s, e) for _, s, e in READS] == [(0, 16 * 2**10)]
+    for name in (SEQUENCE_PAGES, DOCUMENT_PAGES):
+        assert np.array_equal(first.arrays[name], again.arrays[name])
+    # Pages read through the cache (the counting store reads no batches): right all the same.
+    plain = ab.open_dataset(str(tmp_path / "data" / "m"), options={"unit": "document"})
+    with ab.Loader(plain, batch_size=3_000, shuffle=False, cache=cache) as loader:
+        (batch,) = list(loader)
+    assert batch["tokens"].lengths.tolist() == [i % 5 for i in range(3_000)]
+
+
+@pytest.mark.timeout(60)
+def test_index_memory_stays_within_its_bound(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pages of 7 sequences (64 bytes of offsets each): 200 bytes hold three. An exact shuffle
+    # fetches pages again once dropped, and holds no more than the bound (but for one batch's
+    # own pages); with room for all, each page once.
+    from asyncbatch.formats._megatron_index import MegatronIndex
+
+    dataset = ab.open_dataset(str(corpus), options={"index_page": 7})
+    pages = dataset.arrays[SEQUENCE_PAGES].size - 1
+    fetched: list[int] = []
+    original = MegatronIndex._sequence_pages
+
+    def counted(self: MegatronIndex, chosen: list[int]) -> Any:
+        fetched.extend(chosen)
+        return (yield from original(self, chosen))
+
+    monkeypatch.setattr(MegatronIndex, "_sequence_pages", counted)
+    for budget, expected in [(200, None), (2**20, pages)]:
+        fetched.clear()
+        options = {"index_cache_bytes": budget}
+        with ab.Loader(
+            dataset, batch_size=2, shuffle=True, prefetch=1, format_options=options
+        ) as loader:
+            peak = 0
+            for _ in loader:
+                engine = loader._engine
+                assert engine is not None
+                peak = max(peak, engine.source.index.cached_bytes)  # type: ignore[attr-defined]
+        if expected is None:
+            assert peak <= budget + 2 * 8 * 8 and len(fetched) > pages
+        else:
+            assert sorted(fetched) == list(range(pages))  # each page once

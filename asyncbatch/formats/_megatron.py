@@ -187,8 +187,10 @@ async def read_header(
             f"{idx_url}: truncated Megatron index: {idx_size} bytes, shorter than the"
             f" {HEADER.size}-byte header"
         )
+    # Read around the node cache, which would fetch whole blocks; the summary is kept there.
+    inner = store.inner if isinstance(store, CachedStore) else store
     first = bytearray(min(idx_size, FIRST_READ))
-    await store.read_ranges(idx_url, starts=[0], ends=[len(first)], buffers=[memoryview(first)])
+    await inner.read_ranges(idx_url, starts=[0], ends=[len(first)], buffers=[memoryview(first)])
     magic, version, code, sequences, entries = HEADER.unpack_from(first)
     if magic != IDX_MAGIC:
         raise FormatError(
@@ -210,7 +212,7 @@ async def read_header(
         )
     if entries < 1:
         raise FormatError(f"{idx_url}: {entries} document-index entries: expected at least 1")
-    return layout, IndexBytes(store, idx_url, bytes(first))
+    return layout, IndexBytes(inner, idx_url, bytes(first), cache=store)
 
 
 #: Bytes of the ``.idx`` the first read at open takes: a small index is read in this one
@@ -224,8 +226,10 @@ class IndexBytes:
     """Reads of a few values of one ``.idx`` at open: those in the first bytes (read once)
     come from them; the rest in ranges, neighbours less than :data:`MERGE_GAP` apart merged."""
 
-    def __init__(self, store: Store, url: str, first: bytes) -> None:
+    def __init__(self, store: Store, url: str, first: bytes, *, cache: Store) -> None:
         self.store, self.url, self.first = store, url, np.frombuffer(first, dtype=np.uint8)
+        #: The store the dataset is opened through (a :class:`CachedStore` with ``cache=``).
+        self.cached = cache
 
     async def values(self, at: npt.NDArray[np.int64], dtype: str) -> npt.NDArray[np.int64]:
         """The values of ``dtype`` at byte offsets ``at``."""
@@ -261,7 +265,7 @@ async def summary(
 ) -> dict[str, npt.NDArray[np.int64]]:
     """The page summary of ``layout``'s index (see the module docstring): from the node
     cache where a process of this node kept it, else read and checked, then kept there."""
-    store = reader.store
+    store = reader.cached
     cache = store.cache if isinstance(store, CachedStore) else None
     if cache is None or info.version is None:
         return await read_summary(reader, layout, unit)
