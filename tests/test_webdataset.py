@@ -479,6 +479,51 @@ def test_sidecar_layout_round_trips(local_shards: list[Path]) -> None:
         assert set(index.fields) == {k for k in make_samples(1)[0] if k != "__key__"}
 
 
+def test_sidecars_read_lazily_within_a_cache_bound(
+    local_shards: list[Path], tmp_path: Path
+) -> None:
+    """Sidecar tables fetched as batches need them: every sample once per epoch, its bytes
+    webdataset's, with the cache holding every table or none (each group then fetches its
+    own again), in DataLoader workers and beside scanned shards in a mixture."""
+    expected = reference([str(p) for p in local_shards])
+    folder = str(local_shards[0].parent)
+    ab.index_webdataset(folder)
+    dataset = ab.open_dataset(folder)
+    assert all(isinstance(e, SidecarSummary) for e in dataset.arrays["wds_indexes"])
+    requests = {}
+    for budget in (None, 0):
+        options = {} if budget is None else {"index_cache_bytes": budget}
+        args: dict[str, Any] = dict(batch_size=16, shuffle=False, drop_last=False, prefetch=1)
+        with ab.Loader(dataset, format_options=options, **args) as loader:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                ids = []
+                for batch in loader:
+                    check_batch(batch, expected)
+                    ids.extend(batch.global_indexes.tolist())
+                assert sorted(ids) == list(range(SAMPLES))
+            requests[budget] = loader.statistics().requests
+    # Kept, each sidecar is fetched once in all; dropped, again in the second epoch.
+    assert requests[0] > requests[None]
+    with pytest.raises(ConfigError, match="index_cache_bytes"):
+        ab.Loader(dataset, batch_size=4, format_options={"index_cache_bytes": -1})
+    source = ab.LoaderDataset(dataset, batch_size=16, shuffle="block", drop_last=False)
+    ids = []
+    for batch in source.dataloader(num_workers=2):
+        check_batch(batch, expected)
+        ids.extend(batch.global_indexes.tolist())
+    assert sorted(ids) == list(range(SAMPLES))
+    other = write_shards(tmp_path / "other", make_samples(25, seed=4), per_shard=10)
+    blend = ab.mix([dataset, str(other[0].parent)])
+    both = expected + reference([str(p) for p in other])
+    with ab.Loader(blend, batch_size=8, shuffle=True, drop_last=False) as loader:
+        ids = []
+        for batch in loader:
+            check_batch(batch, both)
+            ids.extend(batch.global_indexes.tolist())
+    assert sorted(ids) == list(range(SAMPLES + 25))
+
+
 def test_exact_shuffle_is_one_request_per_sample(local_shards: list[Path]) -> None:
     dataset = ab.open_dataset(str(local_shards[0].parent))
     with ab.Loader(dataset, batch_size=16, shuffle=True, coalesce_gap=0, drop_last=False) as loader:

@@ -55,6 +55,7 @@ from ._webdataset_tables import (
     LazyShard,
     ShardTable,
     ShardTables,
+    columns,
     shard_table,
 )
 
@@ -329,15 +330,12 @@ def _octal(fields: npt.NDArray[np.uint8]) -> Int64Array:
 
 @dataclass(frozen=True, eq=False)
 class _Picked:
-    """What the index says of the samples of one group, in their order: shard, byte range
-    and the selected members' data offsets and lengths (``[samples, columns]``), offsets
-    local to the shard; their keys as UTF-8 bytes with offsets."""
+    """What the index says of the samples of one group, in their order: their shards, their
+    table rows (:func:`~._webdataset_tables.columns`: byte range, the selected members' data
+    offsets and lengths, local to the shard) and their keys as UTF-8 bytes with offsets."""
 
     shards: Int64Array
-    starts: Int64Array
-    ends: Int64Array
-    offsets: Int64Array
-    lengths: Int64Array
+    rows: Int64Array
     keys: npt.NDArray[np.uint8]
     key_offsets: Int64Array
 
@@ -438,16 +436,20 @@ class WebDatasetSamples:
         in this group's turn), then one range per sample (or per selected member), then the
         fields, their headers checked."""
         shards = self.shard_of(ids)
-        wait, turn = self.tables.turns.take()
-        try:
-            if wait is not None:
-                yield wait
-            tables = yield from self.tables.load(np.unique(shards))
-            picked = self._pick(ids, shards, tables)
+        if self.tables.joined is not None:  # no sidecar to fetch
+            picked = self._pick(ids, shards, {})
             plan = self._plan(picked, gap)
-        finally:  # the next group may fetch its sidecars
-            if not turn.done():
-                turn.set_result(None)
+        else:
+            wait, turn = self.tables.turns.take()
+            try:
+                if wait is not None:
+                    yield wait
+                tables = yield from self.tables.load(np.unique(shards))
+                picked = self._pick(ids, shards, tables)
+                plan = self._plan(picked, gap)
+            finally:  # the next group may fetch its sidecars
+                if not turn.done():
+                    turn.set_result(None)
         buffer = yield Read(plan)
         fields: dict[str, Any] = yield OffLoop(lambda: self._decode(buffer, picked))
         return fields
@@ -455,47 +457,39 @@ class WebDatasetSamples:
     def _pick(
         self, ids: Int64Array, shards: Int64Array, tables: Mapping[int, ShardTable]
     ) -> _Picked:
-        """What the tables say of samples ``ids``: one numpy pass per shard they lie in."""
-        count, width = ids.size, len(self.columns)
-        local = ids - self.shard_starts[shards]
-        starts = np.empty(count, dtype=np.int64)
-        ends = np.empty(count, dtype=np.int64)
-        offsets = np.empty((count, width), dtype=np.int64)
-        lengths = np.empty((count, width), dtype=np.int64)
-        key_lengths = np.empty(count, dtype=np.int64)
-        order = np.argsort(shards, kind="stable")
-        cuts = np.flatnonzero(np.diff(shards[order])) + 1
-        keys: list[npt.NDArray[np.uint8]] = []
-        for rows in np.split(order, cuts) if count else []:
-            table, at = tables[int(shards[rows[0]])], local[rows]
-            starts[rows], ends[rows] = table.starts[at], table.ends[at]
-            offsets[rows], lengths[rows] = table.offsets[at], table.lengths[at]
-            first, last = table.key_offsets[at], table.key_offsets[at + 1]
-            key_lengths[rows] = last - first
-            within = np.arange(int((last - first).sum())) - np.repeat(
-                np.cumsum(last - first) - (last - first), last - first
-            )
-            keys.append(table.keys[np.repeat(first, last - first) + within])
-        key_offsets = np.zeros(count + 1, dtype=np.int64)
+        """What the tables say of samples ``ids``: one gather, or one per shard they lie in
+        where the tables are the shards' own."""
+        joined = self.tables.joined
+        if joined is not None:  # every shard's table in memory, as one
+            rows, keys = joined.rows[ids], joined.keys[ids]
+        else:
+            local = ids - self.shard_starts[shards]
+            rows = np.empty((ids.size, columns(len(self.columns))[3] + 1), dtype=np.int64)
+            width = max((t.keys.shape[1] for t in tables.values()), default=0)
+            keys = np.zeros((ids.size, width), dtype=np.uint8)
+            order = np.argsort(shards, kind="stable")
+            cuts = np.flatnonzero(np.diff(shards[order])) + 1
+            for picked in np.split(order, cuts) if ids.size else []:
+                table, at = tables[int(shards[picked[0]])], local[picked]
+                rows[picked] = table.rows[at]
+                keys[picked, : table.keys.shape[1]] = table.keys[at]
+        key_lengths = rows[:, -1]
+        key_offsets = np.zeros(ids.size + 1, dtype=np.int64)
         np.cumsum(key_lengths, out=key_offsets[1:])
-        sorted_keys = np.concatenate(keys) if keys else np.empty(0, np.uint8)
-        # The keys came shard by shard (``order``): each to its sample's place.
-        moved = key_lengths[order]
-        dest = np.repeat(key_offsets[order] - (np.cumsum(moved) - moved), moved)
-        key_data = np.empty(int(key_offsets[-1]), dtype=np.uint8)
-        key_data[dest + np.arange(dest.size)] = sorted_keys
-        return _Picked(shards, starts, ends, offsets, lengths, key_data, key_offsets)
+        key_data = keys[np.arange(keys.shape[1]) < key_lengths[:, None]]
+        return _Picked(shards, rows, key_data, key_offsets)
 
     def _plan(self, picked: _Picked, gap: int) -> ReadPlan:
         """One range per sample (or per selected member), merged across gaps the store says
         cost less than a request; each member's data copied to its field's place, field
         after field, then every member's header."""
         base = self.file_map.starts[picked.shards]
-        data_at = (base[:, None] + picked.offsets).T.ravel()  # field-major
-        lengths = picked.lengths.T.ravel()
+        start, offsets, lengths_at, _ = columns(len(self.columns))
+        data_at = (base[:, None] + picked.rows[:, offsets]).T.ravel()  # field-major
+        lengths = picked.rows[:, lengths_at].T.ravel()
         if self.whole:
-            starts = base + picked.starts
-            spans = picked.ends - picked.starts
+            starts = base + picked.rows[:, start]
+            spans = picked.rows[:, start + 1] - picked.rows[:, start]
         else:
             starts = data_at - BLOCK
             spans = lengths + BLOCK
@@ -526,7 +520,7 @@ class WebDatasetSamples:
         """The fields of the picked samples as views of ``buffer``, after their headers are
         checked against the index."""
         count = picked.shards.size
-        lengths = picked.lengths.T.ravel()
+        lengths = picked.rows[:, columns(len(self.columns))[2]].T.ravel()
         data = int(lengths.sum())
         headers = buffer[data : data + BLOCK * lengths.size].reshape(lengths.size, BLOCK)
         self._check_headers(headers, lengths, picked)
@@ -573,7 +567,7 @@ class WebDatasetSamples:
         count = picked.shards.size
         row, column = m % count, m // count
         field = self.columns[column]
-        start = int(picked.offsets[row, column]) - BLOCK
+        start = int(picked.rows[row, columns(len(self.columns))[1]][column]) - BLOCK
         at = picked.key_offsets
         key = picked.keys[at[row] : at[row + 1]].tobytes()
         why = (

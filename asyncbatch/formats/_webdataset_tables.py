@@ -36,21 +36,23 @@ DEFAULT_INDEX_CACHE_BYTES = 256 * 2**20
 
 @dataclass(frozen=True, eq=False)
 class ShardTable:
-    """One shard's samples, offsets local to the shard: ``starts``/``ends`` of each sample,
-    and ``offsets``/``lengths`` (``[samples, columns]``) of the member of each selected
-    field; keys as one UTF-8 buffer with offsets."""
+    """Samples of one shard (or of all, joined), offsets local to their shard: per sample a
+    row of ``rows``: its start and end, the data offset of the member of each selected
+    field, their lengths, and its key's length (:func:`columns` names them); its key, UTF-8,
+    in a row of ``keys``, padded with zeros. One gather of each takes a batch's samples."""
 
-    starts: Int64Array
-    ends: Int64Array
-    offsets: Int64Array
-    lengths: Int64Array
+    rows: Int64Array
     keys: npt.NDArray[np.uint8]
-    key_offsets: Int64Array
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.starts, self.ends, self.offsets, self.lengths, self.keys, self.key_offsets)
-        return sum(a.nbytes for a in arrays)
+        return int(self.rows.nbytes + self.keys.nbytes)
+
+
+def columns(width: int) -> tuple[int, slice, slice, int]:
+    """Where a table row holds a sample's start (its end follows), its members' offsets and
+    lengths, and its key's length, for ``width`` selected fields."""
+    return 0, slice(2, 2 + width), slice(2 + width, 2 + 2 * width), 2 + 2 * width
 
 
 def shard_table(index: ShardIndex, column_of: Int64Array, width: int, url: str) -> ShardTable:
@@ -68,14 +70,37 @@ def shard_table(index: ShardIndex, column_of: Int64Array, width: int, url: str) 
             f"{url}: a sample lacks a field its counts say every sample holds: corrupt, or"
             " changed after it was opened; write it again with `asyncbatch index`"
         )
-    return ShardTable(
-        index.starts,
-        index.ends,
-        index.offsets[member],
-        index.lengths[member],
-        index.keys,
-        index.key_offsets,
+    key_lengths = np.diff(index.key_offsets)
+    rows = np.concatenate(
+        [
+            index.starts[:, None],
+            index.ends[:, None],
+            index.offsets[member],
+            index.lengths[member],
+            key_lengths[:, None],
+        ],
+        axis=1,
     )
+    return ShardTable(rows, padded(index.keys, key_lengths))
+
+
+def padded(data: npt.NDArray[np.uint8], lengths: Int64Array) -> npt.NDArray[np.uint8]:
+    """Strings ``data`` of ``lengths`` one after another as rows padded with zeros."""
+    width = int(lengths.max()) if lengths.size else 0
+    out = np.zeros((lengths.size, width), dtype=np.uint8)
+    out[np.arange(width) < lengths[:, None]] = data
+    return out
+
+
+def joined(tables: list[ShardTable]) -> ShardTable:
+    """The tables of consecutive shards as one (rows: their samples one after another)."""
+    width = max((t.keys.shape[1] for t in tables), default=0)
+    keys = np.zeros((sum(t.rows.shape[0] for t in tables), width), dtype=np.uint8)
+    at = 0
+    for t in tables:
+        keys[at : at + t.keys.shape[0], : t.keys.shape[1]] = t.keys
+        at += t.keys.shape[0]
+    return ShardTable(np.concatenate([t.rows for t in tables]), keys)
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,11 @@ class ShardTables:
     ) -> None:
         self.fixed = dict(fixed)
         self.lazy = dict(lazy)
+        #: With no sidecar to fetch, every shard's table joined: a batch gathers its rows at
+        #: its global sample numbers.
+        self.joined = None if lazy else joined([self.fixed[s] for s in range(len(self.fixed))])
+        if self.joined is not None:
+            self.fixed = {}
         self.width = width
         self.budget = budget
         self._cache: OrderedDict[int, ShardTable] = OrderedDict()
