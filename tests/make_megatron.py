@@ -68,6 +68,36 @@ def write_megatron(
             index.write(np.zeros(len(lengths), dtype=np.int8).tobytes())
 
 
+def write_megatron_lengths(
+    prefix: str | Path,
+    lengths: npt.NDArray[np.integer],
+    dtype: str = "uint16",
+    *,
+    sparse: bool = False,
+) -> None:
+    """``prefix.bin/.idx`` of one sequence a document, of ``lengths`` tokens each, written
+    with numpy (millions of documents in seconds). Token ``t`` of the stream is ``t % 251``;
+    with ``sparse`` the ``.bin`` is a sparse file of zeros instead (a corpus of gigabytes that
+    takes no disk: for timing the index, not the tokens)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = (np.cumsum(lengths) - lengths) * itemsize
+    total = int(lengths.sum())
+    with open(f"{prefix}.bin", "wb") as data:
+        if sparse:
+            data.truncate(total * itemsize)
+        else:
+            for start in range(0, total, 1 << 24):
+                stop = min(total, start + (1 << 24))
+                data.write((np.arange(start, stop) % 251).astype(dtype).tobytes())
+    with open(f"{prefix}.idx", "wb") as index:
+        index.write(MAGIC)
+        index.write(struct.pack("<QBQQ", 1, CODES[dtype], lengths.size, lengths.size + 1))
+        index.write(lengths.astype(np.int32).tobytes())
+        index.write(pointers.astype(np.int64).tobytes())
+        index.write(np.arange(lengths.size + 1, dtype=np.int64).tobytes())
+
+
 def random_documents(
     seed: int, count: int, dtype: str = "uint16", max_sequences: int = 3, max_length: int = 300
 ) -> list[list[npt.NDArray[np.integer]]]:
