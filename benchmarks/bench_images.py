@@ -511,6 +511,11 @@ def child_mosaic(spec: dict[str, Any]) -> dict[str, Any]:
             AWS_SECRET_ACCESS_KEY=spec["secret"],
         )
     base = import_mosaicml()
+    # Its docs' advice before a run: shared memory a run before left behind (its second
+    # run in a round once got another sample's bytes) is cleared.
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
 
     class Images(base.StreamingDataset):  # type: ignore[misc,name-defined]
         def get_item(self, index: int) -> tuple[torch.Tensor, int]:
