@@ -1,0 +1,568 @@
+"""The cost of a run before it starts: requests, bytes, time and dollars, without reading data.
+
+:func:`plan` opens the dataset (its manifest, footers, index metadata: what ``open_dataset``
+reads) and builds, for a few ranks, exactly what a :class:`~asyncbatch.Loader` of those
+options builds (its source, its order, its engine's groups), then asks the source for each
+group's reads, as the engine does, and counts them as the read counts of
+:meth:`~asyncbatch.Loader.statistics` do: one request per byte range. No byte of the data is
+read.
+
+Sampling (so that 10^12 tokens over 1024 ranks plan in seconds): when all groups of all
+ranks together hold more than ``max_ids`` sample ids, only ``ranks`` ranks are costed (evenly
+spread, the first and the last among them) and, in each, the groups of each size are costed
+in full up to ``groups`` of them, else a random sample of ``groups`` of them (fixed seed).
+A rank's total is each size's mean times its number of groups; ranks not costed get the mean
+of those costed. Every order gives each rank a statistically alike share (positions
+``q % W``, or whole windows of blocks), so the error is sampling error: the bound printed is
+three standard errors (groups within a rank, with the finite population correction, and
+ranks across the world), about 99.7% coverage for the normal approximation. Costing every
+group of every rank gives a bound of 0.
+
+Index bytes (documents with per-shard indexes) are estimated, not counted: which index
+pages a window needs depends on the documents' lengths, known only from the index itself.
+The shards a rank touches are those of its reads; the pages of a shard are taken as spanning
+equal numbers of elements (uniform document lengths), each window needing the pages its
+elements span, and a page once per epoch while the index cache holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._dataset import Dataset
+from ._engine import Engine
+from ._errors import ConfigError
+from ._layout import ReadPlan, WindowPlan
+from ._loader import _LoaderBase
+from ._mixture import Mixture
+from ._open import open_dataset
+from ._options import LoaderConfig
+from ._portal import run_sync
+from .formats._base import PlannedSource, Source
+from .formats._documents import DocumentSamples, PackedDocuments
+from .formats._documents_index import (
+    INDEX_DTYPE,
+    TOP_ENTRY_BYTES,
+    DocumentIndex,
+    page_count,
+)
+from .stores._disk_cache import DiskCache
+from .stores._registry import open_store
+
+Int64Array = npt.NDArray[np.int64]
+
+#: S3 Standard list prices (us-east-1): GET requests per 1,000, data transfer out to the
+#: internet per GB (first 10 TB a month). Transfer to EC2 in the same region costs nothing.
+S3_GET_PER_1000 = 0.0004
+S3_EGRESS_PER_GB = 0.09
+#: Sample ids costed in full before plan samples ranks and groups.
+MAX_IDS = 2**24
+#: Ranks and groups of each size costed when sampling.
+SAMPLED_RANKS = 8
+SAMPLED_GROUPS = 48
+#: Standard errors the error bound spans.
+Z = 3.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankCost:
+    """What one rank reads in one epoch (``estimated``: extrapolated from sampled groups)."""
+
+    rank: int
+    batches: int
+    requests: float
+    bytes_fetched: float
+    bytes_delivered: float
+    index_requests: float
+    index_bytes: float
+    #: Three standard errors of ``requests`` and ``bytes_fetched`` (0 when every group was
+    #: costed).
+    requests_error: float
+    bytes_error: float
+    #: Per costed group, in epoch order: its last batch + 1, its requests and bytes fetched.
+    curve: tuple[tuple[int, float, float], ...]
+
+    @property
+    def amplification(self) -> float:
+        """Bytes fetched per byte delivered."""
+        return self.bytes_fetched / self.bytes_delivered if self.bytes_delivered else 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """What :func:`plan` found: per costed rank, totals over the world and the epochs, the
+    epoch time and the dollars. ``str(plan)`` is the report ``asyncbatch plan`` prints."""
+
+    url: str
+    world_size: int
+    batch_size: int
+    seq_len: int | None
+    shuffle: str
+    epochs: int
+    ranks: tuple[RankCost, ...]
+    sampled: bool
+    latency: float
+    bandwidth: float
+    max_inflight: int
+    get_per_1000: float
+    egress_per_gb: float
+    index_note: str
+
+    def _total(self, name: str) -> float:
+        mean = float(sum(getattr(r, name) for r in self.ranks)) / len(self.ranks)
+        return mean * self.world_size * self.epochs
+
+    @property
+    def requests(self) -> float:
+        """Requests of every rank over every epoch (the index's included)."""
+        return self._total("requests") + self._total("index_requests")
+
+    @property
+    def bytes_fetched(self) -> float:
+        """Bytes fetched by every rank over every epoch (the index's included)."""
+        return self._total("bytes_fetched") + self._total("index_bytes")
+
+    @property
+    def bytes_delivered(self) -> float:
+        return self._total("bytes_delivered")
+
+    @property
+    def index_bytes(self) -> float:
+        return self._total("index_bytes")
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_fetched / self.bytes_delivered if self.bytes_delivered else 0.0
+
+    @property
+    def relative_error(self) -> float:
+        """The bound on the relative error of the world's requests and bytes (0: exact)."""
+        if not self.sampled:
+            return 0.0
+        spread = 0.0
+        for name in ("requests", "bytes_fetched"):
+            values = np.array([getattr(r, name) for r in self.ranks], dtype=np.float64)
+            errors = np.array(
+                [r.requests_error if name == "requests" else r.bytes_error for r in self.ranks]
+            )
+            mean = float(values.mean()) or 1.0
+            within = float(np.sqrt((errors**2).sum())) / len(values)
+            across = (
+                Z * float(values.std(ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else 0
+            )
+            left = 1 - len(values) / self.world_size
+            spread = max(spread, (within + across * math.sqrt(max(0.0, left))) / mean)
+        return spread
+
+    def rank_seconds(self, rank: RankCost) -> float:
+        """One epoch of ``rank``: its requests at ``max_inflight`` in flight, each a
+        ``latency`` round trip, or its bytes at ``bandwidth``, whichever takes longer."""
+        requests = rank.requests + rank.index_requests
+        nbytes = rank.bytes_fetched + rank.index_bytes
+        return max(requests * self.latency / self.max_inflight, nbytes / self.bandwidth)
+
+    @property
+    def epoch_seconds(self) -> float:
+        """The slowest costed rank's epoch (ranks step together)."""
+        return max(self.rank_seconds(r) for r in self.ranks)
+
+    @property
+    def dollars_get(self) -> float:
+        return self.requests / 1000 * self.get_per_1000
+
+    @property
+    def dollars_egress(self) -> float:
+        return self.bytes_fetched / 1e9 * self.egress_per_gb
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """The report, line by line."""
+        err = self.relative_error
+        how = (
+            f"estimated from {len(self.ranks)} ranks' sampled groups, error bound"
+            f" +/-{err:.2%} (3 standard errors)"
+            if self.sampled
+            else "exact: every group of every rank costed"
+        )
+        shown = self.ranks if len(self.ranks) <= 16 else self.ranks[:8] + self.ranks[-8:]
+        out = [
+            f"plan for {self.url}",
+            f"  world_size={self.world_size} batch_size={self.batch_size}"
+            f" seq_len={self.seq_len} shuffle={self.shuffle!r} epochs={self.epochs}",
+            f"  {how}",
+            "",
+            "  per rank, one epoch:",
+            f"  {'rank':>6} {'batches':>9} {'requests':>14} {'fetched':>12}"
+            f" {'delivered':>12} {'ampl.':>6} {'index':>10}",
+        ]
+        for r in shown:
+            out.append(
+                f"  {r.rank:>6} {r.batches:>9,} {r.requests + r.index_requests:>14,.0f}"
+                f" {_size(r.bytes_fetched + r.index_bytes):>12}"
+                f" {_size(r.bytes_delivered):>12} {r.amplification:>6.3f}"
+                f" {_size(r.index_bytes):>10}"
+            )
+        if len(self.ranks) < self.world_size:
+            out.append(f"  (other ranks: the mean of these {len(self.ranks)})")
+        out += [
+            "",
+            f"  total, {self.world_size} ranks x {self.epochs} epoch(s):",
+            f"    requests         {self.requests:,.0f}",
+            f"    bytes fetched    {_size(self.bytes_fetched)} ({self.bytes_fetched:,.0f} B)",
+            f"    bytes delivered  {_size(self.bytes_delivered)}",
+            f"    amplification    {self.amplification:.3f}",
+            f"    index bytes      {_size(self.index_bytes)}{self.index_note}",
+            "",
+            f"  epoch time at {self.latency * 1e3:g} ms a request, {self.max_inflight} in"
+            f" flight, {_size(self.bandwidth)}/s a rank: {_duration(self.epoch_seconds)}"
+            f" (all epochs {_duration(self.epoch_seconds * self.epochs)})",
+            f"  dollars at ${self.get_per_1000:g} per 1,000 GETs and ${self.egress_per_gb:g}"
+            f" per GB out: GETs ${self.dollars_get:,.2f} + egress ${self.dollars_egress:,.2f}"
+            f" = ${self.dollars_get + self.dollars_egress:,.2f}",
+        ]
+        if (self.get_per_1000, self.egress_per_gb) == (S3_GET_PER_1000, S3_EGRESS_PER_GB):
+            out.append(
+                "  (S3 Standard list prices, us-east-1: GET $0.0004 per 1,000, transfer out"
+                " to the internet $0.09/GB; to EC2 in the same region $0)"
+            )
+        return out
+
+    def plot(self, path: str) -> None:
+        """Requests and bytes fetched per costed rank over the epoch, cumulative, as a PNG
+        (matplotlib, Agg)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for r in self.ranks:
+            if not r.curve:
+                continue
+            ends = np.array([c[0] for c in r.curve], dtype=np.float64)
+            requests = np.cumsum([c[1] for c in r.curve])
+            fetched = np.cumsum([c[2] for c in r.curve])
+            # Sampled groups stand for all the groups up to them: scale to the rank's total.
+            requests *= r.requests / max(requests[-1], 1e-9)
+            fetched *= r.bytes_fetched / max(fetched[-1], 1e-9)
+            top.plot(ends, requests, label=f"rank {r.rank}", lw=1)
+            bottom.plot(ends, fetched / 2**20, lw=1)
+        top.set_ylabel("requests (cumulative)")
+        bottom.set_ylabel("MiB fetched (cumulative)")
+        bottom.set_xlabel("batch of the epoch")
+        top.set_title(
+            f"{self.url}: W={self.world_size}, B={self.batch_size}, L={self.seq_len},"
+            f" shuffle={self.shuffle}",
+            fontsize=9,
+        )
+        if len(self.ranks) <= 8:
+            top.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+        n /= 1024
+    raise AssertionError
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+class _Ranked(_LoaderBase):
+    """A loader's source, order and engine for one rank, built as the loader builds them;
+    it opens no store and reads nothing."""
+
+    def __init__(self, data: Dataset | Mixture, config: LoaderConfig) -> None:
+        self._setup(data, config)
+        self.engine = self._build(data)
+
+
+def plan(
+    dataset: Dataset | str,
+    *,
+    world_size: int = 1,
+    batch_size: int,
+    seq_len: int | None = None,
+    shuffle: bool | str = True,
+    epochs: int = 1,
+    seed: int = 0,
+    next_token: bool = False,
+    block_size: int | None = None,
+    window: int | None = None,
+    drop_last: bool = True,
+    tail: str = "drop",
+    prefetch: int | None = None,
+    max_inflight: int | None = None,
+    coalesce_gap: int | None = None,
+    format_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    cache: DiskCache | str | None = None,
+    latency: float = 0.010,
+    bandwidth: float = 1.25e9,
+    get_per_1000: float = S3_GET_PER_1000,
+    egress_per_gb: float = S3_EGRESS_PER_GB,
+    ranks: int = SAMPLED_RANKS,
+    groups: int = SAMPLED_GROUPS,
+    max_ids: int = MAX_IDS,
+) -> Plan:
+    """The cost of reading ``dataset`` (a URL or an opened :class:`Dataset`) with these loader
+    options on ``world_size`` ranks for ``epochs`` epochs, computed from its manifest (and
+    footers, index metadata) and the loader's own order and read planning: no data is read.
+
+    ``latency`` (seconds a request), ``bandwidth`` (bytes/s a rank) and ``max_inflight``
+    give the epoch time; ``get_per_1000`` and ``egress_per_gb`` the dollars (S3 list prices
+    by default). ``ranks``, ``groups`` and ``max_ids`` bound the work when the run is too big
+    to cost every group (see the module docstring for the method and its error bound).
+    A dataset whose reads depend on bytes not in its metadata is a ConfigError saying what
+    is missing.
+    """
+    for name, value in (("world_size", world_size), ("epochs", epochs), ("ranks", ranks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    for name, number in (("latency", latency), ("bandwidth", bandwidth)):
+        if not number > 0:
+            raise ConfigError(f"{name} must be positive, got {number!r}")
+    if isinstance(dataset, str):
+        dataset = open_dataset(dataset, storage_options, cache=cache)
+    options: dict[str, Any] = {
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "shuffle": shuffle,
+        "seed": seed,
+        "next_token": next_token,
+        "block_size": block_size,
+        "window": window,
+        "drop_last": drop_last,
+        "tail": tail,
+        "prefetch": prefetch,
+        "coalesce_gap": coalesce_gap,
+        "format_options": format_options,
+        "storage_options": storage_options,
+        "verify": "off",
+        "world_size": world_size,
+        "rank": 0,
+    }
+    if max_inflight is not None:
+        options["max_inflight"] = max_inflight
+    base = LoaderConfig(
+        batch_size=batch_size, **{k: v for k, v in options.items() if k != "batch_size"}
+    )
+    first = _Ranked(dataset, dataclasses.replace(base, rank=0))
+    source = first.engine.source
+    _check_costable(source, dataset.url)
+    gap, windows = run_sync(_store_traits(source, base))
+    if coalesce_gap is not None:
+        gap = coalesce_gap
+    order = first.engine.order
+    per_rank_ids = order.batches_per_epoch * batch_size
+    sampled = per_rank_ids * world_size > max_ids
+    chosen = (
+        sorted({round(i * (world_size - 1) / max(1, ranks - 1)) for i in range(ranks)})
+        if sampled
+        else list(range(world_size))
+    )
+    costs = []
+    for rank in chosen:
+        ranked = first if rank == 0 else _Ranked(dataset, dataclasses.replace(base, rank=rank))
+        costs.append(_cost_rank(ranked.engine, rank, gap, windows, groups if sampled else 0, seed))
+    index_note = ""
+    if isinstance(source, PackedDocuments) and source.index is not None:
+        index_note = " (estimated: uniform document lengths assumed within a shard)"
+    return Plan(
+        url=dataset.url,
+        world_size=world_size,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        shuffle=base.shuffle if isinstance(base.shuffle, str) else str(base.shuffle),
+        epochs=epochs,
+        ranks=tuple(costs),
+        sampled=sampled,
+        latency=latency,
+        bandwidth=bandwidth,
+        max_inflight=base.max_inflight,
+        get_per_1000=get_per_1000,
+        egress_per_gb=egress_per_gb,
+        index_note=index_note,
+    )
+
+
+def _check_costable(source: Source, url: str) -> None:
+    """A ConfigError unless the reads of ``source`` follow from its metadata alone."""
+    kind: type[Any] = type(source)
+    if isinstance(source, DocumentSamples) and (
+        getattr(source, "index", None) is not None or kind.fetch is not DocumentSamples.fetch
+    ):
+        raise ConfigError(
+            f"plan cannot cost {url} as documents (seq_len=None): its per-shard indexes hold the"
+            " documents' sizes, which the manifest does not; give seq_len= (packed windows,"
+            " costed from the manifest) or write it with a single documents.idx"
+        )
+    if isinstance(source, PackedDocuments):
+        return
+    if not (isinstance(source, PlannedSource) and kind.fetch is PlannedSource.fetch):
+        raise ConfigError(
+            f"plan cannot cost {url}: format {source.datasets[0].manifest.format!r} finds where"
+            f" a sample's bytes are ({kind.__name__}) from bytes it reads as it goes (per-shard"
+            " sidecars, scans, footers' pages), not from the manifest; plan needs a format"
+            " whose sample sizes the manifest or the index read at open records (tokens,"
+            " documents with seq_len=, LLMBATCH, .npy, Megatron)"
+        )
+
+
+async def _store_traits(source: Source, config: LoaderConfig) -> tuple[int, bool]:
+    """The request cost in bytes the engine merges reads with (the smallest of its stores'),
+    and whether its one store copies windows itself (one request per window)."""
+    stores = []
+    seen: set[tuple[str, str]] = set()
+    cache = config.cache if isinstance(config.cache, DiskCache) else None
+    try:
+        for dataset in source.datasets:
+            key = (dataset.url.split("://")[0], repr(sorted(dataset.storage_options.items())))
+            if key not in seen:
+                seen.add(key)
+                stores.append(open_store(dataset.url, dataset.storage_options, cache=cache))
+        gap = min(store.coalesce_gap for store in stores)
+        windows = len(stores) == 1 and stores[0].supports_windows
+        return gap, windows
+    finally:
+        await asyncio.gather(*(store.close() for store in stores), return_exceptions=True)
+
+
+def _reads(source: Source, ids: Int64Array, gap: int) -> ReadPlan | WindowPlan:
+    if isinstance(source, PackedDocuments):
+        return source.windows(ids, gap)
+    assert isinstance(source, PlannedSource)
+    return source.reads(ids, gap)
+
+
+def _cost_group(
+    source: Source, ids: Int64Array, gap: int, windows: bool
+) -> tuple[int, int, int, Int64Array]:
+    """(requests, bytes fetched, bytes delivered, shards read) of one group's reads, counted
+    as the store stack counts them."""
+    reads = _reads(source, ids, gap)
+    if isinstance(reads, WindowPlan):
+        if windows:
+            n = int(reads.starts.size)
+            shards = np.unique(reads.layout.shard_of(reads.starts))
+            return n, reads.nbytes, reads.nbytes, shards
+        reads = reads.plan()
+    fetched = int((reads.read_end - reads.read_start).sum())
+    return reads.num_reads, fetched, reads.nbytes, np.unique(reads.read_shard)
+
+
+def _cost_rank(
+    engine: Engine, rank: int, gap: int, windows: bool, sample: int, seed: int
+) -> RankCost:
+    """One epoch (epoch 0) of ``rank``: every group (``sample`` 0), or up to ``sample``
+    groups of each size, extrapolated."""
+    source, order = engine.source, engine.order
+    all_groups = list(engine.groups(0))
+    by_size: dict[int, list[int]] = {}
+    for i, g in enumerate(all_groups):
+        by_size.setdefault(len(g), []).append(i)
+    rng = np.random.default_rng([seed, rank, 0x9A7])
+    picked: dict[int, Sequence[int]] = {}
+    for size, members in by_size.items():
+        if not sample or len(members) <= sample:
+            picked[size] = members
+        else:
+            picked[size] = sorted(rng.choice(members, size=sample, replace=False).tolist())
+    measured: dict[int, tuple[int, int, int, Int64Array]] = {}
+    for chosen in picked.values():
+        for i in chosen:
+            g = all_groups[i]
+            ids = order.sample_ids(0, g.start, g[-1] + 1)
+            measured[i] = _cost_group(source, ids, gap, windows)
+    requests = fetched = delivered = 0.0
+    var_requests = var_bytes = 0.0
+    for size, members in by_size.items():
+        got = np.array([measured[i][:3] for i in picked[size]], dtype=np.float64)
+        n, total = len(picked[size]), len(members)
+        scale = total / n
+        requests += got[:, 0].sum() * scale
+        fetched += got[:, 1].sum() * scale
+        delivered += got[:, 2].sum() * scale
+        if n < total and n > 1:
+            correction = (1 - n / total) * total**2 / n
+            var_requests += got[:, 0].var(ddof=1) * correction
+            var_bytes += got[:, 1].var(ddof=1) * correction
+    index_requests, index_bytes = _index_cost(source, all_groups, measured, order)
+    curve = tuple(
+        (all_groups[i][-1] + 1, float(measured[i][0]), float(measured[i][1]))
+        for i in sorted(measured)
+    )
+    return RankCost(
+        rank=rank,
+        batches=order.batches_per_epoch,
+        requests=requests,
+        bytes_fetched=fetched,
+        bytes_delivered=delivered,
+        index_requests=index_requests,
+        index_bytes=index_bytes,
+        requests_error=Z * math.sqrt(var_requests),
+        bytes_error=Z * math.sqrt(var_bytes),
+        curve=curve,
+    )
+
+
+def _index_cost(
+    source: Source,
+    all_groups: Sequence[range],
+    measured: Mapping[int, tuple[int, int, int, Int64Array]],
+    order: Any,
+) -> tuple[float, float]:
+    """(requests, bytes) of the per-shard document index one rank fetches in an epoch,
+    estimated (see the module docstring); (0, 0) for other sources."""
+    if not isinstance(source, PackedDocuments) or source.index is None:
+        return 0.0, 0.0
+    index: DocumentIndex = source.index
+    layout = source.shard_map
+    shards_read = len(layout.counts)
+    costed = sum(len(all_groups[i]) for i in measured)
+    if costed < sum(len(g) for g in all_groups):  # sampled: the windows spread over all shards
+        touched = np.arange(shards_read)
+    else:
+        touched = np.unique(np.concatenate([m[3] for m in measured.values()]))
+        touched = touched[touched < shards_read]
+    windows = order.batches_per_epoch * order.batch_size
+    # The index segment of each shard read: the one holding its first element.
+    segments = index.segments_of_windows(layout.starts[touched], 1)
+    requests = nbytes = 0.0
+    for s in np.unique(segments).tolist():
+        n, page = int(index.documents[s]), int(index.page[s])
+        elements = int(index.element_ends[s] - index.element_starts[s])
+        if n == 0 or elements == 0:
+            continue
+        if page == 0:  # a whole index: fetched once
+            requests += 1
+            nbytes += INDEX_DTYPE.itemsize * (n + 1)
+            continue
+        pages = page_count(n, page)
+        requests += 1  # the top level
+        nbytes += TOP_ENTRY_BYTES * pages
+        k = windows * elements / max(1, layout.total)  # the rank's windows in this shard
+        per_window = 1 + source.window * pages / elements  # pages one window spans
+        distinct = pages * -math.expm1(-k * per_window / pages)
+        requests += distinct
+        nbytes += distinct * INDEX_DTYPE.itemsize * (page + 1)
+    return requests, nbytes
