@@ -5,7 +5,8 @@ A synthetic Megatron dataset of ``--documents`` documents (one sequence each, 1 
 uint16 tokens, about 200: a 10^7-document ``.idx`` is 200 MB; the ``.bin`` is a sparse file,
 since the tokens read are the same for both lines) is written once to a cache folder. Each
 round, in rotating order, each line opens it through asyncbatch's local store (counting the
-bytes the open reads, and the peak of Python memory it allocates, by ``tracemalloc``) and
+bytes the open reads; the peak of Python memory it allocates, by ``tracemalloc``, is taken in
+an untimed open before, since tracing slows every allocation) and
 reads the first batch of ``ab.Loader(ds, batch_size=16, seq_len=2048, shuffle=True)``
 (``statistics().bytes_fetched``, prefetch included):
 
@@ -20,7 +21,8 @@ figures, bound by CPU and memory, not by the disk. Prints medians and the paired
 ``whole`` to ``paged``.
 
 Usage: ``.venv/bin/python benchmarks/bench_megatron_idx.py [--documents 10000000]
-[--rounds 3]``
+[--rounds 3] [--lines whole paged]`` (``--lines paged`` alone for sizes whose whole index
+would not fit in memory)
 """
 
 from __future__ import annotations
@@ -103,14 +105,23 @@ async def open_paged(prefix: Path, store: Counting) -> Dataset:
 
 def measure(line: str, prefix: Path) -> dict[str, float]:
     """Open (timed, its bytes and peak Python memory), then the first shuffled batch."""
-    store = Counting(open_store(str(prefix)))
     opener = open_whole if line == "whole" else open_paged
+
+    async def run() -> tuple[Dataset, Counting]:
+        store = Counting(open_store(str(prefix)))
+        try:
+            return await opener(prefix, store), store
+        finally:
+            await store.store.close()
+
+    # Memory first, in an open of its own: tracemalloc slows every allocation.
     tracemalloc.start()
-    start = time.perf_counter()
-    dataset = asyncio.run(opener(prefix, store))
-    opened = time.perf_counter()
+    asyncio.run(run())
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    start = time.perf_counter()
+    dataset, store = asyncio.run(run())
+    opened = time.perf_counter()
     with ab.Loader(dataset, batch_size=16, seq_len=2048, shuffle=True, seed=0) as loader:
         next(iter(loader))
         first = time.perf_counter()
@@ -141,7 +152,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--documents", type=positive, default=10_000_000)
     parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument(
+        "--lines", nargs="+", choices=LINES, default=list(LINES), help="default: both"
+    )
     args = parser.parse_args()
+    lines = tuple(args.lines)
     prefix = ensure_dataset(args.documents)
     idx_bytes = Path(f"{prefix}.idx").stat().st_size
     print(
@@ -149,9 +164,10 @@ def main() -> None:
         f", {platform.machine()} {os.cpu_count()} cores, {args.documents:,} documents,"
         f" .idx {idx_bytes:,} bytes"
     )
-    results: dict[str, list[dict[str, float]]] = {line: [] for line in LINES}
+    measure("paged", prefix)  # untimed: the first Loader of the process starts its threads
+    results: dict[str, list[dict[str, float]]] = {line: [] for line in lines}
     for round_ in range(args.rounds):
-        order = LINES if round_ % 2 == 0 else LINES[::-1]
+        order = lines if round_ % 2 == 0 else lines[::-1]
         for line in order:
             got = measure(line, prefix)
             results[line].append(got)
@@ -163,7 +179,7 @@ def main() -> None:
                 flush=True,
             )
     print("\nline    open s  open bytes      open peak MiB  first batch s  batch bytes")
-    for line in LINES:
+    for line in lines:
         rows = results[line]
 
         def median(key: str, rows: list[dict[str, float]] = rows) -> float:
@@ -174,7 +190,7 @@ def main() -> None:
             f"  {median('open_peak_mib'):13.1f}  {median('first_batch_s'):13.3f}"
             f"  {median('batch_bytes'):,.0f}"
         )
-    for key in ("open_s", "first_batch_s", "open_bytes"):
+    for key in ("open_s", "first_batch_s", "open_bytes") if len(lines) == 2 else ():
         ratio = paired_ratio([r[key] for r in results["whole"]], [r[key] for r in results["paged"]])
         print(f"whole / paged, {key}: {ratio:.1f}x (paired over {args.rounds} rounds)")
 

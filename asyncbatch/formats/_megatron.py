@@ -244,16 +244,19 @@ class IndexBytes:
             cut = np.flatnonzero(unique[1:] - (unique[:-1] + size) >= MERGE_GAP) + 1
             firsts = unique[np.concatenate([[0], cut])]
             lasts = unique[np.concatenate([cut - 1, [unique.size - 1]])] + size
-            buffers = [bytearray(int(e - s)) for s, e in zip(firsts, lasts, strict=True)]
+            sizes = lasts - firsts
+            base = np.cumsum(sizes) - sizes
+            joined = np.empty(int(sizes.sum()), dtype=np.uint8)
+            view = memoryview(joined)  # type: ignore[arg-type]
             await self.store.read_ranges(
                 self.url,
                 starts=firsts.tolist(),
                 ends=lasts.tolist(),
-                buffers=[memoryview(b) for b in buffers],
+                buffers=[
+                    view[b : b + n] for b, n in zip(base.tolist(), sizes.tolist(), strict=True)
+                ],
             )
-            joined = np.frombuffer(b"".join(buffers), dtype=np.uint8)
             group = np.searchsorted(firsts, unique, side="right") - 1
-            base = np.cumsum(lasts - firsts) - (lasts - firsts)
             where = base[group] + unique - firsts[group]
             out[~inside] = joined[where[:, None] + np.arange(size)][back.reshape(-1)]
         values: npt.NDArray[np.int64] = out.reshape(-1).view(dtype).astype(np.int64)
