@@ -419,8 +419,19 @@ def _check_costable(source: Source, url: str) -> None:
     if isinstance(source, PackedDocuments):
         return
     if not (isinstance(source, PlannedSource) and kind.fetch is PlannedSource.fetch):
+        manifest = source.datasets[0].manifest
+        missing = ""
+        if manifest.format == "webdataset":
+            missing = (
+                " (WebDataset: a sample's byte range is in its shard's tar headers or sidecar"
+                " index, which the manifest does not record; without sidecars only a scan of"
+                " every shard finds them)"
+                if not manifest.metadata.get("sidecars")
+                else " (WebDataset: a sample's byte range is in the sidecar bodies, fetched"
+                " as batches need them)"
+            )
         raise ConfigError(
-            f"plan cannot cost {url}: format {source.datasets[0].manifest.format!r} finds where"
+            f"plan cannot cost {url}{missing}: format {manifest.format!r} finds where"
             f" a sample's bytes are ({kind.__name__}) from bytes it reads as it goes (per-shard"
             " sidecars, scans, footers' pages), not from the manifest; plan needs a format"
             " whose sample sizes the manifest or the index read at open records (tokens,"

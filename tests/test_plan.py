@@ -1,0 +1,116 @@
+"""plan(): a run's cost from metadata and the loader's own order and planning, no data read.
+
+Exact: on moto's S3 server at 4 ranks, the plan's requests and bytes equal what real
+loaders' statistics() count. Sampled: a synthetic manifest (no data) too big to cost whole
+is estimated within the bound the plan states. Bad input: a dataset whose reads need bytes
+beyond its metadata is a ConfigError saying what is missing.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import BUCKET, s3_options
+
+import asyncbatch as ab
+from asyncbatch._dataset import Dataset
+from asyncbatch._errors import ConfigError
+from asyncbatch._manifest import Manifest, ShardInfo
+from asyncbatch._plan import plan
+
+WORLD = 4
+
+
+def loaders_count(url: str, options: dict[str, Any], **kwargs: Any) -> tuple[int, int, int]:
+    """(requests, bytes fetched, bytes delivered) of one epoch of real loaders, all ranks."""
+    requests = fetched = delivered = 0
+    for rank in range(WORLD):
+        with ab.Loader(
+            url, storage_options=options, rank=rank, world_size=WORLD, **kwargs
+        ) as loader:
+            for _ in loader:
+                pass
+            stats = loader.statistics()
+        requests += stats.requests
+        fetched += stats.bytes_fetched
+        delivered += stats.bytes_delivered
+    return requests, fetched, delivered
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_plan_equals_what_loaders_count_on_s3(s3_endpoint: str, shuffle: bool | str) -> None:
+    options = s3_options(s3_endpoint)
+    url = f"s3://{BUCKET}/plan-tokens-{shuffle}"
+    tokens = np.random.default_rng(1).integers(0, 60_000, 16_000, dtype=np.uint16)
+    ab.write_tokens(url, tokens, shard_size=12_000, storage_options=options)
+    kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 100, "shuffle": shuffle}
+    if shuffle == "block":
+        kwargs["block_size"] = 8
+    got = plan(url, world_size=WORLD, storage_options=options, **kwargs)
+    assert not got.sampled and got.relative_error == 0
+    requests, fetched, delivered = loaders_count(url, options, **kwargs)
+    assert abs(got.requests - requests) <= 0.02 * requests, (got.requests, requests)
+    assert abs(got.bytes_fetched - fetched) <= 0.02 * fetched, (got.bytes_fetched, fetched)
+    assert got.bytes_delivered == pytest.approx(delivered)
+    assert got.amplification >= 1
+    text = str(got)
+    assert "S3 Standard list prices" in text and f"{requests:,}" in text
+
+
+def synthetic(shards: int, tokens: int) -> Dataset:
+    """A tokens dataset of ``shards`` shards holding ``tokens`` in all: its manifest only."""
+    per = tokens // shards
+    infos = tuple(ShardInfo(path=f"s{i}.bin", nbytes=2 * per, elements=per) for i in range(shards))
+    return Dataset(
+        "s3://bucket/synthetic", Manifest(format="tokens", dtype=np.dtype("<u2"), shards=infos)
+    )
+
+
+@pytest.mark.timeout(60)
+def test_sampled_plan_agrees_with_the_whole_within_its_bound() -> None:
+    data = synthetic(40, 4 * 10**7)
+    kwargs: dict[str, Any] = {"world_size": 16, "batch_size": 8, "seq_len": 2048}
+    whole = plan(data, **kwargs)
+    part = plan(data, ranks=4, groups=4, max_ids=1000, **kwargs)
+    assert not whole.sampled and part.sampled and len(part.ranks) == 4
+    bound = max(part.relative_error, 1e-6)
+    assert bound < 0.05
+    assert abs(part.requests - whole.requests) <= bound * whole.requests
+    assert abs(part.bytes_fetched - whole.bytes_fetched) <= bound * whole.bytes_fetched
+    assert part.bytes_delivered == pytest.approx(whole.bytes_delivered, rel=1e-9)
+    # At most a request per window of 4 KiB, and gaps bridged within the plan's own bytes.
+    assert whole.requests <= whole.bytes_delivered / (2 * 2048)
+    assert 1 <= whole.amplification <= 2
+    assert "error bound" in str(part)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    got = plan(synthetic(4, 10**6), world_size=2, batch_size=4, seq_len=256)
+    path = tmp_path / "plan.png"
+    got.plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_refuses_a_webdataset_without_sidecars(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "shard-0.tar", "w") as tar:
+        for key in ("a", "b"):
+            data = key.encode() * 10
+            info = tarfile.TarInfo(f"{key}.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ConfigError, match="plan cannot cost .*tar headers or sidecar index"):
+        plan(str(tmp_path / "shard-0.tar"), batch_size=1)
+
+
+def test_plan_refuses_documents_whose_sizes_are_in_their_indexes(tmp_path: Path) -> None:
+    url = str(tmp_path / "docs")
+    ab.write_documents(url, [np.arange(n, dtype=np.uint16) for n in (5, 9, 3, 7)])
+    with pytest.raises(ConfigError, match="give seq_len="):
+        plan(url, batch_size=2)
+    assert plan(url, batch_size=2, seq_len=4).bytes_delivered > 0
