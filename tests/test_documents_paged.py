@@ -358,3 +358,27 @@ def test_prepare_writes_paged_indexes(tmp_path: Path) -> None:
             for row, i in enumerate(batch.global_indexes.tolist())
         }
     assert [got[i] for i in range(len(rows))] == rows
+
+
+def test_index_bytes_and_memory_grow_with_what_a_batch_reads(tmp_path: Path) -> None:
+    """Ten times the documents in one shard: the first batch's index bytes (counted at the
+    server) and the cache's bytes grow by the top level alone (16 bytes a page), not with
+    the whole index (8 bytes a document)."""
+    got = []
+    with fault_server(tmp_path) as server:
+        for count in (20_000, 200_000):
+            lengths = np.random.default_rng(3).integers(0, 6, count)
+            write_paged(tmp_path / f"d{count}", lengths, count, PAGE_DOCUMENTS)
+            for args in ({"seq_len": 256}, {}):
+                server.reset()
+                url = f"{server.url}/d{count}"
+                with ab.Loader(url, batch_size=4, shuffle=True, prefetch=1, **args) as loader:
+                    next(iter(loader))
+                    cached = loader._engine.source.index.cached_bytes
+                    sent = server.sent("GET", ".idx")
+                top = 16 * -(-count // PAGE_DOCUMENTS)
+                pages = 4 * 2 * (8 * PAGE_DOCUMENTS + 8)
+                assert top < sent <= top + 4 * pages  # a few batches read ahead at most
+                assert cached <= sent + 8 * 8  # neighbouring pages share an offset
+                got.append(sent)
+    assert got[2] - got[0] < 2 * (16 * 180_000 // PAGE_DOCUMENTS + 4 * 2 * 4104)
