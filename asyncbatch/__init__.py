@@ -69,6 +69,8 @@ if _typing.TYPE_CHECKING:
     from ._open import open_dataset_async as open_dataset_async
     from ._options import LoaderConfig as LoaderConfig
     from ._options import LoaderOptions as LoaderOptions
+    from ._plan import Plan as Plan
+    from ._plan import plan as plan
     from ._prepare.driver import PrepareReport as PrepareReport
     from ._prepare.driver import prepare as prepare
     from ._workers import LoaderDataset as LoaderDataset
@@ -124,6 +126,8 @@ _LAZY: dict[str, str] = {
     "open_dataset_async": "_open",
     "LoaderConfig": "_options",
     "LoaderOptions": "_options",
+    "Plan": "_plan",
+    "plan": "_plan",
     "PrepareReport": "_prepare.driver",
     "prepare": "_prepare.driver",
     "register_store": "stores",
@@ -167,6 +171,7 @@ __all__ = [
     "Mixture",
     "NotFoundError",
     "PermissionDeniedError",
+    "Plan",
     "PrepareReport",
     "QueueStatistics",
     "RangeNotSupportedError",
@@ -188,6 +193,7 @@ __all__ = [
     "mix",
     "open_dataset",
     "open_dataset_async",
+    "plan",
     "prepare",
     "register_codec",
     "register_format",
