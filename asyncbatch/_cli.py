@@ -6,6 +6,7 @@ documents dataset, ``index`` writes the sidecar index of WebDataset tar shards."
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -159,6 +160,16 @@ def inspect(args: argparse.Namespace) -> int:
         for name, kind in manifest.metadata["types"].items():
             chosen = "" if name in manifest.metadata["columns"] else "  (not selected)"
             print(f"  {name}: {kind}{chosen}")
+    if manifest.format == "documents":
+        documents = manifest.metadata.get("documents")
+        if documents is not None:
+            print(f"documents {int(documents):,}")
+        settings = manifest.metadata.get("prepare")
+        if isinstance(settings, dict):  # what `prepare` recorded: the settings and counts
+            print("prepared with:")
+            for name, value in settings.items():
+                shown = value if isinstance(value, str | int) else json.dumps(value)
+                print(f"  {name}: {shown}")
     if manifest.format == "webdataset":  # tar shards: their index and fields
         print(f"sidecar indexes: {manifest.metadata['sidecars']} of {len(manifest.shards)}")
         print("fields:")
@@ -193,8 +204,17 @@ def verify(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+    files = "".join(
+        f", {count:,} {kind}"
+        for count, kind in (
+            (report.index_files, "index files"),
+            (report.metadata_files, "metadata files"),
+        )
+        if count
+    )
     print(f"dataset   {report.url}")
-    print(f"checked   {report.shards} shards, {report.nbytes} bytes, level {report.level}")
+    print(f"checked   {report.data_shards:,} shards{files}, level {report.level}")
+    print(f"bytes     {human_bytes(report.nbytes)}")
     for note in report.notes:
         print(f"note      {note}")
     for shard in report.bad:
@@ -203,7 +223,8 @@ def verify(args: argparse.Namespace) -> int:
     if report.bad:
         blocks = sum(len(shard.bad_blocks) for shard in report.bad)
         where = f", {blocks} bad blocks" if report.level == "block" else ""
-        print(f"result    {len(report.bad)} bad shards of {report.shards}{where}")
+        of = f"shards of {report.shards:,}" if not files else f"files of {report.shards:,}"
+        print(f"result    {len(report.bad)} bad {of}{where}")
         return VERIFY_BAD
     if report.level == "size":
         print("result    sizes match; no checksums to verify the bytes against")
@@ -488,9 +509,11 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument(
         "--unit-size",
         type=int,
-        default=256 * 2**20,
-        help="input bytes per unit of work for large JSONL and Parquet files (default:"
-        " %(default)s)",
+        default=None,
+        help="input bytes per unit of work: large uncompressed JSONL files are cut into byte"
+        " ranges, Parquet files into runs of row groups (default: from the inputs alone, their"
+        " total bytes / 1024 within 1 MiB to 256 MiB, so that every core stays busy to the"
+        " end)",
     )
     make.add_argument(
         "--workers",
@@ -571,15 +594,49 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown option is reported by the subcommand's own parser (its
+    usage), with the closest option it has (``--tokeniser``: did you mean --tokenizer?)."""
+    root = parser()
+    args, unknown = root.parse_known_args(argv)
+    if not unknown:
+        return args
+    command: argparse.ArgumentParser = root
+    for action in root._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            command = action.choices.get(args.command, root)
+            for inner in command._actions:  # `cache info`, `cache clear`
+                if isinstance(inner, argparse._SubParsersAction):
+                    command = inner.choices.get(getattr(args, inner.dest, ""), command)
+    known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for item in unknown:
+        name = item.partition("=")[0]
+        close = difflib.get_close_matches(name, known, n=1) if name.startswith("--") else []
+        if close:
+            hints.append(f"did you mean {close[0]} (not {name})?")
+    hint = f"; {' '.join(hints)}" if hints else ""
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = _parse(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
     except (AsyncBatchError, NotFoundError) as exc:
         print(f"asyncbatch: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`asyncbatch inspect URL | head`): stop quietly, as other
+        # command-line tools do. stdout is pointed at /dev/null so that the interpreter's
+        # own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe ended
     return code
 
 

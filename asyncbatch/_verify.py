@@ -24,10 +24,15 @@ class VerifyReport:
 
     url: str
     level: str  # "block", "full", or "size" when the manifest records no checksums
-    shards: int
-    nbytes: int
+    shards: int  # every file checked: data shards, and index and metadata files
+    nbytes: int  # of every file checked
     bad: list[ShardReport]
     notes: list[str] = field(default_factory=list)
+    #: The files checked, by kind: a documents dataset's per-shard index files and document
+    #: metadata files are checked as its shards are.
+    data_shards: int = 0
+    index_files: int = 0
+    metadata_files: int = 0
 
     @property
     def clean(self) -> bool:
@@ -80,10 +85,6 @@ async def verify_dataset_async(
     store = open_store(dataset.url, dataset.storage_options, max_inflight=concurrency)
     slots = asyncio.Semaphore(concurrency)
     data_shards = len(manifest.shards)
-    if indexes:
-        notes.append(f"{len(indexes)} per-shard document index files checked with the shards")
-    if metas:
-        notes.append(f"{len(metas)} document metadata files checked with the shards")
 
     async def check(shard: int) -> ShardReport:
         # ``progress`` counts the shards' bytes (the index files' are not in its total).
@@ -110,7 +111,17 @@ async def verify_dataset_async(
         await store.close()
     bad = [report for report in reports if report.problems]
     nbytes = manifest.total_bytes + sum(size for size, _ in files.values())
-    return VerifyReport(dataset.url, used, len(reports), nbytes, bad, notes)
+    return VerifyReport(
+        dataset.url,
+        used,
+        len(reports),
+        nbytes,
+        bad,
+        notes,
+        data_shards=data_shards,
+        index_files=len(indexes),
+        metadata_files=len(metas),
+    )
 
 
 def verify_dataset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -130,3 +131,58 @@ def test_readme_commands_call_the_venvs_script() -> None:
     assert commands, "the README shows no asyncbatch command"
     for line in commands:
         assert line.startswith(".venv/bin/asyncbatch "), line
+
+
+def test_a_mistyped_option_shows_the_commands_usage_and_the_closest_option(
+    tmp_path: Path,
+) -> None:
+    out = run("prepare", "a.jsonl", "--output", "o", "--tokeniser", "t.json", cache=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: asyncbatch prepare ")
+    assert "did you mean --tokenizer (not --tokeniser)?" in out.stderr
+    other = run("inspect", "x", "--shard", "3", "--opton", "a=b", cache=tmp_path)
+    assert other.stderr.startswith("usage: asyncbatch inspect ")
+    assert "did you mean --option (not --opton)?" in other.stderr
+
+
+def _prepared(tmp_path: Path) -> Path:
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"ids": [i] * (i % 50)}) + "\n" for i in range(1200))
+    )
+    out = tmp_path / "prepared"
+    ab.prepare(
+        str(tmp_path / "in.jsonl"), str(out), token_field="ids", eos=0, workers=1, progress=False
+    )
+    return out
+
+
+def test_inspect_and_verify_of_a_prepared_dataset(tmp_path: Path) -> None:
+    out = _prepared(tmp_path)
+    shown = run("inspect", str(out), cache=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "documents 1,200" in shown.stdout
+    assert "prepared with:" in shown.stdout
+    for setting in ("token_field: ids", "eos: [0]", "on_error: raise", "input_files: 1"):
+        assert f"  {setting}\n" in shown.stdout, setting
+    checked = run("verify", str(out), cache=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert "checked   1 shards, 1 index files, level block" in checked.stdout
+    nbytes = sum(p.stat().st_size for p in (out / "data").iterdir())
+    assert re.search(rf"bytes     [\d.]+ KiB \({nbytes:,} bytes\)", checked.stdout), checked.stdout
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path) -> None:
+    # Every subcommand (`inspect ... | head` too) ends in main(), which stops quietly on a
+    # closed pipe; `cache info` is the one that imports no torch (a cheap test).
+    with subprocess.Popen(
+        [sys.executable, "-m", "asyncbatch._cli", "cache", "info", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, ASYNCBATCH_CACHE=str(tmp_path)),
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # as `| head` does once it has its lines, here before any
+        err = process.stderr.read().decode()
+        process.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert process.returncode == 141

@@ -430,7 +430,8 @@ def test_cli_verify_names_every_bad_shard_and_block(
     dataset = write(tmp_path, tokens)
     assert cli_main(["verify", dataset.url]) == 0
     out, err = capsys.readouterr()
-    assert "6 shards, 40022 bytes, level block" in out and "result    clean" in out
+    assert "checked   6 shards, level block" in out and "result    clean" in out
+    assert "bytes     39.1 KiB (40,022 bytes)" in out
     assert "verifying" in err and "100.0%" in err  # the progress bar
 
     flip(dataset.shard_urls[1], 10)  # block 0

@@ -865,3 +865,89 @@ def test_a_hugging_face_dataset_folder_reads_its_data_files_only(tmp_path: Path)
     pq.write_table(pa.table({"text": ["one", "two"]}), folder / "data" / "train-0.parquet")
     ab.prepare(str(folder), str(tmp_path / "o"), tokenizer=byte_tokenizer)
     assert read_back(str(tmp_path / "o")) == [list(b"one"), list(b"two")]
+
+
+# ---------------------------------------------------------------------------------------------
+# As a user sees it: checks before any worker, messages, balanced units
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncbatch._cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE), **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_failed_check_starts_no_worker_and_leaves_nothing(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    out = tmp_path / "out"
+    common = ["--output", str(out), "--workers", "2"]
+    wrong_input = _cli(
+        "prepare", str(tmp_path / "nope.jsonl"), "--tokenizer", str(tokenizer_file), *common
+    )
+    assert wrong_input.returncode == 1, wrong_input.stderr
+    assert "no input files at" in wrong_input.stderr
+    assert "Traceback" not in wrong_input.stderr
+    wrong_tokenizer = _cli(
+        "prepare", str(path), "--tokenizer", str(tmp_path / "nope.json"), *common
+    )
+    assert wrong_tokenizer.returncode == 1, wrong_tokenizer.stderr
+    assert "nope.json" in wrong_tokenizer.stderr
+    assert not out.exists()  # no done/.write-check, nothing
+    # A run that passes its checks keeps no probe either.
+    ab.prepare(str(path), str(out), tokenizer=byte_tokenizer, workers=1, progress=False)
+    assert not (out / "done" / ".write-check").exists()
+
+
+def test_a_malformed_line_reads_well_and_says_how_to_skip(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "unterminated\n')
+    with pytest.raises(ab.RecordError) as caught:
+        ab.prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "o"), tokenizer=byte_tokenizer)
+    message = str(caught.value)
+    assert "malformed JSON: Unterminated string starting at column 10" in message
+    assert " at at " not in message
+    assert "--on-error skip" in message and "on_error='skip'" in message
+    skipped = ab.prepare(
+        str(tmp_path / "a.jsonl"),
+        str(tmp_path / "o"),
+        tokenizer=byte_tokenizer,
+        on_error="skip",
+        progress=False,
+    )
+    assert skipped.skipped_records == 1  # the hint is for the error raised, not the examples
+
+
+def length_tokenizer(texts: list[str]) -> list[list[int]]:
+    return [[len(text) % 256] for text in texts]
+
+
+def test_the_default_unit_size_balances_units_from_the_inputs_alone(tmp_path: Path) -> None:
+    from asyncbatch._prepare.driver import MAX_UNIT_SIZE, MIN_UNIT_SIZE, default_unit_size
+    from asyncbatch._prepare.inputs import InputFile
+
+    def sized(*sizes: int) -> list[InputFile]:
+        return [InputFile(f"f{i}.jsonl", size, "jsonl", None) for i, size in enumerate(sizes)]
+
+    assert default_unit_size(sized(1000)) == MIN_UNIT_SIZE
+    assert default_unit_size(sized(3 * 2**30, 2**30)) == 4 * 2**20  # 1024 units
+    assert default_unit_size(sized(2**40)) == MAX_UNIT_SIZE
+    # A Parquet file of 4 row groups of ~1.5 MB was one unit (256 MiB by default): now each
+    # row group is a unit of its own, whatever the worker count.
+    (tmp_path / "in").mkdir()
+    rows = [os.urandom(1500).hex() for _ in range(4000)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "in" / "big.parquet", row_group_size=1000)
+    write_jsonl(tmp_path / "in" / "small.jsonl", ["a", "b"])
+    report = ab.prepare(
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        tokenizer=length_tokenizer,
+        workers=1,
+        progress=False,
+    )
+    assert report.units == 5 and report.documents == 4002

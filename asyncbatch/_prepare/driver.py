@@ -27,13 +27,18 @@ from .._progress import Progress
 from ..formats._documents_index import per_shard_metadata
 from ..stores import open_store
 from . import engines
-from .inputs import Unit, expand_inputs, plan_units
+from .inputs import InputFile, Unit, expand_inputs, plan_units
 from .tokenizer import TokenizerSpec, make_spec, output_dtype, special_ids
 from .unit import Settings, done_url, record_checksum, unit_fingerprint
 
 DEFAULT_SHARD_SIZE = 256 * 2**20
-#: Input bytes per unit: large uncompressed JSONL files and Parquet files are cut to about this.
-DEFAULT_UNIT_SIZE = 256 * 2**20
+#: The default unit size is the inputs' total bytes over ``UNITS_TARGET``, within
+#: ``[MIN_UNIT_SIZE, MAX_UNIT_SIZE]``: enough units that every core stays busy to the end of
+#: a run (a worker's last unit is ~1/1000 of the run), few enough that a unit's fixed cost
+#: (a few ms: its files and done record) stays small beside its tokenization (~1 s a MiB).
+UNITS_TARGET = 1024
+MIN_UNIT_SIZE = 2**20
+MAX_UNIT_SIZE = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,7 @@ def prepare(
     bos: int | str | Sequence[int | str] | None = None,
     metadata_fields: Sequence[str] = (),
     shard_size: int = DEFAULT_SHARD_SIZE,
-    unit_size: int = DEFAULT_UNIT_SIZE,
+    unit_size: int | None = None,
     workers: int | None = None,
     engine: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
@@ -95,7 +100,10 @@ def prepare(
     argument's by name. ``tokenizer``: a ``tokenizer.json`` path or URL, a
     ``tokenizers.Tokenizer``, a ``tiktoken.Encoding`` or a callable ``list[str] ->
     list[list[int]]``; or ``token_field=`` names a column of ids taken as they are. ``bos`` /
-    ``eos``: ids or token strings added to every document (nothing by default). The output
+    ``eos``: ids or token strings added to every document (nothing by default).
+    ``unit_size``: input bytes per unit of work (large uncompressed JSONL files are cut into
+    byte ranges, Parquet files into runs of row groups); by default
+    :func:`default_unit_size` of the inputs. The output
     is byte-identical for any ``workers`` and ``engine``; a run started again with the same
     arguments redoes only the units not finished. Bad records raise ``RecordError``
     (``on_error="skip"``: skipped and counted).
@@ -109,16 +117,25 @@ def prepare(
         )
     options = dict(storage_options or {})
     root = output.rstrip("/")
-    run_sync(_check_writable(root, options))
+    # Every check before any worker starts or any byte is written: a wrong input path, a
+    # tokenizer that does not load or an output that cannot be written fails at once and
+    # leaves nothing behind.
+    files = expand_inputs(inputs, options)
     spec = make_spec(tokenizer, vocab_size, options)
     dtype = output_dtype(spec)
     eos_ids, bos_ids = special_ids(spec, eos, "eos"), special_ids(spec, bos, "bos")
-    count = workers or engines.default_workers()
-    # Started now, the workers load while the units are planned and checked.
+    if unit_size is None:
+        unit_size = default_unit_size(files)
+    units = plan_units(files, unit_size, options, skip=on_error == "skip")
+    wanted = workers or engines.default_workers()
+    if engine == "local" and wanted > 1:  # whatever the number of units
+        engines.check_sendable(spec)
+    run_sync(_check_writable(root, options))
+    # No more workers than units: a small run spawns no process it cannot use.
+    count = min(wanted, len(units))
+    # Started now, the workers load while the done records are checked.
     pool = engines.start_pool(spec, count) if engine == "local" and count > 1 else None
     try:
-        files = expand_inputs(inputs, options)
-        units = plan_units(files, unit_size, options, skip=on_error == "skip")
         settings = Settings(
             root,
             options,
@@ -187,6 +204,8 @@ def _check_args(
     metadata_fields: Any,
 ) -> None:
     for name, value in (("shard_size", shard_size), ("unit_size", unit_size)):
+        if name == "unit_size" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive number of bytes, got {value!r}")
     if workers is not None and (
@@ -207,6 +226,14 @@ def _check_args(
         raise ConfigError(
             f"metadata_fields must be a sequence of field names, got {metadata_fields!r}"
         )
+
+
+def default_unit_size(files: Sequence[InputFile]) -> int:
+    """The unit size of a run over ``files``, from their sizes alone (never the worker count,
+    so the output is the same for any): their total over ``UNITS_TARGET``, within
+    ``[MIN_UNIT_SIZE, MAX_UNIT_SIZE]``."""
+    total = sum(file.size for file in files)
+    return min(MAX_UNIT_SIZE, max(MIN_UNIT_SIZE, -(-total // UNITS_TARGET)))
 
 
 def _run(
@@ -233,10 +260,12 @@ WRITE_CHECK_SECONDS = 5
 
 
 async def _check_writable(root: str, options: dict[str, Any]) -> None:
-    """Fail at once, before any tokenization, when ``root`` cannot be written."""
+    """Fail at once, before any tokenization, when ``root`` cannot be written; the probe
+    written is removed again."""
     probe = join_url(root, "done/.write-check")
     try:
         await asyncio.wait_for(_write(root, "done/.write-check", b"", options), WRITE_CHECK_SECONDS)
+        await asyncio.wait_for(_remove(probe, options), WRITE_CHECK_SECONDS)
     except TimeoutError as exc:
         raise StoreError(
             f"cannot write the output {root}: no answer in {WRITE_CHECK_SECONDS} s", probe
@@ -245,6 +274,13 @@ async def _check_writable(root: str, options: dict[str, Any]) -> None:
         raise type(exc)(f"cannot write the output {root}: {exc}", probe) from exc
     except OSError as exc:
         raise StoreError(f"cannot write the output {root}: {exc}", probe) from exc
+
+
+async def _remove(url: str, options: dict[str, Any]) -> None:
+    from .inputs import filesystem
+
+    fs, path = filesystem(url, options)
+    await asyncio.to_thread(fs.rm, path)
 
 
 async def _write(root: str, name: str, data: bytes, options: dict[str, Any]) -> None:

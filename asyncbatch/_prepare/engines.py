@@ -86,15 +86,8 @@ def _ready() -> None:
 
 def start_pool(spec: TokenizerSpec, workers: int) -> futures.ProcessPoolExecutor:
     """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock),
-    started now, so that they load while the driver plans the units. A tokenizer they
-    cannot receive is a ConfigError here, not a pickling error from the pool later."""
-    try:
-        pickle.dumps(spec)  # what the pool does with initargs (Ray uses cloudpickle instead)
-    except Exception as exc:  # noqa: BLE001 - PicklingError, TypeError, AttributeError
-        raise ConfigError(
-            f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
-            " function, or workers=1"
-        ) from exc
+    started now, so that they load while the driver plans the units."""
+    check_sendable(spec)
     context = multiprocessing.get_context("spawn")
     pool = futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(spec,)
@@ -102,6 +95,18 @@ def start_pool(spec: TokenizerSpec, workers: int) -> futures.ProcessPoolExecutor
     for _ in range(workers):
         pool.submit(_ready)  # each submit with no idle worker starts one
     return pool
+
+
+def check_sendable(spec: TokenizerSpec) -> None:
+    """A tokenizer worker processes cannot receive is a ConfigError, not a pickling error
+    from the pool later."""
+    try:
+        pickle.dumps(spec)  # what the pool does with initargs (Ray uses cloudpickle instead)
+    except Exception as exc:  # noqa: BLE001 - PicklingError, TypeError, AttributeError
+        raise ConfigError(
+            f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
+            " function, or workers=1"
+        ) from exc
 
 
 def run_pool(

@@ -25,6 +25,8 @@ BATCH_RECORDS = 1024
 #: Characters per batch: long documents make smaller batches, bounding memory (the tokenizer's
 #: encodings of a batch take about 100 bytes per token).
 BATCH_CHARS = 2**20
+#: Said by an error about a record that ``on_error="skip"`` would have skipped.
+SKIP_HINT = "to skip bad records and count them: --on-error skip, or on_error='skip'"
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,15 +74,19 @@ class RecordReader:
         self.options = options
         self.skipped = Skipped()
 
-    def error(self, message: str, where: str) -> RecordError:
+    def error(self, message: str, where: str, skippable: bool = False) -> RecordError:
+        """A RecordError naming the file, ``where`` and the unit; a ``skippable`` one, raised,
+        says how to skip such records instead."""
         unit = self.unit
+        if skippable and not self.skip:
+            message += f" ({SKIP_HINT})"
         return RecordError(
             f"{unit.url}, {where} (unit {unit.index}): {message}", unit.url, where, unit.index
         )
 
     def unreadable(self, message: str, where: str) -> RecordError:
         """A file that cannot be read from ``where`` on: skipped whole with ``on_error="skip"``."""
-        error = self.error(message, where)
+        error = self.error(message, where, skippable=True)
         error.unreadable = True  # type: ignore[attr-defined]
         return error
 
@@ -134,7 +140,7 @@ class RecordReader:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            error = self.error(f"invalid UTF-8 at byte {exc.start}", "file")
+            error = self.error(f"invalid UTF-8 at byte {exc.start}", "file", skippable=True)
             if not self.skip:
                 raise error from exc
             self.skipped.add(error)
@@ -198,7 +204,7 @@ class RecordReader:
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as exc:
-                self._bad(f"malformed JSON: {exc.msg} at column {exc.colno}", where, exc)
+                self._bad(f"malformed JSON: {_json_problem(exc)}", where, exc)
                 continue
             if not isinstance(record, dict):
                 self._bad(f"a JSON {type(record).__name__}, not an object", where)
@@ -237,7 +243,7 @@ class RecordReader:
             ) from None
 
     def _bad(self, message: str, where: str, cause: BaseException | None = None) -> None:
-        error = self.error(message, where)
+        error = self.error(message, where, skippable=True)
         if not self.skip:
             raise error from cause
         self.skipped.add(error)
@@ -255,7 +261,7 @@ class RecordReader:
                 raise self.unreadable(f"cannot read the Parquet footer: {exc!r}", "footer") from exc
             problem = self._column_problem(schema, pa)
             if problem:
-                error = self.error(problem, "file")
+                error = self.error(problem, "file", skippable=True)
                 if not self.skip:
                     raise error
                 rows = sum(parquet.metadata.row_group(g).num_rows for g in unit.row_groups)
@@ -340,6 +346,13 @@ class RecordReader:
                 continue
             ids = values[offsets[i] : offsets[i + 1]]
             yield ids, where, ids.size, metas[i]
+
+
+def _json_problem(exc: json.JSONDecodeError) -> str:
+    """What is wrong and its column: ``Unterminated string starting at column 10``,
+    ``Expecting value at column 3`` (json's own messages may already end in "at")."""
+    joiner = " " if exc.msg.endswith(" at") else " at "
+    return f"{exc.msg}{joiner}column {exc.colno}"
 
 
 def _holds_json(kind: Any, pa: Any) -> bool:
