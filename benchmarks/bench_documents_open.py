@@ -5,7 +5,8 @@ The same ``--documents`` short documents (0 to 5 uint16 tokens each: the index, 
 tokens, is what grows with the document count) in shards of ``--per-shard`` documents, written
 once to a cache folder in both layouts (documents never cross shard ends in either):
 
-* ``per_shard``: ``shard-K.idx`` beside each shard (``ab.write_documents``' default layout);
+* ``per_shard``: a whole ``shard-K.idx`` beside each shard (``ab.write_documents``' layout
+  before paged indexes, ``page_documents=None``; paged ones: ``bench_documents_index.py``);
 * ``single``: one ``documents.idx`` of 8 bytes per document (``index="single"``), the
   baseline.
 
@@ -86,7 +87,11 @@ def write_layouts(root: Path, count: int, per_shard: int) -> None:
             (root / layout / name).write_bytes(data)
         blocks = block_digests(data, DEFAULT_CHECKSUM_BLOCK)
         shards.append(ShardInfo(name, len(data), len(data) // 2, 0, digest(data), blocks))
-        raw = shard_index_bytes(np.concatenate([[0], ends[first:last] - start]))
+        # Whole per-shard indexes, as this section measured them (paged ones:
+        # bench_documents_index.py).
+        raw = shard_index_bytes(
+            np.concatenate([[0], ends[first:last] - start]), page_documents=None
+        )
         (root / "per_shard" / index_path(name)).write_bytes(raw)
         infos.append(shard_index_info(index_path(name), raw))
         counts.append(last - first)
