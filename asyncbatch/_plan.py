@@ -223,7 +223,8 @@ class Plan:
             f"    index bytes      {_size(self.index_bytes)}{self.index_note}",
             "",
             f"  epoch time at {self.latency * 1e3:g} ms a request, {self.max_inflight} in"
-            f" flight, {_size(self.bandwidth)}/s a rank: {_duration(self.epoch_seconds)}"
+            f" flight, {self.bandwidth * 8 / 1e9:g} Gbit/s a rank:"
+            f" {_duration(self.epoch_seconds)}"
             f" (all epochs {_duration(self.epoch_seconds * self.epochs)})",
             f"  dollars at ${self.get_per_1000:g} per 1,000 GETs and ${self.egress_per_gb:g}"
             f" per GB out: GETs ${self.dollars_get:,.2f} + egress ${self.dollars_egress:,.2f}"
