@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._defaults import CACHE_BLOCK_SIZE, MAX_INFLIGHT, PREFETCH_BYTES
 from ._errors import AsyncBatchError, NotFoundError
+from ._plan_cli import add_plan_command
 from ._progress import Progress
 
 if TYPE_CHECKING:
@@ -591,6 +592,7 @@ def parser() -> argparse.ArgumentParser:
         "--option", action="append", default=[], metavar="KEY=VALUE", help=_OPTION_HELP
     )
     index.set_defaults(func=index_command)
+    add_plan_command(commands)
     return root
 
 
