@@ -44,19 +44,41 @@ def add_plan_command(commands: Any) -> None:
     )
     cost.add_argument("url", help="the dataset (a root URL or path)")
     cost.add_argument("--world-size", type=int, default=1, help="ranks (default: %(default)s)")
-    cost.add_argument("--batch-size", type=int, required=True, help="samples a batch, per rank")
-    cost.add_argument("--seq-len", type=int, default=None, help="window length (default: none)")
+    cost.add_argument(
+        "--batch-size",
+        type=int,
+        required=True,
+        help="samples a batch, per rank (no default: required)",
+    )
+    cost.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="window length (default: none, documents as samples)",
+    )
     cost.add_argument(
         "--shuffle",
         type=_shuffle,
         default=True,
         help="true (global), false, block or batch (default: true)",
     )
-    cost.add_argument("--block-size", type=int, default=None, help="with --shuffle block")
-    cost.add_argument("--window", type=int, default=None, help="with --shuffle block")
+    cost.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="samples a block, with --shuffle block (default: the loader's)",
+    )
+    cost.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="blocks a window, with --shuffle block (default: the loader's)",
+    )
     cost.add_argument("--epochs", type=int, default=1, help="epochs (default: %(default)s)")
     cost.add_argument("--seed", type=int, default=0, help="order seed (default: %(default)s)")
-    cost.add_argument("--next-token", action="store_true", help="windows of seq_len + 1")
+    cost.add_argument(
+        "--next-token", action="store_true", help="windows of seq_len + 1 (default: seq_len)"
+    )
     cost.add_argument(
         "--latency",
         type=float,
@@ -87,7 +109,12 @@ def add_plan_command(commands: Any) -> None:
         default=0.09,
         help="dollars per GB transferred out (default: %(default)s, S3 to the internet)",
     )
-    cost.add_argument("--plot", default=None, metavar="FILE", help="a PNG of requests and bytes")
+    cost.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="write a PNG of requests and bytes per rank over the epoch (default: none)",
+    )
     cost.add_argument(
         "--format-option",
         action="append",

@@ -18,6 +18,7 @@ import pytest
 from conftest import BUCKET, s3_options
 
 import asyncbatch as ab
+from asyncbatch._cli import main
 from asyncbatch._dataset import Dataset
 from asyncbatch._errors import ConfigError
 from asyncbatch._manifest import Manifest, ShardInfo
@@ -90,11 +91,19 @@ def test_sampled_plan_agrees_with_the_whole_within_its_bound() -> None:
     assert "error bound" in str(part)
 
 
-def test_plot_writes_a_png(tmp_path: Path) -> None:
-    got = plan(synthetic(4, 10**6), world_size=2, batch_size=4, seq_len=256)
-    path = tmp_path / "plan.png"
-    got.plot(str(path))
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_cli_prints_the_plan_and_plots_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = str(tmp_path / "ds")
+    ab.write_tokens(url, np.arange(40_000, dtype=np.uint16), shard_size=20_000)
+    png = tmp_path / "plan.png"
+    argv = ["plan", url, "--world-size", "2", "--batch-size", "4", "--seq-len", "100"]
+    assert main([*argv, "--shuffle", "block", "--latency", "20", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "shuffle='block'" in out and "at 20 ms a request" in out and "exact" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*argv, "--epochs", "0"]) == 1
+    assert "epochs must be a positive integer" in capsys.readouterr().err
 
 
 def test_plan_refuses_a_webdataset_without_sidecars(tmp_path: Path) -> None:
