@@ -29,7 +29,8 @@ import os
 import threading
 import warnings
 from collections.abc import Coroutine, Mapping
-from typing import Any, Self, TypeVar, Unpack
+from dataclasses import dataclass
+from typing import Any, Literal, Self, TypeVar, Unpack
 
 import torch
 
@@ -65,13 +66,14 @@ from .formats._base import (
 )
 from .formats._registry import make_source
 from .sampling._batches import BatchOrder
-from .sampling._mixture import MixtureOrder
+from .sampling._mixture import MixtureOrder, ScheduledMixtureOrder
 from .sampling._order import (
     EpochOrder,
     SampleOrder,
     derive_key,
     make_sample_order,
 )
+from .sampling._schedule import Schedule, SchedulePiece
 from .sampling._windows import History, Segment, extend_history
 from .stores._counting import ReadCounts
 from .stores._disk_cache import DiskCache
@@ -106,6 +108,21 @@ MUST_MATCH = (
     "tail",
     "global_batch_size",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class MixtureStatistics(LoaderStatistics):
+    """:class:`LoaderStatistics`, and for a mixture what each dataset gave the stream."""
+
+    #: Samples of each dataset in the stream up to the position after the last batch taken,
+    #: all ranks together (empty: not a mixture, or not open yet).
+    dataset_samples: tuple[int, ...] = ()
+    #: Their tokens (``seq_len`` per sample); empty without ``seq_len``.
+    dataset_tokens: tuple[int, ...] = ()
+
+
+#: A change of a mixture's weights at resume: (stream position, counts there, schedule).
+MixtureChange = tuple[int, tuple[int, ...], Schedule]
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -230,6 +247,12 @@ class _LoaderBase:
         self._position = 0  # batches of the current epoch handed to the caller
         #: The world sizes the current epoch ran on before this loader's (block shuffle).
         self._history: History = ()
+        #: A mixture's weights from the start of the run (None: the mixture's own), and the
+        #: changes a resume with ``schedule="continue"`` made, in order.
+        self._mix_first: tuple[float, ...] | Schedule | None = None
+        self._mix_changes: tuple[MixtureChange, ...] = ()
+        #: The stream position where the mixture's own weights take over (when opened).
+        self._mix_pending: int | None = None
         self._queue: BatchQueue | None = None
         #: The queue of the latest run, kept for statistics() after the run ended.
         #: The last run's queue figures: a run's queue (and the batches it holds) goes with it.
@@ -428,7 +451,10 @@ class _LoaderBase:
             tail=self.config.tail,
         )
 
-    def _mixture_order(self, mixture: Mixture, source: Source) -> MixtureOrder:
+    def _mixture_order(
+        self, mixture: Mixture, source: Source
+    ) -> MixtureOrder | ScheduledMixtureOrder:
+        """The mixture's order: fixed weights as ever, else schedule pieces (docs/sampling.md)."""
         config, shuffle = self.config, self.config.shuffle
         assert isinstance(shuffle, str)  # LoaderConfig made it its name
         sizes = source.sizes.tolist()
@@ -443,13 +469,61 @@ class _LoaderBase:
             )
             for d, size in enumerate(sizes)
         ]
-        return MixtureOrder(
-            sizes,
-            mixture.weights or sizes,
-            mixture.seed,
-            mixture.samples or sum(sizes),
-            inner,
-        )
+        first = mixture.weights if self._mix_first is None else self._mix_first
+        step = config.batch_size * self.world_size
+        length = mixture.samples or sum(sizes)
+        fixed = None
+        if isinstance(first, Schedule):
+            length = length // step * step
+            pieces = [SchedulePiece(first, 0, [0] * len(sizes), step)]
+        else:
+            fixed = MixtureOrder(sizes, first or sizes, mixture.seed, length, inner)
+            pieces = []
+            if not self._mix_changes and self._mix_pending is None:
+                return fixed  # fixed weights, never changed: as before schedules
+        pieces += [SchedulePiece(w, start, taken, step) for start, taken, w in self._mix_changes]
+        order = ScheduledMixtureOrder(sizes, length, inner, fixed, pieces)
+        if self._mix_pending is not None:
+            start, self._mix_pending = self._mix_pending, None
+            weights = mixture.weights or sizes
+            schedule = (
+                weights
+                if isinstance(weights, Schedule)
+                else Schedule.parse([(0, weights)], len(sizes))
+            )
+            taken = tuple(order.taken_at(start).tolist())
+            self._mix_changes += ((start, taken, schedule),)
+            return self._mixture_order(mixture, source)
+        return order
+
+    def _stream_position(self) -> int:
+        """The mixture's stream position after the last batch taken."""
+        assert self._engine is not None
+        order = self._engine.order
+        assert isinstance(order, EpochOrder)
+        done = min(self._position * order.batch_size * self.world_size, order.positions_per_epoch)
+        return self._epoch * order.samples.num_samples + done
+
+    def _mixture_state(self) -> dict[str, Any] | None:
+        """What a state says of a mixture: its weights over the run and each dataset's count."""
+        mixture = self._data
+        if not isinstance(mixture, Mixture) or self._engine is None:
+            return None
+        samples = self._engine.order
+        if not isinstance(samples, EpochOrder):
+            return None
+        order = samples.samples
+        assert isinstance(order, MixtureOrder | ScheduledMixtureOrder)
+        first = mixture.weights if self._mix_first is None else self._mix_first
+        taken = order.taken_at(self._stream_position()).tolist()
+        return {
+            "blend": mixture.fingerprint(weights=False),
+            "samples_per_epoch": order.num_samples,
+            "first": _weights_data(first),
+            "changes": [[start, list(t), w.to_data()] for start, t, w in self._mix_changes],
+            "samples": taken,
+            "tokens": [n * self.config.seq_len for n in taken] if self.config.seq_len else [],
+        }
 
     @property
     def dataset(self) -> Dataset | Mixture | None:
@@ -474,12 +548,13 @@ class _LoaderBase:
         self._discard_run()
         self._epoch, self._position, self._history = epoch, 0, ()
 
-    def statistics(self) -> LoaderStatistics:
+    def statistics(self) -> MixtureStatistics:
         """The prefetch queue of the current run (or of the last one, once it ended), and
         what the loader fetched and delivered over its whole life."""
         now = self._queue.statistics() if self._queue is not None else self._last_statistics
         counts, delivered = self._read_counts, self._delivered
-        return LoaderStatistics(
+        mixture = self._mixture_state() or {}
+        return MixtureStatistics(
             capacity=now.capacity if now else 0,
             reserved=now.reserved if now else 0,
             ready=now.ready if now else 0,
@@ -493,6 +568,8 @@ class _LoaderBase:
             cache_hits=counts.cache_hits,
             cache_misses=counts.cache_misses,
             skipped_samples=self._skipped_samples(),
+            dataset_samples=tuple(mixture.get("samples", ())),
+            dataset_tokens=tuple(mixture.get("tokens", ())),
         )
 
     def _skipped_samples(self) -> int:
@@ -511,9 +588,12 @@ class _LoaderBase:
         self._queue = None
 
     def state_dict(self) -> dict[str, Any]:
-        """A few plain values that let ``load_state_dict`` resume after the last batch taken."""
+        """A few plain values that let ``load_state_dict`` resume after the last batch taken.
+
+        A mixture's adds ``"mixture"``: its weights over the run (the first ones and each
+        change made at a resume) and the samples and tokens each dataset gave so far."""
         dataset = self.dataset
-        return {
+        state = {
             "version": STATE_VERSION,
             "epoch": self._epoch,
             "batches_done": self._position,
@@ -534,17 +614,58 @@ class _LoaderBase:
             "world_size": self.world_size,
             "dataset": dataset.fingerprint() if dataset is not None else None,
         }
+        mixture = self._mixture_state()
+        if mixture is not None:
+            state["mixture"] = mixture
+        return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, schedule: Literal["continue"] | None = None
+    ) -> None:
         """Continue from ``state``; a state saved under other settings is a ResumeStateError.
 
         The state of any rank resumes every rank, on the same world size or another one with
         the same global batch size (``batch_size * world_size``): the rest of the epoch
         holds exactly the samples not yet delivered, none skipped or repeated.
+
+        ``schedule="continue"``: the state of a mixture with other weights (or another
+        schedule) resumes this one: this mixture's weights apply from the state's position
+        on, and each dataset goes on in its own order where it stopped.
         """
-        epoch, done, history = check_state(state, self.state_dict())
+        if schedule not in (None, "continue"):
+            raise ConfigError(f"schedule={schedule!r}: expected None or 'continue'")
+        mine = self.state_dict()
+        data = self._data if self._data is not None else self._dataset_arg
+        mixture = state.get("mixture")
+        change = False
+        if isinstance(data, Mixture) and isinstance(mixture, Mapping):
+            if schedule == "continue" and mixture.get("blend") == data.fingerprint(weights=False):
+                change = state.get("dataset") != data.fingerprint()
+                mine["dataset"] = state.get("dataset")
+        elif schedule == "continue":
+            raise ResumeStateError("schedule='continue' resumes a mixture's state only")
+        epoch, done, history = check_state(state, mine)
+        first, changes = self._mix_first, self._mix_changes
+        if isinstance(data, Mixture) and isinstance(mixture, Mapping):
+            first, changes = _mixture_parts(mixture, len(data.datasets))
         self._discard_run()
         self._epoch, self._position, self._history = epoch, done, history
+        self._mix_first, self._mix_changes, self._mix_pending = first, changes, None
+        if change:
+            assert isinstance(mixture, Mapping)
+            length = mixture.get("samples_per_epoch")
+            step = self.config.batch_size * self.world_size
+            if not isinstance(length, int) or length % step:
+                raise ResumeStateError(
+                    f"cannot change the weights of a mixture whose epoch ({length!r} samples) is"
+                    f" not whole global batches of {step}: pass mix(..., samples=) a multiple"
+                )
+            self._mix_pending = epoch * length + done * step
+        if isinstance(data, Mixture) and self._engine is not None:
+            order = self._engine.order
+            assert isinstance(order, EpochOrder)
+            order.samples = self._mixture_order(data, self._engine.source)
+            order._block.cache_clear()
 
     def _take(self, item: Any) -> Batch | None:
         """The batch to hand over, or None at the end of the epoch; raises the run's error."""
@@ -576,7 +697,8 @@ class _LoaderBase:
         """Pickles as its options and position, never its thread, loop or stores (spawn)."""
         dataset = self._data if self._data is not None else self._dataset_arg
         state = (self._epoch, self._position, self._history, self._closed)
-        return (_restore, (type(self), dataset, self.config, self._worker, state))
+        mix = (self._mix_first, self._mix_changes, self._mix_pending)
+        return (_restore, (type(self), dataset, self.config, self._worker, state, mix))
 
     @classmethod
     def _for_worker(
@@ -636,10 +758,49 @@ def _restore(
     config: LoaderConfig,
     worker: tuple[int, int],
     state: tuple[int, int, History, bool],
+    mix: tuple[Any, tuple[MixtureChange, ...], int | None] = (None, (), None),
 ) -> _LoaderBase:
     loader = cls._for_worker(worker, dataset, config)
     loader._epoch, loader._position, loader._history, loader._closed = state
+    loader._mix_first, loader._mix_changes, loader._mix_pending = mix
+    if mix != (None, (), None) and isinstance(loader._data, Mixture) and loader._engine:
+        order = loader._engine.order
+        assert isinstance(order, EpochOrder)
+        order.samples = loader._mixture_order(loader._data, loader._engine.source)
+        order._block.cache_clear()
     return loader
+
+
+def _weights_data(weights: tuple[float, ...] | Schedule | None) -> Any:
+    """A mixture's weights as plain data: a list, a schedule's ``[[step, weights], ...]``,
+    or None (in proportion to the sizes)."""
+    if isinstance(weights, Schedule):
+        return {"schedule": weights.to_data()}
+    return None if weights is None else list(weights)
+
+
+def _mixture_parts(
+    mixture: Mapping[str, Any], datasets: int
+) -> tuple[tuple[float, ...] | Schedule | None, tuple[MixtureChange, ...]]:
+    """The first weights and the changes a state's ``"mixture"`` names, checked."""
+    try:
+        first_data = mixture.get("first")
+        first: tuple[float, ...] | Schedule | None = None
+        if isinstance(first_data, Mapping):
+            first = Schedule.parse(first_data["schedule"], datasets)
+        elif first_data is not None:
+            first = tuple(float(w) for w in first_data)
+            if len(first) != datasets:
+                raise ValueError(f"{len(first)} weights")
+        changes: list[MixtureChange] = []
+        for start, taken, weights in mixture.get("changes", []):
+            counts = tuple(int(t) for t in taken)
+            if len(counts) != datasets or sum(counts) != start:
+                raise ValueError(f"counts {counts} at position {start}")
+            changes.append((int(start), counts, Schedule.parse(weights, datasets)))
+        return first, tuple(changes)
+    except (ConfigError, TypeError, ValueError, KeyError) as exc:
+        raise ResumeStateError(f"invalid mixture in state: {exc}") from exc
 
 
 class Loader(_LoaderBase):

@@ -1,4 +1,5 @@
-"""Mixtures: several datasets read as one weighted stream (see ``sampling/mixture.py``)."""
+"""Mixtures: several datasets read as one weighted stream (see ``sampling/_mixture.py``),
+with fixed weights or weights that follow a schedule (``sampling/_schedule.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ._errors import ConfigError
 from ._open import open_dataset
 from ._redact import redact
 from .formats._registry import make_source, one_format
+from .sampling._schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,12 @@ class Mixture:
 
     Build it with :func:`mix`; any loader accepts it in place of a dataset. ``weights=None``
     means in proportion to the datasets' sizes; ``samples=None`` means their sizes summed.
+    ``weights`` may be a :class:`~asyncbatch.sampling._schedule.Schedule` (weights over
+    training steps).
     """
 
     datasets: tuple[Dataset, ...]
-    weights: tuple[float, ...] | None = None
+    weights: tuple[float, ...] | Schedule | None = None
     seed: int = 0
     samples: int | None = None
     #: The datasets' sizes by :meth:`locate`'s arguments (building a source reads footers).
@@ -35,9 +39,18 @@ class Mixture:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def fingerprint(self) -> str:
-        """Identifies the blend (datasets, weights, seed, length), for checking resume states."""
+    @property
+    def schedule(self) -> Schedule | None:
+        """The weights' schedule (None: fixed weights)."""
+        return self.weights if isinstance(self.weights, Schedule) else None
+
+    def fingerprint(self, weights: bool = True) -> str:
+        """Identifies the blend (datasets, weights, seed, length), for checking resume states;
+        ``weights=False``: all of it but the weights (a changed schedule may continue it)."""
         parts = [d.fingerprint() for d in self.datasets]
+        if not weights:
+            text = repr((parts, self.seed, self.samples))
+            return f"blend:{len(parts)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         text = repr((parts, self.weights, self.seed, self.samples))
         return f"mixture:{len(parts)}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
@@ -70,7 +83,7 @@ class Mixture:
 
 def mix(
     datasets: Sequence[Dataset | str],
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | Sequence[tuple[int, Sequence[float]]] | Schedule | None = None,
     *,
     seed: int = 0,
     samples: int | None = None,
@@ -80,18 +93,31 @@ def mix(
 
     Each dataset keeps its own shuffle (the loader's, keyed per dataset); when one runs out it
     starts its next epoch and goes on. URLs are opened with ``storage_options``.
+
+    ``weights`` is one weight per dataset, or a schedule over training steps (global
+    batches): ``[(step, weights), ...]``, linear between breakpoints, constant before the
+    first and after the last, two breakpoints at one step for a step change. With a schedule
+    a mixture epoch is ``samples`` rounded down to whole global batches.
     """
     if not datasets:
         raise ConfigError("mix() needs at least one dataset")
     opened = tuple(
         d if isinstance(d, Dataset) else open_dataset(d, storage_options) for d in datasets
     )
-    if weights is not None:
-        weights = tuple(float(w) for w in weights)
-        if len(weights) != len(opened):
-            raise ConfigError(f"{len(weights)} weights for {len(opened)} datasets")
-        if any(not math.isfinite(w) or w < 0 for w in weights) or not sum(weights) > 0:
-            raise ConfigError(f"weights must be finite, non-negative, not all 0: {weights}")
+    checked: tuple[float, ...] | Schedule | None = None
+    if isinstance(weights, Schedule) or (
+        isinstance(weights, Sequence) and len(weights) and isinstance(weights[0], Sequence)
+    ):
+        checked = Schedule.parse(weights, len(opened))
+    elif weights is not None:
+        try:
+            checked = tuple(float(w) for w in weights)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"weights: expected numbers or a schedule, got {weights!r}") from exc
+        if len(checked) != len(opened):
+            raise ConfigError(f"{len(checked)} weights for {len(opened)} datasets")
+        if any(not math.isfinite(w) or w < 0 for w in checked) or not sum(checked) > 0:
+            raise ConfigError(f"weights must be finite, non-negative, not all 0: {checked}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     if samples is not None and (
@@ -102,4 +128,4 @@ def mix(
     dtypes = {d.manifest.dtype for d in opened}
     if len(dtypes) > 1:
         raise ConfigError(f"mixed datasets must share one dtype, got {sorted(map(str, dtypes))}")
-    return Mixture(opened, weights, seed, samples)
+    return Mixture(opened, checked, seed, samples)

@@ -27,6 +27,7 @@ import numpy.typing as npt
 from .._errors import ConfigError
 from ._feistel import FeistelPermutation
 from ._order import SampleOrder, derive_key
+from ._schedule import SchedulePiece
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -91,28 +92,105 @@ class MixtureOrder:
         which.flags.writeable = nth.flags.writeable = False
         return which, nth
 
-    def __call__(self, epoch: int, positions: Int64Array) -> Int64Array:
-        out = np.empty(positions.shape, dtype=np.int64)
-        if not positions.size:
-            return out
-        stream = positions + epoch * self.num_samples
+    def locate_stream(self, stream: Int64Array) -> tuple[Int64Array, Int64Array]:
+        """Dataset and ``k`` (its sample's rank in that dataset's stream) of stream positions."""
         chunks = stream // self.chunk
         inside = stream - chunks * self.chunk
-        which = np.empty(positions.shape, dtype=np.int64)
-        nth = np.empty(positions.shape, dtype=np.int64)
+        which = np.empty(stream.shape, dtype=np.int64)
+        nth = np.empty(stream.shape, dtype=np.int64)
         for chunk in np.unique(chunks).tolist():
             mask = chunks == chunk
             table_which, table_nth = self._table(chunk)
             which[mask] = table_which[inside[mask]]
             nth[mask] = table_nth[inside[mask]]
-        for d in np.unique(which).tolist():
-            mask = which == d
-            size = int(self.sizes[d])
-            epochs = nth[mask] // size
-            local = nth[mask] - epochs * size
-            ids = np.empty(local.shape, dtype=np.int64)
-            for inner_epoch in np.unique(epochs).tolist():
-                part = epochs == inner_epoch
-                ids[part] = self.inner[d](inner_epoch, local[part])
-            out[mask] = ids + self.id_base[d]
+        return which, nth
+
+    def taken_at(self, position: int) -> Int64Array:
+        """Samples of each dataset in stream positions ``[0, position)``."""
+        chunk, inside = divmod(position, self.chunk)
+        which, _ = self._table(chunk)
+        out: Int64Array = chunk * self.counts + np.bincount(
+            which[:inside], minlength=self.counts.size
+        )
         return out
+
+    def __call__(self, epoch: int, positions: Int64Array) -> Int64Array:
+        if not positions.size:
+            return np.empty(positions.shape, dtype=np.int64)
+        which, nth = self.locate_stream(positions + epoch * self.num_samples)
+        return ids_of(which, nth, self.sizes, self.id_base, self.inner)
+
+
+def ids_of(
+    which: Int64Array,
+    nth: Int64Array,
+    sizes: Int64Array,
+    id_base: Int64Array,
+    inner: Sequence[SampleOrder],
+) -> Int64Array:
+    """Ids of the ``nth[i]``-th samples of datasets ``which[i]``: pass ``k // size`` of the
+    dataset, position ``k mod size`` of its own order (a new one each pass)."""
+    out = np.empty(which.shape, dtype=np.int64)
+    for d in np.unique(which).tolist():
+        mask = which == d
+        size = int(sizes[d])
+        epochs = nth[mask] // size
+        local = nth[mask] - epochs * size
+        ids = np.empty(local.shape, dtype=np.int64)
+        for inner_epoch in np.unique(epochs).tolist():
+            part = epochs == inner_epoch
+            ids[part] = inner[d](inner_epoch, local[part])
+        out[mask] = ids + id_base[d]
+    return out
+
+
+class ScheduledMixtureOrder:
+    """A mixture's order in parts along the stream: a first part (a fixed-weight
+    :class:`MixtureOrder`, or a schedule piece from position 0), then a schedule piece from
+    each position where a resumed run changed the schedule (:mod:`._schedule`)."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        samples_per_epoch: int,
+        inner: Sequence[SampleOrder],
+        first: MixtureOrder | None,
+        pieces: Sequence[SchedulePiece],
+    ) -> None:
+        if first is None and (not pieces or pieces[0].start != 0):
+            raise ValueError("a scheduled mixture's first part starts at position 0")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.id_base = np.cumsum(self.sizes) - self.sizes
+        self.num_samples = samples_per_epoch
+        self.inner = list(inner)
+        self.first = first
+        self.pieces = list(pieces)
+        self.starts = np.asarray([p.start for p in self.pieces], dtype=np.int64)
+
+    def locate_stream(self, stream: Int64Array) -> tuple[Int64Array, Int64Array]:
+        part = np.searchsorted(self.starts, stream, side="right") - 1
+        if part.size and part.min() == part.max():  # the usual case: one part
+            return self._part(int(part[0])).locate_stream(stream)
+        which = np.empty(stream.shape, dtype=np.int64)
+        nth = np.empty(stream.shape, dtype=np.int64)
+        for p in np.unique(part).tolist():
+            mask = part == p
+            which[mask], nth[mask] = self._part(p).locate_stream(stream[mask])
+        return which, nth
+
+    def _part(self, index: int) -> MixtureOrder | SchedulePiece:
+        if index < 0:
+            assert self.first is not None
+            return self.first
+        return self.pieces[index]
+
+    def taken_at(self, position: int) -> Int64Array:
+        """Samples of each dataset in stream positions ``[0, position)``."""
+        index = int(np.searchsorted(self.starts, position, side="right")) - 1
+        return self._part(index).taken_at(position)
+
+    def __call__(self, epoch: int, positions: Int64Array) -> Int64Array:
+        if not positions.size:
+            return np.empty(positions.shape, dtype=np.int64)
+        which, nth = self.locate_stream(positions + epoch * self.num_samples)
+        return ids_of(which, nth, self.sizes, self.id_base, self.inner)
