@@ -887,6 +887,28 @@ def test_a_sidecar_that_disagrees_with_its_shard(tmp_path: Path) -> None:
             check_batch(batch, reference([str(path)]))
 
 
+def test_a_sidecar_changed_or_gone_after_the_open(tmp_path: Path) -> None:
+    """The rest of a sidecar is fetched after the open: one rewritten since (another index
+    of the same size) or deleted is a FormatError naming it, never another shard's offsets."""
+    paths = write_shards(tmp_path / "s", make_samples(40), per_shard=20)
+    ab.index_webdataset(str(paths[0].parent))
+    dataset = ab.open_dataset(str(paths[0].parent))
+    side = Path(sidecar_url(str(paths[1])))
+    side.write_bytes(Path(sidecar_url(str(paths[0]))).read_bytes())  # shard 0's, same size
+    args: dict[str, Any] = dict(batch_size=8, shuffle=False, drop_last=False)
+    with (
+        ab.Loader(dataset, **args) as loader,
+        pytest.raises(FormatError, match=r"shard-000001.tar.abidx: bytes \[0, 64\) are not the"),
+    ):
+        list(loader)
+    side.unlink()
+    with (
+        ab.Loader(dataset, **args) as loader,
+        pytest.raises(FormatError, match=r"shard-000001.tar.abidx"),
+    ):
+        list(loader)
+
+
 def pack_v1(index: ShardIndex) -> bytes:
     """``index`` as a version 1 sidecar: no summary, the field names closing the body."""
     names = [n.encode() for n in index.fields]
