@@ -345,3 +345,17 @@ def test_index_memory_stays_within_its_bound(corpus: Path, monkeypatch: pytest.M
             assert peak <= budget + 2 * 8 * 8 and len(fetched) > pages
         else:
             assert sorted(fetched) == list(range(pages))  # each page once
+
+
+def test_format_options_are_checked(corpus: Path) -> None:
+    dataset = ab.open_dataset(str(corpus))
+    with pytest.raises(ab.ConfigError, match=r"unknown format_options \['shuffle_pages'\]"):
+        ab.Loader(dataset, batch_size=2, format_options={"shuffle_pages": True})
+    with pytest.raises(ab.ConfigError, match="keeps no per-document metadata"):
+        ab.Loader(dataset, batch_size=2, format_options={"metadata": True})
+    with pytest.raises(ab.ConfigError, match="apply to sequences as samples"):
+        ab.Loader(dataset, batch_size=2, seq_len=8, format_options={"max_len": 3})
+    with pytest.raises(ab.ConfigError, match="index_cache_bytes must be a number of bytes"):
+        ab.Loader(dataset, batch_size=2, format_options={"index_cache_bytes": -1})
+    with ab.Loader(dataset, batch_size=2, format_options={"metadata": False}) as loader:
+        assert next(iter(loader))["tokens"] is not None

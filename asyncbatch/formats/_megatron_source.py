@@ -185,7 +185,14 @@ def megatron_documents(
 ) -> Source:
     """Source factory of the ``megatron`` format: entries as samples without ``seq_len``
     (``format_options``: ``output``, ``pad_id``, ``max_len``), packed windows with it
-    (``token_ids``); both take ``index_cache_bytes`` (pages of the ``.idx`` kept)."""
+    (``token_ids``); both take ``index_cache_bytes`` (pages of the ``.idx`` kept) and, as the
+    documents format does, ``metadata`` (None or False: there is none)."""
+    metadata = options.pop("metadata", None)
+    if metadata:  # as the documents format takes it: a Megatron dataset keeps none
+        raise ConfigError(
+            f"format_options metadata={metadata!r}: a Megatron dataset keeps no per-document"
+            " metadata"
+        )
     known = SAMPLE_OPTIONS + WINDOW_OPTIONS + INDEX_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
