@@ -96,6 +96,9 @@ class MixtureOrder:
         """Dataset and ``k`` (its sample's rank in that dataset's stream) of stream positions."""
         chunks = stream // self.chunk
         inside = stream - chunks * self.chunk
+        if chunks.size and chunks.min() == chunks.max():  # the usual case: one table
+            table_which, table_nth = self._table(int(chunks[0]))
+            return table_which[inside], table_nth[inside]
         which = np.empty(stream.shape, dtype=np.int64)
         nth = np.empty(stream.shape, dtype=np.int64)
         for chunk in np.unique(chunks).tolist():
@@ -168,6 +171,8 @@ class ScheduledMixtureOrder:
         self.starts = np.asarray([p.start for p in self.pieces], dtype=np.int64)
 
     def locate_stream(self, stream: Int64Array) -> tuple[Int64Array, Int64Array]:
+        if self.first is None and len(self.pieces) == 1:
+            return self.pieces[0].locate_stream(stream)
         part = np.searchsorted(self.starts, stream, side="right") - 1
         if part.size and part.min() == part.max():  # the usual case: one part
             return self._part(int(part[0])).locate_stream(stream)

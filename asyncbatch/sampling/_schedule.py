@@ -181,8 +181,10 @@ class SchedulePiece:
         i = np.arange(owner.size, dtype=np.int64) - group_start
         per = np.repeat(m.ravel(), m.ravel())
         step_of = np.repeat(np.arange(steps, dtype=np.int64), self.step)
-        key = (i + 0.5) / per  # spread each dataset evenly over its step
-        order = np.lexsort((owner, key, step_of))
+        # Spread each dataset evenly over its step: by (step, (i + 1/2) / m); ties keep the
+        # layout's order (the lower dataset first).
+        key = step_of + (i + 0.5) / per
+        order = np.argsort(key, kind="stable")
         which = owner[order]
         nth = counts[:-1][step_of, which] + i[order]
         which.flags.writeable = nth.flags.writeable = False
@@ -195,6 +197,11 @@ class SchedulePiece:
         size = self.block * self.step
         offset = stream - self.start
         blocks = offset // size
+        if blocks.size and blocks.min() == blocks.max():  # the usual case: one table
+            block = int(blocks[0])
+            table_which, table_nth, _ = self._table(block)
+            inside = offset - block * size
+            return table_which[inside], table_nth[inside]
         for block in np.unique(blocks).tolist():
             mask = blocks == block
             table_which, table_nth, _ = self._table(block)
