@@ -16,7 +16,8 @@ LINE_INTERVAL = 10.0
 
 class Progress:
     """Counts ``amount``s of ``unit`` (``"B"``: bytes) done out of ``total`` (0: unknown),
-    under ``label``."""
+    under ``label``. ``initial``: done before this run (a resumed one): counted in the
+    fraction, not in the rate, and shown at once."""
 
     def __init__(
         self,
@@ -26,16 +27,19 @@ class Progress:
         stream: TextIO | None = None,
         *,
         interval: float = LINE_INTERVAL,
+        initial: float = 0.0,
+        note: str = "",
     ) -> None:
         self.total = total
         self.label = label
         self.unit = unit.strip()
-        self.done = 0.0
+        self.initial = self.done = float(initial)
         self.stream = stream or sys.stderr
         self.interval = interval
         self._start = self._written = time.perf_counter()
         self._bar: tqdm[NoReturn] | None = None
-        self._note = ""
+        self._note = note
+        self._shown: float | None = None  # ``done`` in the last plain line
         if _is_terminal(self.stream):
             from tqdm import tqdm  # imported only when drawn: `asyncbatch --help` stays fast
 
@@ -46,7 +50,11 @@ class Progress:
                 unit_scale=True,
                 file=self.stream,
                 dynamic_ncols=True,
+                initial=initial,
+                postfix=note or None,
             )
+        elif initial:
+            self._line(self._start)  # a resumed run says where it stands at once
 
     def update(self, amount: float) -> None:
         self.done += amount
@@ -58,6 +66,19 @@ class Progress:
             self._written = now
             self._line(now)
 
+    def tick(self) -> None:
+        """Called now and then while nothing may be done: the clock and ETA move on a
+        terminal, and a plain line still comes every ``interval``."""
+        now = time.perf_counter()
+        if self._bar is not None:
+            if now - self._written >= 0.5:
+                self._written = now
+                self._bar.refresh()
+            return
+        if now - self._written >= self.interval:
+            self._written = now
+            self._line(now)
+
     def note(self, text: str) -> None:
         """A few words shown after the count (tqdm's postfix; the plain lines end with it)."""
         self._note = text
@@ -65,16 +86,18 @@ class Progress:
             self._bar.set_postfix_str(text, refresh=False)
 
     def close(self) -> None:
-        """The final state: the bar closed, or one last line."""
+        """The final state: the bar closed, or one last line (unless the last line already
+        showed it)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        else:
+        elif self._shown != self.done:
             self._line(time.perf_counter())
 
     def _line(self, now: float) -> None:
+        self._shown = self.done
         elapsed = now - self._start
-        rate = self.done / max(elapsed, 1e-9)
+        rate = (self.done - self.initial) / max(elapsed, 1e-9)
         unit = f" {self.unit}" if self.unit else ""
         done = f"{_human(self.done)}{unit}"
         if self.total:

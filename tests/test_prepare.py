@@ -951,3 +951,37 @@ def test_the_default_unit_size_balances_units_from_the_inputs_alone(tmp_path: Pa
         progress=False,
     )
     assert report.units == 5 and report.documents == 4002
+
+
+def test_progress_is_reported_as_a_unit_runs_inline_and_from_workers(tmp_path: Path) -> None:
+    from prepare_child import slow_tokenizer
+
+    from asyncbatch._prepare.driver import Settings
+    from asyncbatch._prepare.inputs import expand_inputs, plan_units
+    from asyncbatch._prepare.tokenizer import make_spec
+
+    path = write_jsonl(tmp_path / "a.jsonl", [f"doc {i}" for i in range(3000)])  # 3 batches
+    (unit,) = plan_units(expand_inputs(str(path), {}), 2**20, {})
+    assert unit.weight == path.stat().st_size
+    spec = make_spec(slow_tokenizer, 1000, {})
+    settings = Settings(
+        str(tmp_path / "out"), {}, spec.fingerprint, "text", None, (), (), "<u2", 2**20,
+        None, "raise", (), 1000,
+    )  # fmt: skip
+    seen: list[tuple[int, ...]] = []
+    for _ in engines.run_inline([unit], settings, spec, lambda *report: seen.append(report)):
+        pass
+    assert [report[:3] for report in seen] == [(0, 1024, 2048), (0, 2048, 4096), (0, 3000, 6000)]
+    assert 0 < seen[0][3] < seen[1][3] < seen[2][3] <= unit.weight
+    # From a worker process: reports (every 0.25 s) arrive while the unit runs, before its end.
+    events: list[str] = []
+    pool = engines.start_pool(spec, 1, reports=True)
+    try:
+        for result in engines.run_pool(
+            [unit], settings, pool, 1, lambda *report: events.append(f"report {report[1]}")
+        ):
+            events.append(f"done {result.record['documents']}")
+    finally:
+        pool.executor.shutdown(cancel_futures=True)
+    assert events[-1] == "done 3000"
+    assert any(event.startswith("report ") for event in events[:-1]), events

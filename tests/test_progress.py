@@ -6,6 +6,7 @@ import io
 import os
 import select
 import termios
+import time
 
 from asyncbatch._progress import Progress
 
@@ -19,7 +20,7 @@ def test_plain_lines_when_not_a_terminal() -> None:
     text = stream.getvalue()
     assert "\r" not in text
     lines = text.splitlines()
-    assert len(lines) == 4  # three updates, then the final line
+    assert len(lines) == 3  # three updates; the last showed the final state: no second 100%
     assert lines[0].startswith("writing: 33.3% (100 of 300 B), ")
     assert lines[-1].startswith("writing: 100.0% (300 of 300 B), ")
 
@@ -65,3 +66,25 @@ def test_a_tqdm_bar_on_a_terminal() -> None:
         os.close(master)
     assert "\r" in text  # redrawn in place
     assert "verifying: 100%" in text and "2.00k/2.00k" in text  # tqdm's own format
+
+
+def test_a_resumed_run_says_where_it_stands_at_once_and_rates_only_new_work() -> None:
+    stream = io.StringIO()
+    bar = Progress(1000, "prepare", "B", stream, initial=400, note="3 of 8 units already done")
+    first = stream.getvalue()
+    assert first.startswith("prepare: 40.0% (400 of 1.0k B), 0 B/s, ")  # before any update
+    assert first.rstrip().endswith("3 of 8 units already done")
+    bar.update(600)
+    bar.close()
+    assert stream.getvalue().splitlines()[-1].startswith("prepare: 100.0% (1.0k of 1.0k B), ")
+
+
+def test_the_clock_moves_while_nothing_is_done() -> None:
+    stream = io.StringIO()
+    bar = Progress(100, "prepare", "B", stream, interval=0.05)
+    bar.update(10)
+    time.sleep(0.06)
+    bar.tick()  # no update: a line all the same, with the time gone by
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare: 10.0% (10 of 100 B), ")
+    assert float(lines[0].split(" s")[0].rsplit(", ", 1)[1]) >= 0.05

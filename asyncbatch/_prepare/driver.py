@@ -45,7 +45,8 @@ MAX_UNIT_SIZE = 256 * 2**20
 class PrepareReport:
     """What a :func:`prepare` run did. ``units_already_done`` were recognised from an earlier
     run and not redone; ``seconds`` is the whole call; ``peak_rss`` the largest peak resident
-    memory of a process that ran units (bytes)."""
+    memory of a process that ran units (bytes); ``timeline`` the ``(unit, start, end)`` of
+    each unit run, in seconds from the start of the call (how busy the workers were)."""
 
     output: str
     documents: int
@@ -58,6 +59,7 @@ class PrepareReport:
     dtype: str
     seconds: float
     peak_rss: int
+    timeline: tuple[tuple[int, float, float], ...] = ()
 
     def summary(self) -> str:
         """The one line the command ends with."""
@@ -108,7 +110,7 @@ def prepare(
     arguments redoes only the units not finished. Bad records raise ``RecordError``
     (``on_error="skip"``: skipped and counted).
     """
-    started = time.perf_counter()
+    started, wall = time.perf_counter(), time.time()
     _check_args(shard_size, unit_size, workers, engine, on_error, vocab_size, metadata_fields)
     if (tokenizer is None) == (token_field is None):
         raise ConfigError(
@@ -134,7 +136,9 @@ def prepare(
     # No more workers than units: a small run spawns no process it cannot use.
     count = min(wanted, len(units))
     # Started now, the workers load while the done records are checked.
-    pool = engines.start_pool(spec, count) if engine == "local" and count > 1 else None
+    pool = None
+    if engine == "local" and count > 1:
+        pool = engines.start_pool(spec, count, reports=progress)
     try:
         settings = Settings(
             root,
@@ -157,28 +161,28 @@ def prepare(
         if todo:
             run_sync(_withdraw_manifest(root, options))
         peak = 0
-        bar = Progress(len(todo), "prepare", "units") if progress and todo else None
-        documents = tokens = 0
+        timeline: list[tuple[int, float, float]] = []
+        monitor = _Monitor(units, todo) if progress and todo else None
         try:
-            for result in _run(todo, settings, spec, engine, workers, ray_address, pool, count):
+            for result in _run(
+                todo, settings, spec, engine, workers, ray_address, pool, count, monitor
+            ):
                 records[result.record["unit"]] = result.record
                 peak = max(peak, result.peak_rss)
-                if bar is not None:
-                    documents += result.record["documents"]
-                    tokens += result.record["tokens"]
-                    elapsed = time.perf_counter() - started
-                    bar.note(f"{documents:,} docs, {tokens / max(elapsed, 1e-9) / 1e6:.2f} M tok/s")
-                    bar.update(1)
+                timeline.append((result.record["unit"], result.started - wall, result.ended - wall))
+                if monitor is not None:
+                    record = result.record
+                    monitor.unit(record["unit"], record["documents"], record["tokens"], -1)
         finally:
-            if bar is not None:
-                bar.close()
+            if monitor is not None:
+                monitor.bar.close()
         done = [record for record in records if record is not None]
         assert len(done) == len(units)
         manifest = _manifest(done, dtype, settings, len(files))
         run_sync(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
     finally:
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.executor.shutdown(wait=True, cancel_futures=True)
     return PrepareReport(
         output=root,
         documents=sum(r["documents"] for r in done),
@@ -191,6 +195,7 @@ def prepare(
         dtype=dtype.name,
         seconds=time.perf_counter() - started,
         peak_rss=peak,
+        timeline=tuple(sorted(timeline)),
     )
 
 
@@ -243,16 +248,49 @@ def _run(
     engine: str,
     workers: int | None,
     address: str | None,
-    pool: Any,
+    pool: engines.Pool | None,
     count: int,
+    monitor: _Monitor | None,
 ) -> Any:
     if not todo:
         return iter(())
-    if engine == "ray":
+    if engine == "ray":  # units counted as they finish
         return engines.run_ray(todo, settings, spec, workers, address)
+    on_progress = None if monitor is None else monitor.unit
     if pool is None:
-        return engines.run_inline(todo, settings, spec)
-    return engines.run_pool(todo, settings, pool, count)
+        return engines.run_inline(todo, settings, spec, on_progress)
+    tick = None if monitor is None else monitor.bar.tick
+    return engines.run_pool(todo, settings, pool, count, on_progress, tick)
+
+
+class _Monitor:
+    """The progress of a run in input bytes (so the rate and ETA stay live while a unit
+    runs), with its documents, tokens and tokens/s, from the units' reports as they go."""
+
+    def __init__(self, units: Sequence[Unit], todo: Sequence[Unit]) -> None:
+        self.weights = {unit.index: unit.weight for unit in todo}
+        total = sum(unit.weight for unit in units)
+        already = total - sum(self.weights.values())
+        note = ""
+        if len(todo) < len(units):
+            note = f"{len(units) - len(todo):,} of {len(units):,} units already done"
+        self.bar = Progress(total, "prepare", "B", initial=already, note=note)
+        self.seen: dict[int, tuple[int, int, int]] = {}
+        self.documents = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def unit(self, index: int, documents: int, tokens: int, nbytes: int) -> None:
+        """Unit ``index`` has done this much so far (``nbytes`` -1: all of it)."""
+        weight = self.weights.get(index, 0)
+        nbytes = weight if nbytes < 0 else min(nbytes, weight)
+        old = self.seen.get(index, (0, 0, 0))
+        new = (max(old[0], documents), max(old[1], tokens), max(old[2], nbytes))
+        self.seen[index] = new
+        self.documents += new[0] - old[0]
+        self.tokens += new[1] - old[1]
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.note(f"{self.documents:,} docs, {self.tokens:,} tokens, {rate / 1e6:.2f} M tok/s")
+        self.bar.update(new[2] - old[2])
 
 
 #: Seconds an output store may take to answer the write check.

@@ -10,12 +10,15 @@ and raises the failure.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import dataclasses
+import functools
 import multiprocessing
 import os
 import pickle
+import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._errors import AsyncBatchError, ConfigError
@@ -34,14 +37,24 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+#: ``on_progress(unit index, documents, tokens, input bytes)``: a unit's counts so far.
+OnProgress = Callable[[int, int, int, int], None]
+#: Seconds between two reports of one unit from a worker process.
+REPORT_INTERVAL = 0.25
+
+
 def run_inline(
-    units: Sequence[Unit], settings: Settings, spec: TokenizerSpec
+    units: Sequence[Unit],
+    settings: Settings,
+    spec: TokenizerSpec,
+    on_progress: OnProgress | None = None,
 ) -> Iterator[UnitResult]:
     """One worker: this process, one unit after another."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         for unit in units:
-            yield run_unit(unit, settings, spec)
+            report = None if on_progress is None else functools.partial(on_progress, unit.index)
+            yield run_unit(unit, settings, spec, report)
     finally:
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -52,17 +65,18 @@ def run_inline(
 # -- a local process pool -------------------------------------------------------------------------
 
 _SPEC: TokenizerSpec | None = None
+_REPORTS: Any = None  # the driver's queue of (unit, documents, tokens, input bytes)
 
 
-def _start_worker(spec: TokenizerSpec) -> None:
-    global _SPEC
+def _start_worker(spec: TokenizerSpec, reports: Any = None) -> None:
+    global _SPEC, _REPORTS
     parent = os.getppid()
     threading.Thread(
         target=_exit_with, args=(parent,), name="asyncbatch-parent-watch", daemon=True
     ).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    _SPEC = spec
+    _SPEC, _REPORTS = spec, reports
     if spec.kind != "none":
         load(spec)
 
@@ -77,24 +91,44 @@ def _exit_with(parent: int) -> None:
 
 def _pool_unit(unit: Unit, settings: Settings) -> UnitResult:
     assert _SPEC is not None
-    return run_unit(unit, settings, _SPEC)
+    report = None
+    if _REPORTS is not None:
+        queue, last = _REPORTS, [time.monotonic()]
+
+        def report(documents: int, tokens: int, nbytes: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= REPORT_INTERVAL:
+                last[0] = now
+                queue.put_nowait((unit.index, documents, tokens, nbytes))
+
+    return run_unit(unit, settings, _SPEC, report)
 
 
 def _ready() -> None:
     """A task that only makes the pool start a worker (which loads the tokenizer)."""
 
 
-def start_pool(spec: TokenizerSpec, workers: int) -> futures.ProcessPoolExecutor:
+@dataclasses.dataclass
+class Pool:
+    """Worker processes, and the queue they report units' progress on (None: no reports)."""
+
+    executor: futures.ProcessPoolExecutor
+    reports: Any = None
+
+
+def start_pool(spec: TokenizerSpec, workers: int, reports: bool = False) -> Pool:
     """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock),
-    started now, so that they load while the driver plans the units."""
+    started now, so that they load while the driver checks the done units. ``reports``: the
+    workers report each unit's progress every ``REPORT_INTERVAL`` seconds."""
     check_sendable(spec)
     context = multiprocessing.get_context("spawn")
+    queue = context.Queue() if reports else None
     pool = futures.ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(spec,)
+        workers, mp_context=context, initializer=_start_worker, initargs=(spec, queue)
     )
     for _ in range(workers):
         pool.submit(_ready)  # each submit with no idle worker starts one
-    return pool
+    return Pool(pool, queue)
 
 
 def check_sendable(spec: TokenizerSpec) -> None:
@@ -110,22 +144,44 @@ def check_sendable(spec: TokenizerSpec) -> None:
 
 
 def run_pool(
-    units: Sequence[Unit], settings: Settings, pool: futures.ProcessPoolExecutor, workers: int
+    units: Sequence[Unit],
+    settings: Settings,
+    workers: Pool,
+    count: int,
+    on_progress: OnProgress | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> Iterator[UnitResult]:
-    """The units on ``pool`` (from :func:`start_pool`), 2 per worker queued at most; the pool
-    is shut down at the end."""
+    """The units on ``workers`` (from :func:`start_pool`, ``count`` processes), 2 per worker
+    queued at most; the pool is shut down at the end. The workers' reports go to
+    ``on_progress``; ``tick`` is called at least every ``REPORT_INTERVAL`` seconds."""
+    pool = workers.executor
     todo = iter(units)
     running: set[futures.Future[UnitResult]] = set()
+
+    def drain() -> None:
+        while workers.reports is not None:
+            try:
+                report = workers.reports.get_nowait()
+            except queue.Empty:
+                break
+            if on_progress is not None:
+                on_progress(*report)
+        if tick is not None:
+            tick()
+
     try:
         while True:
-            while len(running) < 2 * workers:
+            while len(running) < 2 * count:
                 unit = next(todo, None)
                 if unit is None:
                     break
                 running.add(pool.submit(_pool_unit, unit, settings))
             if not running:
                 return
-            done, running = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            done, running = futures.wait(
+                running, timeout=REPORT_INTERVAL, return_when=futures.FIRST_COMPLETED
+            )
+            drain()
             for future in done:
                 error = future.exception()
                 if isinstance(error, futures.process.BrokenProcessPool):
@@ -145,6 +201,9 @@ def run_pool(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        if workers.reports is not None:
+            workers.reports.cancel_join_thread()
+            workers.reports.close()
 
 
 # -- Ray ---------------------------------------------------------------------------------------

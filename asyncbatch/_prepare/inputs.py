@@ -53,10 +53,15 @@ class Unit:
     row_groups: tuple[int, ...] = ()
     first_row: int = 0
     version: str = ""
+    #: The input bytes it reads (compressed bytes of its row groups, its byte range, its
+    #: file): progress is counted in them. Not part of what identifies the unit.
+    weight: int = dataclasses.field(default=0, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """What identifies the unit's input, for its fingerprint."""
-        return dataclasses.asdict(self)
+        described = dataclasses.asdict(self)
+        del described["weight"]
+        return described
 
 
 def file_kind(url: str) -> tuple[str, str | None]:
@@ -182,10 +187,11 @@ def plan_units(
                         start,
                         end,
                         version=file.version,
+                        weight=end - start,
                     )  # fmt: skip
                 )
         elif file.kind == "parquet":
-            for groups, first_row in runs[file.url]:
+            for groups, first_row, nbytes in runs[file.url]:
                 units.append(
                     Unit(
                         len(units),
@@ -196,6 +202,7 @@ def plan_units(
                         row_groups=groups,
                         first_row=first_row,
                         version=file.version,
+                        weight=nbytes,
                     )
                 )
         else:
@@ -207,6 +214,7 @@ def plan_units(
                     file.compression,
                     file.size,
                     version=file.version,
+                    weight=file.size,
                 )  # fmt: skip
             )
     return units
@@ -214,10 +222,11 @@ def plan_units(
 
 def _row_group_runs(
     file: InputFile, unit_size: int, options: Mapping[str, Any], skip: bool
-) -> list[tuple[tuple[int, ...], int]]:
+) -> list[tuple[tuple[int, ...], int, int]]:
     """Runs of consecutive row groups of at most ``unit_size`` compressed bytes (at least one
-    group each), with the file row each run starts at. A footer that cannot be read is an
-    error, or with ``skip`` one unit of no row group, which counts the file as skipped."""
+    group each), with the file row each run starts at and its compressed bytes. A footer that
+    cannot be read is an error, or with ``skip`` one unit of no row group, which counts the
+    file as skipped."""
     import pyarrow.parquet as pq
 
     fs, path = filesystem(file.url, options)
@@ -226,11 +235,11 @@ def _row_group_runs(
             metadata = pq.ParquetFile(handle).metadata
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         if skip:
-            return [((), 0)]
+            return [((), 0, file.size)]
         raise RecordError(
             f"{file.url}: cannot read the Parquet footer: {exc}", file.url, "footer"
         ) from exc
-    runs: list[tuple[tuple[int, ...], int]] = []
+    runs: list[tuple[tuple[int, ...], int, int]] = []
     current: list[int] = []
     current_bytes = 0
     row = first = 0
@@ -238,11 +247,11 @@ def _row_group_runs(
         meta = metadata.row_group(group)
         size = sum(meta.column(c).total_compressed_size for c in range(meta.num_columns))
         if current and current_bytes + size > unit_size:
-            runs.append((tuple(current), first))
+            runs.append((tuple(current), first, current_bytes))
             current, current_bytes, first = [], 0, row
         current.append(group)
         current_bytes += size
         row += meta.num_rows
     if current:
-        runs.append((tuple(current), first))
+        runs.append((tuple(current), first, current_bytes))
     return runs

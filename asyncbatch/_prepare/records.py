@@ -8,6 +8,7 @@ ends its unit where it broke (counted as a skipped file).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator, Mapping
@@ -73,6 +74,8 @@ class RecordReader:
         self.skip = on_error == "skip"
         self.options = options
         self.skipped = Skipped()
+        #: The unit's input bytes read so far (of ``unit.weight``; an estimate for Parquet).
+        self.consumed = 0
 
     def error(self, message: str, where: str, skippable: bool = False) -> RecordError:
         """A RecordError naming the file, ``where`` and the unit; a ``skippable`` one, raised,
@@ -114,12 +117,28 @@ class RecordReader:
 
     # -- one reader per kind: (value, where, size) per record -----------------------------------
 
-    def _open(self) -> Any:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[Any]:
+        """The file, decompressed; ``self._raw`` the file as stored (its position is the
+        compressed bytes read)."""
         fs, path = filesystem(self.unit.url, self.options)
         try:
-            return fs.open(path, "rb", compression=self.unit.compression)
+            raw = fs.open(path, "rb")
         except Exception as exc:  # noqa: BLE001 - any failure to open is an unreadable file
             raise self.unreadable(f"cannot open the file: {exc!r}", "file") from exc
+        with raw:
+            self._raw = raw
+            if self.unit.compression is None:
+                yield raw
+                return
+            from fsspec.compression import compr
+
+            try:
+                handle = compr[self.unit.compression](raw, mode="rb")
+            except Exception as exc:  # noqa: BLE001
+                raise self.unreadable(f"cannot open the file: {exc!r}", "file") from exc
+            with handle:
+                yield handle
 
     def _meta(self, values: Mapping[str, Any], where: str) -> bytes | None:
         """The record's metadata fields as compact JSON (a missing field is null); ``b""``
@@ -137,6 +156,7 @@ class RecordReader:
     def _text(self) -> Iterator[tuple[Any, str, int, bytes | None]]:
         with self._open() as handle:
             raw = self._read(handle, "file")
+        self.consumed = self.unit.weight
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -167,14 +187,19 @@ class RecordReader:
                 at, skip_first = unit.start - 1, True
             number = 0 if unit.start else 1
             pending = b""
+            compressed = unit.compression is not None
             while True:
                 chunk = self._read(handle, f"byte {at + len(pending)}", CHUNK_BYTES)
                 if not chunk:
                     break
+                if compressed:
+                    self.consumed = min(self._raw.tell(), unit.weight)
                 lines = (pending + chunk).split(b"\n")
                 pending = lines.pop()
                 for line in lines:
                     start, at = at, at + len(line) + 1
+                    if not compressed:
+                        self.consumed = max(0, min(start - unit.start, unit.weight))
                     if skip_first:
                         skip_first = False
                         continue
@@ -268,6 +293,7 @@ class RecordReader:
                 self.skipped.add(error, records=rows)  # every row of the unit lacks the text
                 return
             row = unit.first_row
+            rows = sum(parquet.metadata.row_group(g).num_rows for g in unit.row_groups)
             extra = [name for name in self.meta_fields if name != field]
             batches = parquet.iter_batches(
                 batch_size=BATCH_RECORDS, row_groups=list(unit.row_groups), columns=[field, *extra]
@@ -290,6 +316,7 @@ class RecordReader:
                         elif metas[i] != b"":
                             yield text, f"row {row + i}", len(text), metas[i]
                 row += len(column)
+                self.consumed = unit.weight * (row - unit.first_row) // max(rows, 1)
 
     def _parquet_meta(self, batch: Any, row: int) -> list[bytes | None]:
         if not self.meta_fields:

@@ -18,7 +18,8 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,8 @@ class UnitResult:
 
     record: dict[str, Any]
     peak_rss: int  # bytes, of the process that ran it, over its life so far
+    started: float = 0.0  # time.time() when it started and ended, in the process that ran it
+    ended: float = 0.0
 
 
 def unit_fingerprint(unit: Unit, settings: Settings) -> str:
@@ -104,11 +107,19 @@ def record_checksum(record: Mapping[str, Any]) -> str:
     return format_digest(digest(json.dumps(body, sort_keys=True).encode()))
 
 
-def run_unit(unit: Unit, settings: Settings, spec: TokenizerSpec) -> UnitResult:
-    """Run ``unit`` in this process (its own event loop for the writes)."""
+#: ``report(documents, tokens, input_bytes)``: a unit's counts so far, after each batch.
+Report = Callable[[int, int, int], None]
+
+
+def run_unit(
+    unit: Unit, settings: Settings, spec: TokenizerSpec, report: Report | None = None
+) -> UnitResult:
+    """Run ``unit`` in this process (its own event loop for the writes); ``report`` is told
+    its documents, tokens and input bytes so far after every batch."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a worker is one core
-    record = run_sync(_run(unit, settings, spec))
-    return UnitResult(record, peak_rss())
+    started = time.time()
+    record = run_sync(_run(unit, settings, spec, report))
+    return UnitResult(record, peak_rss(), started, time.time())
 
 
 def peak_rss() -> int:
@@ -125,7 +136,9 @@ def peak_rss() -> int:
     return peak * (1 if sys.platform == "darwin" else 1024)
 
 
-async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str, Any]:
+async def _run(
+    unit: Unit, settings: Settings, spec: TokenizerSpec, report: Report | None
+) -> dict[str, Any]:
     reader = RecordReader(
         unit,
         text_field=settings.text_field,
@@ -145,6 +158,8 @@ async def _run(unit: Unit, settings: Settings, spec: TokenizerSpec) -> dict[str,
             documents += lengths.size
             tokens += flat.size
             await shards.add(flat, lengths, batch.meta)
+            if report is not None:
+                report(documents, tokens, reader.consumed)
         written = await shards.finish()
         record: dict[str, Any] = {
             "unit": unit.index,
