@@ -53,6 +53,8 @@ from .formats._documents_index import (
     DocumentIndex,
     page_count,
 )
+from .formats._megatron_index import SEQUENCE
+from .formats._megatron_source import MegatronWindows
 from .stores._disk_cache import DiskCache
 from .stores._registry import open_store
 
@@ -91,8 +93,9 @@ class RankCost:
 
     @property
     def amplification(self) -> float:
-        """Bytes fetched per byte delivered."""
-        return self.bytes_fetched / self.bytes_delivered if self.bytes_delivered else 0.0
+        """Bytes fetched (the index's included) per byte delivered."""
+        fetched = self.bytes_fetched + self.index_bytes
+        return fetched / self.bytes_delivered if self.bytes_delivered else 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,8 +260,8 @@ class Plan:
             fetched *= r.bytes_fetched / max(fetched[-1], 1e-9)
             top.plot(ends, requests, label=f"rank {r.rank}", lw=1)
             bottom.plot(ends, fetched / 2**20, lw=1)
-        top.set_ylabel("requests (cumulative)")
-        bottom.set_ylabel("MiB fetched (cumulative)")
+        top.set_ylabel("data requests (cumulative)")
+        bottom.set_ylabel("data MiB fetched (cumulative)")
         bottom.set_xlabel("batch of the epoch")
         top.set_title(
             f"{self.url}: W={self.world_size}, B={self.batch_size}, L={self.seq_len},"
@@ -409,16 +412,24 @@ def plan(
 def _check_costable(source: Source, url: str) -> None:
     """A ConfigError unless the reads of ``source`` follow from its metadata alone."""
     kind: type[Any] = type(source)
-    if isinstance(source, DocumentSamples) and (
-        getattr(source, "index", None) is not None or kind.fetch is not DocumentSamples.fetch
-    ):
+    if isinstance(source, DocumentSamples):
+        if source.index is None:  # every document's offsets read at open (documents.idx)
+            return
         raise ConfigError(
             f"plan cannot cost {url} as documents (seq_len=None): its per-shard indexes hold the"
-            " documents' sizes, which the manifest does not; give seq_len= (packed windows,"
-            " costed from the manifest) or write it with a single documents.idx"
+            " documents' sizes, which the manifest does not record; give seq_len= (packed"
+            " windows, costed from the manifest)"
         )
     if isinstance(source, PackedDocuments):
         return
+    if isinstance(source, MegatronWindows):
+        if source.index.unit == SEQUENCE:
+            return
+        raise ConfigError(
+            f"plan cannot cost {url} with unit='document': which sequence pages a page of"
+            " document indices names is in the .idx, not in its summary; open it with"
+            " unit='sequence' to cost it"
+        )
     if not (isinstance(source, PlannedSource) and kind.fetch is PlannedSource.fetch):
         manifest = source.datasets[0].manifest
         missing = ""
@@ -436,7 +447,7 @@ def _check_costable(source: Source, url: str) -> None:
             f" a sample's bytes are ({kind.__name__}) from bytes it reads as it goes (per-shard"
             " sidecars, scans, footers' pages), not from the manifest; plan needs a format"
             " whose sample sizes the manifest or the index read at open records (tokens,"
-            " documents with seq_len=, LLMBATCH, .npy, Megatron)"
+            " documents with seq_len=, LLMBATCH, .npy, Megatron by sequence)"
         )
 
 
@@ -460,8 +471,10 @@ async def _store_traits(source: Source, config: LoaderConfig) -> tuple[int, bool
 
 
 def _reads(source: Source, ids: Int64Array, gap: int) -> ReadPlan | WindowPlan:
-    if isinstance(source, PackedDocuments):
+    if isinstance(source, PackedDocuments | MegatronWindows):
         return source.windows(ids, gap)
+    if isinstance(source, DocumentSamples):  # documents.idx: offsets in memory
+        return source.plan(ids, gap)
     assert isinstance(source, PlannedSource)
     return source.reads(ids, gap)
 
@@ -500,11 +513,14 @@ def _cost_rank(
         else:
             picked[size] = sorted(rng.choice(members, size=sample, replace=False).tolist())
     measured: dict[int, tuple[int, int, int, Int64Array]] = {}
+    pages: dict[int, Int64Array] = {}  # Megatron: the .idx pages each group needs
     for chosen in picked.values():
         for i in chosen:
             g = all_groups[i]
             ids = order.sample_ids(0, g.start, g[-1] + 1)
             measured[i] = _cost_group(source, ids, gap, windows)
+            if isinstance(source, MegatronWindows):
+                pages[i] = source.index.pages_of_windows(source.window_starts(ids), source.window)
     requests = fetched = delivered = 0.0
     var_requests = var_bytes = 0.0
     for size, members in by_size.items():
@@ -518,7 +534,10 @@ def _cost_rank(
             correction = (1 - n / total) * total**2 / n
             var_requests += got[:, 0].var(ddof=1) * correction
             var_bytes += got[:, 1].var(ddof=1) * correction
-    index_requests, index_bytes = _index_cost(source, all_groups, measured, order)
+    if isinstance(source, MegatronWindows):
+        index_requests, index_bytes = _megatron_cost(source, all_groups, pages, order)
+    else:
+        index_requests, index_bytes = _index_cost(source, all_groups, measured, order)
     curve = tuple(
         (all_groups[i][-1] + 1, float(measured[i][0]), float(measured[i][1]))
         for i in sorted(measured)
@@ -578,3 +597,36 @@ def _index_cost(
         requests += distinct
         nbytes += distinct * INDEX_DTYPE.itemsize * (page + 1)
     return requests, nbytes
+
+
+def _megatron_cost(
+    source: MegatronWindows,
+    all_groups: Sequence[range],
+    pages: Mapping[int, Int64Array],
+    order: Any,
+) -> tuple[float, float]:
+    """(requests, bytes) of the ``.idx`` sequence pages one rank fetches in an epoch: each
+    page its groups' windows need (from the summary read at open), the first time, as two
+    ranges (lengths, pointers: 12 bytes a sequence); when groups were sampled, the distinct
+    pages of the rank's windows estimated from the sampled groups' pages per window."""
+    index = source.index
+    layouts, seq = index.layouts, index.sequences
+    sizes = np.array([layouts[int(k)].page for k in seq.dataset.tolist()], dtype=np.int64)
+    totals = np.array([layouts[int(k)].sequences for k in seq.dataset.tolist()], dtype=np.int64)
+    counts = np.minimum(sizes, totals - seq.local * sizes)
+    if len(pages) == len(all_groups):  # every group costed: each page once, in order
+        seen: set[int] = set()
+        requests = nbytes = 0
+        for i in sorted(pages):
+            new = [g for g in pages[i].tolist() if g not in seen]
+            seen.update(new)
+            requests += 2 * sum(1 for g in new if counts[g] > 0)
+            nbytes += 12 * int(counts[new].sum()) if new else 0
+        return float(requests), float(nbytes)
+    costed = sum(len(all_groups[i]) for i in pages)
+    per_batch = sum(p.size for p in pages.values()) / max(1, costed)
+    total_pages = max(1, counts.size)
+    needed = per_batch * order.batches_per_epoch  # page uses over the epoch
+    distinct = total_pages * -math.expm1(-needed / total_pages)
+    mean = float(counts.mean()) if counts.size else 0.0
+    return 2 * distinct, 12 * mean * distinct

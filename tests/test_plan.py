@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import BUCKET, s3_options
+from make_megatron import write_megatron
 
 import asyncbatch as ab
 from asyncbatch._cli import main
@@ -123,3 +124,42 @@ def test_plan_refuses_documents_whose_sizes_are_in_their_indexes(tmp_path: Path)
     with pytest.raises(ConfigError, match="give seq_len="):
         plan(url, batch_size=2)
     assert plan(url, batch_size=2, seq_len=4).bytes_delivered > 0
+
+
+def test_documents_with_one_index_cost_exactly_as_samples(tmp_path: Path) -> None:
+    url = str(tmp_path / "docs")
+    lengths = np.random.default_rng(2).integers(1, 50, 400)
+    ab.write_documents(url, [np.arange(n, dtype=np.uint16) for n in lengths], index="single")
+    got = plan(url, batch_size=4, shuffle=True)
+    with ab.Loader(url, batch_size=4, shuffle=True) as loader:
+        for _ in loader:
+            pass
+        stats = loader.statistics()
+    assert (got.requests, got.bytes_fetched) == (stats.requests, stats.bytes_fetched)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_megatron_pages_cost_exactly_as_loaders_fetch_them(tmp_path: Path, shuffle: str) -> None:
+    rng = np.random.default_rng(3)
+    documents = [
+        [rng.integers(0, 9, int(rng.integers(1, 30)), dtype=np.uint16)] for _ in range(3000)
+    ]
+    write_megatron(tmp_path / "corpus", documents)
+    dataset = ab.open_dataset(str(tmp_path / "corpus.bin"), options={"index_page": 256})
+    kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 64, "shuffle": shuffle}
+    got = plan(dataset, world_size=2, **kwargs)
+    requests = fetched = 0
+    for rank in range(2):
+        with ab.Loader(dataset, rank=rank, world_size=2, **kwargs) as loader:
+            for _ in loader:
+                pass
+            stats = loader.statistics()
+        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    assert got.index_bytes > 0
+    assert (got.requests, got.bytes_fetched) == (requests, fetched)
+    with pytest.raises(ConfigError, match="unit='document'"):
+        plan(
+            ab.open_dataset(str(tmp_path / "corpus.bin"), options={"unit": "document"}),
+            batch_size=4,
+            seq_len=64,
+        )
