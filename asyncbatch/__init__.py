@@ -63,6 +63,7 @@ if _typing.TYPE_CHECKING:
     from ._handoff import QueueStatistics as QueueStatistics
     from ._loader import AsyncLoader as AsyncLoader
     from ._loader import Loader as Loader
+    from ._loader import MixtureStatistics as MixtureStatistics
     from ._mixture import Mixture as Mixture
     from ._mixture import mix as mix
     from ._open import open_dataset as open_dataset
@@ -91,6 +92,7 @@ if _typing.TYPE_CHECKING:
     from .formats._webdataset_write import index_webdataset_async as index_webdataset_async
     from .formats._webdataset_write import write_webdataset as write_webdataset
     from .formats._webdataset_write import write_webdataset_async as write_webdataset_async
+    from .sampling._schedule import Schedule as Schedule
     from .stores import register_store as register_store
     from .stores._disk_cache import DiskCache as DiskCache
     from .stores._retry import RetryPolicy as RetryPolicy
@@ -120,6 +122,7 @@ _LAZY: dict[str, str] = {
     "QueueStatistics": "_handoff",
     "AsyncLoader": "_loader",
     "Loader": "_loader",
+    "MixtureStatistics": "_loader",
     "Mixture": "_mixture",
     "mix": "_mixture",
     "open_dataset": "_open",
@@ -127,6 +130,7 @@ _LAZY: dict[str, str] = {
     "LoaderConfig": "_options",
     "LoaderOptions": "_options",
     "Plan": "_plan",
+    "Schedule": "sampling._schedule",
     "plan": "_plan",
     "PrepareReport": "_prepare.driver",
     "prepare": "_prepare.driver",
@@ -169,6 +173,7 @@ __all__ = [
     "LoaderStatistics",
     "ManifestError",
     "Mixture",
+    "MixtureStatistics",
     "NotFoundError",
     "PermissionDeniedError",
     "Plan",
@@ -179,6 +184,7 @@ __all__ = [
     "ResumeStateError",
     "RetriesExhaustedError",
     "RetryPolicy",
+    "Schedule",
     "ShardChangedError",
     "ShortReadError",
     "SlowPathWarning",

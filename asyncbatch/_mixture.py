@@ -26,8 +26,7 @@ class Mixture:
 
     Build it with :func:`mix`; any loader accepts it in place of a dataset. ``weights=None``
     means in proportion to the datasets' sizes; ``samples=None`` means their sizes summed.
-    ``weights`` may be a :class:`~asyncbatch.sampling._schedule.Schedule` (weights over
-    training steps).
+    ``weights`` may be a :class:`~asyncbatch.Schedule` (weights over training steps).
     """
 
     datasets: tuple[Dataset, ...]
