@@ -336,8 +336,9 @@ def plan(
     give the epoch time; ``get_per_1000`` and ``egress_per_gb`` the dollars (S3 list prices
     by default). ``ranks``, ``groups`` and ``max_ids`` bound the work when the run is too big
     to cost every group (see the module docstring for the method and its error bound).
-    A dataset whose reads depend on bytes not in its metadata is a ConfigError saying what
-    is missing.
+    ``cache`` is used to open the dataset only: reads are costed as they reach the store
+    without a node-local cache. A dataset whose reads depend on bytes not in its metadata is
+    a ConfigError saying what is missing.
     """
     for name, value in (("world_size", world_size), ("epochs", epochs), ("ranks", ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
