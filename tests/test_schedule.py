@@ -3,6 +3,8 @@ any step (other world sizes, StatefulDataLoader workers), a schedule changed at 
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -289,3 +291,41 @@ def test_documents_follow_a_schedule(tmp_path: Path) -> None:
     which = [mixture.locate(b.global_indexes, None)[0].tolist() for b in batches]  # type: ignore[arg-type]
     assert which[:4] == [[0] * 5] * 4 and which[4:] == [[1] * 5] * 4
     assert stats.dataset_samples == (20, 20) and stats.dataset_tokens == ()
+
+
+def test_async_loader_and_pickle_continue_a_changed_schedule(datasets: list[ab.Dataset]) -> None:
+    """AsyncLoader takes the change before it opens the data (at entry); a pickled Loader
+    keeps it: both read what Loader reads."""
+    old = ab.mix(datasets, weights=SCHEDULE, seed=4)
+    new = ab.mix(datasets, weights=OTHER, seed=4)
+    options: dict[str, Any] = dict(batch_size=8, seq_len=SEQ_LEN, shuffle=True, infinite=True)
+    with ab.Loader(old, **options) as loader:
+        for _ in range(7):
+            next(loader)
+        state = loader.state_dict()
+    with ab.Loader(new, **options) as loader:
+        loader.load_state_dict(state, schedule="continue")
+        copy = pickle.loads(pickle.dumps(loader))
+        expected = [next(loader).global_indexes.tolist() for _ in range(6)]
+    with copy:
+        assert [next(copy).global_indexes.tolist() for _ in range(6)] == expected
+
+    async def collect() -> list[list[int]]:
+        out = []
+        async with ab.AsyncLoader(new, **options) as reader:
+            reader.load_state_dict(state, schedule="continue")
+            async for batch in reader:
+                out.append(batch.global_indexes.tolist())
+                if len(out) == 6:
+                    break
+        return out
+
+    assert asyncio.run(collect()) == expected
+    loader = ab.AsyncLoader(new, **options)  # not open yet: the change waits for the data
+
+    async def before_entry() -> list[int]:
+        loader.load_state_dict(state, schedule="continue")
+        async with loader:
+            return (await anext(loader)).global_indexes.tolist()
+
+    assert asyncio.run(before_entry()) == expected[0]
