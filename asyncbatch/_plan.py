@@ -192,7 +192,7 @@ class Plan:
         err = self.relative_error
         how = (
             f"estimated from {len(self.ranks)} ranks' sampled groups, error bound"
-            f" +/-{err:.2%} (3 standard errors)"
+            f" +/-{err:.2%} on the data reads (3 standard errors)"
             if self.sampled
             else "exact: every group of every rank costed"
         )
