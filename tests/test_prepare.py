@@ -985,3 +985,25 @@ def test_progress_is_reported_as_a_unit_runs_inline_and_from_workers(tmp_path: P
         pool.executor.shutdown(cancel_futures=True)
     assert events[-1] == "done 3000"
     assert any(event.startswith("report ") for event in events[:-1]), events
+
+
+def pid_tokenizer(texts: list[str]) -> list[list[int]]:
+    return [[os.getpid() % 1000] for _ in texts]
+
+
+def test_a_small_run_is_done_here_before_any_worker_has_started(tmp_path: Path) -> None:
+    # Spawning and loading a worker takes a second or more: until one is up the driver runs
+    # units itself, and workers that were not needed are not waited for.
+    (tmp_path / "in").mkdir()
+    for k in range(2):
+        write_jsonl(tmp_path / "in" / f"{k}.jsonl", ["a b", "c"])
+    report = ab.prepare(
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        tokenizer=pid_tokenizer,
+        vocab_size=1000,
+        workers=2,
+        progress=False,
+    )
+    assert report.units == 2 and report.units_already_done == 0
+    assert read_back(str(tmp_path / "out")) == [[os.getpid() % 1000]] * 4

@@ -133,12 +133,7 @@ def prepare(
     if engine == "local" and wanted > 1:  # whatever the number of units
         engines.check_sendable(spec)
     run_sync(_check_writable(root, options))
-    # No more workers than units: a small run spawns no process it cannot use.
-    count = min(wanted, len(units))
-    # Started now, the workers load while the done records are checked.
     pool = None
-    if engine == "local" and count > 1:
-        pool = engines.start_pool(spec, count, reports=progress)
     try:
         settings = Settings(
             root,
@@ -160,6 +155,11 @@ def prepare(
         todo = [unit for unit, record in zip(units, records, strict=True) if record is None]
         if todo:
             run_sync(_withdraw_manifest(root, options))
+        # No more workers than units to run: a small run spawns no process it cannot use
+        # (and runs units in this process while the workers start).
+        count = min(wanted, len(todo))
+        if engine == "local" and count > 1:
+            pool = engines.start_pool(spec, count, reports=progress)
         peak = 0
         timeline: list[tuple[int, float, float]] = []
         monitor = _Monitor(units, todo) if progress and todo else None

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .._errors import AsyncBatchError, ConfigError
 from .inputs import Unit
@@ -110,10 +110,17 @@ def _ready() -> None:
 
 @dataclasses.dataclass
 class Pool:
-    """Worker processes, and the queue they report units' progress on (None: no reports)."""
+    """Worker processes, the tokenizer they load, a future per worker that ends when it has
+    loaded, and the queue they report units' progress on (None: no reports)."""
 
     executor: futures.ProcessPoolExecutor
+    spec: TokenizerSpec
+    ready: list[futures.Future[None]]
     reports: Any = None
+
+    def started(self) -> bool:
+        """Whether a worker has loaded (or failed to start: its units then fail clearly)."""
+        return any(future.done() for future in self.ready)
 
 
 def start_pool(spec: TokenizerSpec, workers: int, reports: bool = False) -> Pool:
@@ -126,9 +133,8 @@ def start_pool(spec: TokenizerSpec, workers: int, reports: bool = False) -> Pool
     pool = futures.ProcessPoolExecutor(
         workers, mp_context=context, initializer=_start_worker, initargs=(spec, queue)
     )
-    for _ in range(workers):
-        pool.submit(_ready)  # each submit with no idle worker starts one
-    return Pool(pool, queue)
+    ready = [pool.submit(_ready) for _ in range(workers)]  # each submit starts a worker
+    return Pool(pool, spec, ready, queue)
 
 
 def check_sendable(spec: TokenizerSpec) -> None:
@@ -152,13 +158,69 @@ def run_pool(
     tick: Callable[[], None] | None = None,
 ) -> Iterator[UnitResult]:
     """The units on ``workers`` (from :func:`start_pool`, ``count`` processes), 2 per worker
-    queued at most; the pool is shut down at the end. The workers' reports go to
-    ``on_progress``; ``tick`` is called at least every ``REPORT_INTERVAL`` seconds."""
+    queued at most; the pool is shut down at the end. Until the first worker has loaded (a
+    second or more), this process runs units itself, on a thread: a small run is over before
+    any worker is up, and no worker is waited for. The reports go to ``on_progress``; ``tick``
+    is called at least every ``REPORT_INTERVAL`` seconds."""
     pool = workers.executor
     todo = iter(units)
+    lock = threading.Lock()
+    exhausted = threading.Event()
     running: set[futures.Future[UnitResult]] = set()
+    inline: queue.Queue[tuple[str, Any]] = queue.Queue()
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
 
-    def drain() -> None:
+    def take() -> Unit | None:
+        with lock:
+            unit = next(todo, None)
+        if unit is None:
+            exhausted.set()
+        return unit
+
+    def run_here() -> None:
+        try:
+            while not workers.started():
+                unit = take()
+                if unit is None:
+                    break
+                report = None
+                if on_progress is not None:
+                    report = functools.partial(_put_report, inline, unit.index)
+                inline.put(("result", run_unit(unit, settings, workers.spec, report)))
+        except BaseException as exc:  # noqa: BLE001 - raised by the generator
+            inline.put(("error", exc))
+        finally:
+            inline.put(("end", None))
+
+    here = threading.Thread(target=run_here, name="asyncbatch-prepare-driver", daemon=True)
+    here.start()
+    here_open = True
+
+    def stop(error: BaseException) -> NoReturn:
+        for other in running:
+            other.cancel()
+        futures.wait(running)  # those already running finish
+        raise error
+
+    def drain(wait: float) -> list[UnitResult]:
+        """The reports and the results of the units run here; the workers' reports."""
+        nonlocal here_open
+        results = []
+        while True:
+            try:
+                kind, value = inline.get(timeout=wait) if wait else inline.get_nowait()
+            except queue.Empty:
+                break
+            wait = 0
+            if kind == "report" and on_progress is not None:
+                on_progress(*value)
+            elif kind == "result":
+                results.append(value)
+            elif kind == "error":
+                here_open = False
+                stop(value)
+            elif kind == "end":
+                here_open = False
         while workers.reports is not None:
             try:
                 report = workers.reports.get_nowait()
@@ -168,20 +230,24 @@ def run_pool(
                 on_progress(*report)
         if tick is not None:
             tick()
+        return results
 
     try:
         while True:
-            while len(running) < 2 * count:
-                unit = next(todo, None)
-                if unit is None:
-                    break
-                running.add(pool.submit(_pool_unit, unit, settings))
-            if not running:
+            if workers.started():
+                while len(running) < 2 * count and not exhausted.is_set():
+                    unit = take()
+                    if unit is None:
+                        break
+                    running.add(pool.submit(_pool_unit, unit, settings))
+            if not running and not here_open and exhausted.is_set():
                 return
-            done, running = futures.wait(
-                running, timeout=REPORT_INTERVAL, return_when=futures.FIRST_COMPLETED
-            )
-            drain()
+            done: set[futures.Future[UnitResult]] = set()
+            if running:
+                done, running = futures.wait(
+                    running, timeout=REPORT_INTERVAL, return_when=futures.FIRST_COMPLETED
+                )
+            yield from drain(0 if running else REPORT_INTERVAL)
             for future in done:
                 error = future.exception()
                 if isinstance(error, futures.process.BrokenProcessPool):
@@ -190,20 +256,28 @@ def run_pool(
                         " units; the units it finished are kept: run again to resume"
                     ) from error
                 if error is not None:
-                    for other in running:
-                        other.cancel()
-                    futures.wait(running)  # those already running finish
-                    raise error
+                    stop(error)
                 yield future.result()
     except BaseException:
         for process in list(getattr(pool, "_processes", {}).values()):
             process.terminate()  # Ctrl-C, or a generator closed early: stop at once
         raise
     finally:
+        if not workers.started():  # every unit ran here: the workers are not waited for
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
         if workers.reports is not None:
             workers.reports.cancel_join_thread()
             workers.reports.close()
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _put_report(reports: queue.Queue[tuple[str, Any]], index: int, *counts: int) -> None:
+    reports.put(("report", (index, *counts)))
 
 
 # -- Ray ---------------------------------------------------------------------------------------

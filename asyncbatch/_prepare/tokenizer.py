@@ -52,7 +52,10 @@ def make_spec(tokenizer: Any, vocab_size: int | None, options: Mapping[str, Any]
         except Exception as exc:  # noqa: BLE001 - the Rust parser's errors
             raise ConfigError(f"{tokenizer}: not a tokenizers tokenizer.json: {exc}") from exc
         size = vocab_size or loaded.get_vocab_size(with_added_tokens=True)
-        return TokenizerSpec("hf", text, f"hf:{format_digest(digest(text.encode()))}", size)
+        fingerprint = f"hf:{format_digest(digest(text.encode()))}"
+        _LOADED.clear()  # kept: the driver runs units too while its workers start
+        _LOADED[fingerprint] = loaded
+        return TokenizerSpec("hf", text, fingerprint, size)
     kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
     if kind.startswith("tokenizers.") and hasattr(tokenizer, "to_str"):
         text = tokenizer.to_str()
