@@ -55,6 +55,7 @@ from .formats._documents_index import (
 )
 from .formats._megatron_index import SEQUENCE
 from .formats._megatron_source import MegatronWindows
+from .formats._parquet import ParquetRows
 from .stores._disk_cache import DiskCache
 from .stores._registry import open_store
 
@@ -423,6 +424,14 @@ def _check_costable(source: Source, url: str) -> None:
         )
     if isinstance(source, PackedDocuments):
         return
+    if isinstance(source, ParquetRows):
+        if not source.scattered:
+            return
+        raise ConfigError(
+            f"plan cannot cost {url} under shuffle=True: an exact shuffle reads Parquet rows by"
+            " the pages of each column chunk's offset index, which lives in the files, not in"
+            " their footers; cost shuffle='block' or False (whole row groups, from the footers)"
+        )
     if isinstance(source, MegatronWindows):
         if source.index.unit == SEQUENCE:
             return
@@ -448,7 +457,7 @@ def _check_costable(source: Source, url: str) -> None:
             f" a sample's bytes are ({kind.__name__}) from bytes it reads as it goes (per-shard"
             " sidecars, scans, footers' pages), not from the manifest; plan needs a format"
             " whose sample sizes the manifest or the index read at open records (tokens,"
-            " documents with seq_len=, LLMBATCH, .npy, Megatron by sequence)"
+            " documents with seq_len=, LLMBATCH, .npy, Megatron by sequence, Parquet row groups)"
         )
 
 
@@ -476,6 +485,9 @@ def _reads(source: Source, ids: Int64Array, gap: int) -> ReadPlan | WindowPlan:
         return source.windows(ids, gap)
     if isinstance(source, DocumentSamples):  # documents.idx: offsets in memory
         return source.plan(ids, gap)
+    if isinstance(source, ParquetRows):  # the selected chunks of the row groups read
+        needed = np.unique(np.searchsorted(source.ends, ids, side="right"))
+        return source.plan_groups(needed, gap)[0]
     assert isinstance(source, PlannedSource)
     return source.reads(ids, gap)
 

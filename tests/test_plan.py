@@ -163,3 +163,25 @@ def test_megatron_pages_cost_exactly_as_loaders_fetch_them(tmp_path: Path, shuff
             batch_size=4,
             seq_len=64,
         )
+
+
+def test_parquet_row_groups_cost_exactly_from_the_footers(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"a": np.arange(6000), "b": [str(i) for i in range(6000)]})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "part-0.parquet", row_group_size=500)
+    url = str(tmp_path / "pq")
+    kwargs: dict[str, Any] = {"batch_size": 16, "shuffle": "block"}
+    got = plan(url, world_size=2, **kwargs)
+    requests = fetched = 0
+    for rank in range(2):
+        with ab.Loader(url, rank=rank, world_size=2, **kwargs) as loader:
+            for _ in loader:
+                pass
+            stats = loader.statistics()
+        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    assert (got.requests, got.bytes_fetched) == (requests, fetched)
+    with pytest.raises(ConfigError, match="offset index"):
+        plan(url, batch_size=16, shuffle=True)
