@@ -9,8 +9,9 @@ else, so an opener of another layout (Megatron ``.bin``/``.idx``) builds such a 
 memory. asyncbatch's single-index layout keeps the offsets in one index file beside the
 shards (raw little-endian int64, named by the manifest's ``metadata["document_index"]``), read
 whole at open by :func:`load_document_index`. The per-shard layout
-(:mod:`asyncbatch.formats._documents_index`) keeps one index per shard instead, fetched by the
-source as batches touch its shard: opening reads the manifest alone.
+(:mod:`asyncbatch.formats._documents_index`) keeps one index per shard instead (paged: a small
+top level, then pages of offsets), fetched by the source as batches need them: opening reads
+the manifest alone.
 
 Two ways to read one:
 
