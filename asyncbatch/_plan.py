@@ -18,11 +18,14 @@ three standard errors (groups within a rank, with the finite population correcti
 ranks across the world), about 99.7% coverage for the normal approximation. Costing every
 group of every rank gives a bound of 0.
 
-Index bytes (documents with per-shard indexes) are estimated, not counted: which index
-pages a window needs depends on the documents' lengths, known only from the index itself.
-The shards a rank touches are those of its reads; the pages of a shard are taken as spanning
-equal numbers of elements (uniform document lengths), each window needing the pages its
-elements span, and a page once per epoch while the index cache holds it.
+Index bytes: a Megatron ``.idx`` by sequence is counted exactly (its summary, read at
+open, says which pages each group needs). Documents with per-shard indexes are estimated:
+which page holds a window depends on the documents' lengths, known only from the index
+itself, so a window's page is computed as if a shard's documents were of equal length; the
+rest is the source's own walk over the rank's groups (a top level or whole index the first
+time a group touches its shard, then the pages no group fetched before, neighbours in one
+range). Sampled, the distinct pages of the rank's windows are those of the sampled groups
+scaled to all its windows, saturating as pages are met again.
 """
 
 from __future__ import annotations
@@ -392,7 +395,7 @@ def plan(
         costs.append(_cost_rank(ranked.engine, rank, gap, windows, groups if sampled else 0, seed))
     index_note = ""
     if isinstance(source, PackedDocuments) and source.index is not None:
-        index_note = " (estimated: uniform document lengths assumed within a shard)"
+        index_note = " (estimated: pages as if a shard's documents were of equal length)"
     return Plan(
         url=dataset.url,
         world_size=world_size,
@@ -534,6 +537,8 @@ def _cost_rank(
             measured[i] = _cost_group(source, ids, gap, windows)
             if isinstance(source, MegatronWindows):
                 pages[i] = source.index.pages_of_windows(source.window_starts(ids), source.window)
+            elif isinstance(source, PackedDocuments) and source.index is not None:
+                pages[i] = source.window_starts(ids)  # the pages are estimated from these
     requests = fetched = delivered = 0.0
     var_requests = var_bytes = 0.0
     for size, members in by_size.items():
@@ -550,7 +555,7 @@ def _cost_rank(
     if isinstance(source, MegatronWindows):
         index_requests, index_bytes = _megatron_cost(source, all_groups, pages, order)
     else:
-        index_requests, index_bytes = _index_cost(source, all_groups, measured, order)
+        index_requests, index_bytes = _index_cost(source, all_groups, measured, pages, order)
     curve = tuple(
         (all_groups[i][-1] + 1, float(measured[i][0]), float(measured[i][1]))
         for i in sorted(measured)
@@ -573,6 +578,7 @@ def _index_cost(
     source: Source,
     all_groups: Sequence[range],
     measured: Mapping[int, tuple[int, int, int, Int64Array]],
+    starts: Mapping[int, Int64Array],
     order: Any,
 ) -> tuple[float, float]:
     """(requests, bytes) of the per-shard document index one rank fetches in an epoch,
@@ -583,32 +589,35 @@ def _index_cost(
     layout = source.shard_map
     shards_read = len(layout.counts)
     costed = sum(len(all_groups[i]) for i in measured)
-    if costed < sum(len(g) for g in all_groups):  # sampled: the windows spread over all shards
-        touched = np.arange(shards_read)
-    else:
-        touched = np.unique(np.concatenate([m[3] for m in measured.values()]))
-        touched = touched[touched < shards_read]
-    windows = order.batches_per_epoch * order.batch_size
-    # The index segment of each shard read: the one holding its first element.
-    segments = index.segments_of_windows(layout.starts[touched], 1)
+    if costed == sum(len(g) for g in all_groups):
+        return _index_walk(index, source.window, [starts[i] for i in sorted(starts)])
+    # Sampled: a top level (or whole index) for every shard, the windows spread over them
+    # all; the distinct pages the rank's windows span, from those of the sampled groups
+    # (their share of the rank's windows scaled up, saturating as pages are met again).
+    share = max(1e-12, costed / max(1, order.batches_per_epoch))
+    segments = np.unique(index.segments_of_windows(layout.starts[np.arange(shards_read)], 1))
     requests = nbytes = 0.0
-    for s in np.unique(segments).tolist():
+    size = INDEX_DTYPE.itemsize
+    for s in segments.tolist():
         n, page = int(index.documents[s]), int(index.page[s])
-        elements = int(index.element_ends[s] - index.element_starts[s])
-        if n == 0 or elements == 0:
+        if n == 0 or int(index.element_ends[s]) == int(index.element_starts[s]):
             continue
+        requests += 1
         if page == 0:  # a whole index: fetched once
-            requests += 1
-            nbytes += INDEX_DTYPE.itemsize * (n + 1)
+            nbytes += size * (n + 1)
             continue
+        nbytes += TOP_ENTRY_BYTES * page_count(n, page)
+        met = np.unique(
+            np.concatenate(
+                [_pages_of(index, s, starts[i], source.window) for i in starts]
+                + [np.zeros(0, dtype=np.int64)]
+            )
+        )
         pages = page_count(n, page)
-        requests += 1  # the top level
-        nbytes += TOP_ENTRY_BYTES * pages
-        k = windows * elements / max(1, layout.total)  # the rank's windows in this shard
-        per_window = 1 + source.window * pages / elements  # pages one window spans
-        distinct = pages * -math.expm1(-k * per_window / pages)
-        requests += distinct
-        nbytes += distinct * INDEX_DTYPE.itemsize * (page + 1)
+        distinct = pages * -math.expm1(-met.size / share / pages)
+        runs = int((np.diff(met) != 1).sum()) + 1 if met.size else 0
+        requests += distinct * runs / max(1, met.size)
+        nbytes += distinct * size * page + distinct * runs / max(1, met.size) * size
     return requests, nbytes
 
 
@@ -643,3 +652,58 @@ def _megatron_cost(
     distinct = total_pages * -math.expm1(-needed / total_pages)
     mean = float(counts.mean()) if counts.size else 0.0
     return 2 * distinct, 12 * mean * distinct
+
+
+def _index_walk(
+    index: DocumentIndex, width: int, groups: Sequence[Int64Array]
+) -> tuple[float, float]:
+    """(requests, bytes) of the per-shard document index a rank fetches over its groups
+    (window starts, in order), as the source fetches it: a segment's whole index or top
+    level the first time a group touches it (one range), then the pages its windows span
+    that no group fetched before, neighbours in one range. Which page holds an element is
+    estimated (documents of equal length within a shard); the rest is the source's walk."""
+    size = INDEX_DTYPE.itemsize
+    seen: set[int] = set()
+    fetched: set[tuple[int, int]] = set()
+    requests = nbytes = 0
+    for window_starts in groups:
+        for s in index.segments_of_windows(window_starts, width).tolist():
+            n, page = int(index.documents[s]), int(index.page[s])
+            base, end = int(index.element_starts[s]), int(index.element_ends[s])
+            if n == 0 or end == base:
+                continue
+            if s not in seen:
+                seen.add(s)
+                requests += 1
+                nbytes += size * (n + 1) if page == 0 else TOP_ENTRY_BYTES * page_count(n, page)
+            if page == 0:
+                continue
+            wanted = _pages_of(index, s, window_starts, width).tolist()
+            new = [k for k in wanted if (s, k) not in fetched]
+            fetched.update((s, k) for k in new)
+            run_start = None
+            for j, k in enumerate(new):
+                if run_start is None:
+                    run_start = k
+                if j + 1 == len(new) or new[j + 1] != k + 1:
+                    requests += 1
+                    nbytes += size * (min(n, (k + 1) * page) + 1 - run_start * page)
+                    run_start = None
+    return float(requests), float(nbytes)
+
+
+def _pages_of(index: DocumentIndex, s: int, starts: Int64Array, width: int) -> Int64Array:
+    """The pages of segment ``s``'s paged index that windows of ``width`` elements at
+    ``starts`` span, each element's page estimated as if the segment's documents were of
+    equal length; ascending."""
+    n, page = int(index.documents[s]), int(index.page[s])
+    base, end = int(index.element_starts[s]), int(index.element_ends[s])
+    lo = np.maximum(starts, base) - base
+    hi = np.minimum(starts + width, end) - base
+    inside = lo < hi
+    first = lo[inside] * n // (end - base) // page
+    last = (hi[inside] - 1) * n // (end - base) // page
+    count = last - first + 1
+    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    pages: Int64Array = np.unique(np.repeat(first, count) + step)
+    return pages

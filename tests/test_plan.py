@@ -185,3 +185,25 @@ def test_parquet_row_groups_cost_exactly_from_the_footers(tmp_path: Path) -> Non
     assert (got.requests, got.bytes_fetched) == (requests, fetched)
     with pytest.raises(ConfigError, match="offset index"):
         plan(url, batch_size=16, shuffle=True)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_paged_document_indexes_cost_within_2_percent(tmp_path: Path, shuffle: str) -> None:
+    """Which page holds a window is estimated (documents of equal length in a shard); the
+    pages, top levels and their ranges are walked as the source fetches them."""
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 9, int(n), dtype=np.uint16) for n in rng.integers(20, 380, 4000)]
+    url = str(tmp_path / "docs")
+    ab.write_documents(url, documents, shard_size=220_000)
+    kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 256, "shuffle": shuffle, "prefetch": 2}
+    got = plan(url, world_size=2, **kwargs)
+    requests = fetched = 0
+    for rank in range(2):
+        with ab.Loader(url, rank=rank, world_size=2, **kwargs) as loader:
+            for _ in loader:
+                pass
+            stats = loader.statistics()
+        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    assert got.index_bytes > 0
+    assert abs(got.requests - requests) <= 0.02 * requests, (got.requests, requests)
+    assert abs(got.bytes_fetched - fetched) <= 0.02 * fetched, (got.bytes_fetched, fetched)
