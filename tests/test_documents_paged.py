@@ -382,3 +382,21 @@ def test_index_bytes_and_memory_grow_with_what_a_batch_reads(tmp_path: Path) -> 
                 assert cached <= sent + 8 * 8  # neighbouring pages share an offset
                 got.append(sent)
     assert got[2] - got[0] < 2 * (16 * 180_000 // PAGE_DOCUMENTS + 4 * 2 * 4104)
+
+
+def test_documents_as_samples_read_a_top_level_and_its_pages_in_one_round(
+    tmp_path: Path,
+) -> None:
+    """A document's page is known without the top level: the first batch that touches a
+    shard reads both at once (both in flight at the server, each held back 0.3 s), and
+    checks the page against the top level after."""
+    from faults import Fault
+
+    ab.write_documents(str(tmp_path / "ds"), make_documents(1, 50), page_documents=8)
+    with fault_server(tmp_path) as server:
+        dataset = ab.open_dataset(f"{server.url}/ds")
+        server.reset()
+        server.inject(default=Fault(delay=0.3), path=".idx")
+        with ab.Loader(dataset, batch_size=4, shuffle=False, prefetch=1) as loader:
+            next(iter(loader))
+        assert server.count("GET", ".idx") == 2 and server.peak == 2

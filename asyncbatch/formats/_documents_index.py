@@ -584,10 +584,11 @@ class DocumentIndex:
         return got
 
     def pages(
-        self, keys: Sequence[Key], tops: Mapping[int, Int64Array]
+        self, keys: Sequence[Key], tops: Mapping[int, Int64Array] | None
     ) -> Generator[Step, Any, dict[Key, Int64Array]]:
         """Pages ``keys`` (``(segment, page)``, unique), each the page's local offsets
-        (``P + 1``, fewer in the last page), checked against ``tops``."""
+        (``P + 1``, fewer in the last page), checked against ``tops`` (None: the top levels
+        are fetched, where not cached, beside the pages, in the same round of reads)."""
 
         def fetch(missing: list[Key]) -> Generator[Step, Any, dict[Key, Int64Array]]:
             return self._fetch_pages(missing, tops)
@@ -595,7 +596,7 @@ class DocumentIndex:
         return (yield from self._obtain(keys, fetch))
 
     def _fetch_pages(
-        self, keys: list[Key], tops: Mapping[int, Int64Array]
+        self, keys: list[Key], tops: Mapping[int, Int64Array] | None
     ) -> Generator[Step, Any, dict[Key, Int64Array]]:
         # Neighbouring pages of one index in one range (a page's last offset is the next
         # page's first: the ranges of neighbours overlap by one offset).
@@ -614,7 +615,13 @@ class DocumentIndex:
             segments.append(s)
             starts.append(HEADER_BYTES + size * first * page)
             sizes.append(size * (min(n, (last + 1) * page) + 1 - first * page))
-        buffer, dest = yield from self._read(segments, starts, sizes)
+        if tops is None:  # the top levels (to check the pages by) read beside them
+            tops, (buffer, dest) = yield (
+                self.tops(sorted(set(segments))),
+                self._read(segments, starts, sizes),
+            )
+        else:
+            buffer, dest = yield from self._read(segments, starts, sizes)
         got: dict[Key, Int64Array] = {}
         for run, at in zip(runs, dest, strict=True):
             s, first = run[0]
@@ -693,10 +700,9 @@ class DocumentIndex:
         seg = segments[picked]
         local = ids[picked] - self.document_starts[seg]
         page = local // self.page[seg]
-        tops = yield from self.tops(np.unique(seg).tolist())
         pairs = np.unique(np.stack([seg, page]), axis=1)
         keys = [(int(s), int(k)) for s, k in pairs.T]
-        table = yield from self.pages(keys, tops)
+        table = yield from self.pages(keys, None)  # a document's page needs no top level
         order = np.lexsort((page, seg))
         cuts = np.flatnonzero(np.diff(seg[order]) | np.diff(page[order])) + 1
         for group in np.split(order, cuts):
