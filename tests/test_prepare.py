@@ -982,7 +982,7 @@ def test_progress_is_reported_as_a_unit_runs_inline_and_from_workers(tmp_path: P
         ):
             events.append(f"done {result.record['documents']}")
     finally:
-        pool.executor.shutdown(cancel_futures=True)
+        pool.close()
     assert events[-1] == "done 3000"
     assert any(event.startswith("report ") for event in events[:-1]), events
 

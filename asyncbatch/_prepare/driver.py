@@ -182,7 +182,7 @@ def prepare(
         run_sync(_write(root, MANIFEST_NAME, manifest.to_json().encode(), options))
     finally:
         if pool is not None:
-            pool.executor.shutdown(wait=True, cancel_futures=True)
+            pool.close()
     return PrepareReport(
         output=root,
         documents=sum(r["documents"] for r in done),

@@ -10,12 +10,14 @@ and raises the failure.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import dataclasses
 import functools
 import multiprocessing
 import os
 import pickle
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,7 +70,7 @@ _SPEC: TokenizerSpec | None = None
 _REPORTS: Any = None  # the driver's queue of (unit, documents, tokens, input bytes)
 
 
-def _start_worker(spec: TokenizerSpec, reports: Any = None) -> None:
+def _start_worker(spec_file: str, reports: Any = None) -> None:
     global _SPEC, _REPORTS
     parent = os.getppid()
     threading.Thread(
@@ -76,6 +78,8 @@ def _start_worker(spec: TokenizerSpec, reports: Any = None) -> None:
     ).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    with open(spec_file, "rb") as file:
+        spec: TokenizerSpec = pickle.load(file)
     _SPEC, _REPORTS = spec, reports
     if spec.kind != "none":
         load(spec)
@@ -117,31 +121,53 @@ class Pool:
     spec: TokenizerSpec
     ready: list[futures.Future[None]]
     reports: Any = None
+    spec_file: str = ""
 
     def started(self) -> bool:
         """Whether a worker has loaded (or failed to start: its units then fail clearly)."""
         return any(future.done() for future in self.ready)
+
+    def close(self) -> None:
+        """Shut the workers down (those still starting are stopped) and remove the file."""
+        if not self.started():  # every unit ran in the driver: the workers are not waited for
+            for process in list(getattr(self.executor, "_processes", {}).values()):
+                process.terminate()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.reports is not None:
+            self.reports.cancel_join_thread()
+            self.reports.close()
+            self.reports = None
+        if self.spec_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.spec_file)
+            self.spec_file = ""
 
 
 def start_pool(spec: TokenizerSpec, workers: int, reports: bool = False) -> Pool:
     """``workers`` spawned processes (not forked: a forked tokenizer's threads deadlock),
     started now, so that they load while the driver checks the done units. ``reports``: the
     workers report each unit's progress every ``REPORT_INTERVAL`` seconds."""
-    check_sendable(spec)
+    pickled = check_sendable(spec)
+    # The tokenizer goes through a file: passed as an argument it is written down the pipe
+    # of each new process, which blocks until that process has started (a second each, one
+    # after the other); a path does not.
+    handle, spec_file = tempfile.mkstemp(prefix="asyncbatch-prepare-", suffix=".pickle")
+    with os.fdopen(handle, "wb") as file:
+        file.write(pickled)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue() if reports else None
     pool = futures.ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(spec, queue)
+        workers, mp_context=context, initializer=_start_worker, initargs=(spec_file, queue)
     )
     ready = [pool.submit(_ready) for _ in range(workers)]  # each submit starts a worker
-    return Pool(pool, spec, ready, queue)
+    return Pool(pool, spec, ready, queue, spec_file)
 
 
-def check_sendable(spec: TokenizerSpec) -> None:
-    """A tokenizer worker processes cannot receive is a ConfigError, not a pickling error
-    from the pool later."""
+def check_sendable(spec: TokenizerSpec) -> bytes:
+    """``spec`` pickled, as worker processes receive it; a tokenizer they cannot receive is a
+    ConfigError, not a pickling error from the pool later."""
     try:
-        pickle.dumps(spec)  # what the pool does with initargs (Ray uses cloudpickle instead)
+        return pickle.dumps(spec)  # what the pool does with initargs (Ray uses cloudpickle)
     except Exception as exc:  # noqa: BLE001 - PicklingError, TypeError, AttributeError
         raise ConfigError(
             f"the tokenizer cannot be sent to worker processes ({exc}): use a module-level"
@@ -263,13 +289,7 @@ def run_pool(
             process.terminate()  # Ctrl-C, or a generator closed early: stop at once
         raise
     finally:
-        if not workers.started():  # every unit ran here: the workers are not waited for
-            for process in list(getattr(pool, "_processes", {}).values()):
-                process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        if workers.reports is not None:
-            workers.reports.cancel_join_thread()
-            workers.reports.close()
+        workers.close()
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
