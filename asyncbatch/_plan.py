@@ -54,7 +54,6 @@ from .formats._documents_index import (
     INDEX_DTYPE,
     TOP_ENTRY_BYTES,
     DocumentIndex,
-    page_count,
 )
 from .formats._megatron_index import SEQUENCE
 from .formats._megatron_source import MegatronWindows
@@ -586,38 +585,43 @@ def _index_cost(
     if not isinstance(source, PackedDocuments) or source.index is None:
         return 0.0, 0.0
     index: DocumentIndex = source.index
-    layout = source.shard_map
-    shards_read = len(layout.counts)
-    costed = sum(len(all_groups[i]) for i in measured)
-    if costed == sum(len(g) for g in all_groups):
-        return _index_walk(index, source.window, [starts[i] for i in sorted(starts)])
-    # Sampled: a top level (or whole index) for every shard, the windows spread over them
-    # all; the distinct pages the rank's windows span, from those of the sampled groups
-    # (their share of the rank's windows scaled up, saturating as pages are met again).
-    share = max(1e-12, costed / max(1, order.batches_per_epoch))
-    segments = np.unique(index.segments_of_windows(layout.starts[np.arange(shards_read)], 1))
-    requests = nbytes = 0.0
+    width = source.window
+    costed = sorted(starts)
+    every = sum(len(all_groups[i]) for i in measured) == sum(len(g) for g in all_groups)
+    windows = sum(int(starts[i].size) for i in costed)
+    if every and windows <= WALK_WINDOWS:  # the source's walk over every group, in order
+        gid, seg, page = _index_keys(index, width, [starts[i] for i in costed])
+        return _walk(index, gid, seg, page)
+    # Too many windows, or sampled groups: the distinct pages of the rank's windows from
+    # those of (a random subset of) the costed groups, scaled to all its windows.
+    rng = np.random.default_rng(len(costed))
+    while windows > WALK_WINDOWS and len(costed) > 1:
+        costed = sorted(rng.choice(costed, size=len(costed) // 2, replace=False).tolist())
+        windows = sum(int(starts[i].size) for i in costed)
+    share = max(1e-12, windows / max(1, order.batches_per_epoch * order.batch_size))
+    _, seg, page = _index_keys(index, width, [starts[i] for i in costed])
     size = INDEX_DTYPE.itemsize
-    for s in segments.tolist():
-        n, page = int(index.documents[s]), int(index.page[s])
-        if n == 0 or int(index.element_ends[s]) == int(index.element_starts[s]):
-            continue
-        requests += 1
-        if page == 0:  # a whole index: fetched once
-            nbytes += size * (n + 1)
-            continue
-        nbytes += TOP_ENTRY_BYTES * page_count(n, page)
-        met = np.unique(
-            np.concatenate(
-                [_pages_of(index, s, starts[i], source.window) for i in starts]
-                + [np.zeros(0, dtype=np.int64)]
-            )
-        )
-        pages = page_count(n, page)
-        distinct = pages * -math.expm1(-met.size / share / pages)
-        runs = int((np.diff(met) != 1).sum()) + 1 if met.size else 0
-        requests += distinct * runs / max(1, met.size)
-        nbytes += distinct * size * page + distinct * runs / max(1, met.size) * size
+    documents, pages_of = index.documents, index.page
+    live = (documents > 0) & (index.element_ends > index.element_starts)
+    # A top level (or whole index) for every shard: the windows spread over them all.
+    whole = live & (pages_of == 0)
+    paged = live & (pages_of > 0)
+    total_pages = np.where(paged, -(-documents // np.maximum(pages_of, 1)), 0)
+    requests = float(live.sum())
+    nbytes = float((size * (documents + 1))[whole].sum() + TOP_ENTRY_BYTES * total_pages.sum())
+    if page.size:
+        code = seg * (int(total_pages.max()) + 1) + page
+        keys = np.unique(code)
+        key_seg = keys // (int(total_pages.max()) + 1)
+        met = np.bincount(key_seg, minlength=documents.size).astype(np.float64)
+        breaks = np.ones(keys.size, dtype=bool)
+        breaks[1:] = np.diff(keys) != 1
+        runs = np.bincount(key_seg[breaks], minlength=documents.size).astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            distinct = total_pages * -np.expm1(-met / share / np.maximum(total_pages, 1))
+            per_key_runs = np.where(met > 0, runs / np.maximum(met, 1), 0)
+        requests += float((distinct * per_key_runs).sum())
+        nbytes += float((distinct * size * pages_of).sum() + (distinct * per_key_runs).sum() * size)
     return requests, nbytes
 
 
@@ -654,56 +658,83 @@ def _megatron_cost(
     return 2 * distinct, 12 * mean * distinct
 
 
-def _index_walk(
+#: Windows of one rank up to which the index walk follows every group (the keys of a
+#: window take ~50 bytes: 2^22 windows, ~200 MiB); beyond, it is estimated from a subset.
+WALK_WINDOWS = 2**22
+
+
+def _index_keys(
     index: DocumentIndex, width: int, groups: Sequence[Int64Array]
-) -> tuple[float, float]:
-    """(requests, bytes) of the per-shard document index a rank fetches over its groups
-    (window starts, in order), as the source fetches it: a segment's whole index or top
-    level the first time a group touches it (one range), then the pages its windows span
-    that no group fetched before, neighbours in one range. Which page holds an element is
-    estimated (documents of equal length within a shard); the rest is the source's walk."""
-    size = INDEX_DTYPE.itemsize
-    seen: set[int] = set()
-    fetched: set[tuple[int, int]] = set()
-    requests = nbytes = 0
-    for window_starts in groups:
-        for s in index.segments_of_windows(window_starts, width).tolist():
-            n, page = int(index.documents[s]), int(index.page[s])
-            base, end = int(index.element_starts[s]), int(index.element_ends[s])
-            if n == 0 or end == base:
-                continue
-            if s not in seen:
-                seen.add(s)
-                requests += 1
-                nbytes += size * (n + 1) if page == 0 else TOP_ENTRY_BYTES * page_count(n, page)
-            if page == 0:
-                continue
-            wanted = _pages_of(index, s, window_starts, width).tolist()
-            new = [k for k in wanted if (s, k) not in fetched]
-            fetched.update((s, k) for k in new)
-            run_start = None
-            for j, k in enumerate(new):
-                if run_start is None:
-                    run_start = k
-                if j + 1 == len(new) or new[j + 1] != k + 1:
-                    requests += 1
-                    nbytes += size * (min(n, (k + 1) * page) + 1 - run_start * page)
-                    run_start = None
-    return float(requests), float(nbytes)
-
-
-def _pages_of(index: DocumentIndex, s: int, starts: Int64Array, width: int) -> Int64Array:
-    """The pages of segment ``s``'s paged index that windows of ``width`` elements at
-    ``starts`` span, each element's page estimated as if the segment's documents were of
-    equal length; ascending."""
-    n, page = int(index.documents[s]), int(index.page[s])
-    base, end = int(index.element_starts[s]), int(index.element_ends[s])
-    lo = np.maximum(starts, base) - base
-    hi = np.minimum(starts + width, end) - base
-    inside = lo < hi
-    first = lo[inside] * n // (end - base) // page
-    last = (hi[inside] - 1) * n // (end - base) // page
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """``(group, segment, page)`` of every paged-index page the windows of ``width``
+    elements at each group's ``starts`` span, each element's page estimated as if a
+    segment's documents were of equal length (whole indexes: page -1); unique, ordered."""
+    sizes = [int(g.size) for g in groups]
+    at = np.concatenate([*groups, np.zeros(0, dtype=np.int64)])
+    group = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
+    ends = index.element_ends
+    first = np.searchsorted(ends, at, side="right")
+    last = np.searchsorted(ends, at + max(0, width - 1), side="right")
     count = last - first + 1
     step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    pages: Int64Array = np.unique(np.repeat(first, count) + step)
-    return pages
+    seg = np.repeat(first, count) + step
+    at, group = np.repeat(at, count), np.repeat(group, count)
+    keep = seg < ends.size
+    seg, at, group = seg[keep], at[keep], group[keep]
+    base, end = index.element_starts[seg], ends[seg]
+    n, per = index.documents[seg], index.page[seg]
+    lo = np.maximum(at, base) - base
+    hi = np.minimum(at + width, end) - base
+    keep = (lo < hi) & (n > 0)
+    seg, lo, hi, n, per, group = seg[keep], lo[keep], hi[keep], n[keep], per[keep], group[keep]
+    span = np.maximum(end[keep] - base[keep], 1)
+    paged = per > 0
+    safe = np.maximum(per, 1)
+    first_page = np.where(paged, lo * n // span // safe, -1)
+    last_page = np.where(paged, (hi - 1) * n // span // safe, -1)
+    count = last_page - first_page + 1
+    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    page = np.repeat(first_page, count) + step
+    seg, group = np.repeat(seg, count), np.repeat(group, count)
+    order = np.lexsort((page, seg, group))
+    gid, seg, page = group[order], seg[order], page[order]
+    fresh = np.ones(gid.size, dtype=bool)
+    fresh[1:] = (np.diff(gid) != 0) | (np.diff(seg) != 0) | (np.diff(page) != 0)
+    return gid[fresh], seg[fresh], page[fresh]
+
+
+def _walk(
+    index: DocumentIndex, gid: Int64Array, seg: Int64Array, page: Int64Array
+) -> tuple[float, float]:
+    """(requests, bytes) of the source's walk over the groups' keys (see
+    :func:`_index_keys`): a segment's top level (or whole index) the first time a group
+    touches it, one range; then the pages no earlier group fetched, neighbours in one range."""
+    size = INDEX_DTYPE.itemsize
+    if not gid.size:
+        return 0.0, 0.0
+    touched = np.unique(seg)
+    documents, per = index.documents[touched], index.page[touched]
+    whole = per == 0
+    requests = float(touched.size)
+    nbytes = float((size * (documents[whole] + 1)).sum())
+    tops = -(-documents[~whole] // np.maximum(per[~whole], 1))
+    nbytes += float(TOP_ENTRY_BYTES * tops.sum())
+    paged = page >= 0
+    gid, seg, page = gid[paged], seg[paged], page[paged]
+    if gid.size:
+        width = int(page.max()) + 1
+        code = seg * width + page
+        # The first group that needs each page fetches it.
+        by_code = np.lexsort((gid, code))
+        first = np.ones(by_code.size, dtype=bool)
+        first[1:] = np.diff(code[by_code]) != 0
+        chosen = by_code[first]
+        order = np.lexsort((code[chosen], gid[chosen]))
+        g, c = gid[chosen][order], code[chosen][order]
+        s, k = seg[chosen][order], page[chosen][order]
+        breaks = np.ones(g.size, dtype=bool)
+        breaks[1:] = (np.diff(g) != 0) | (np.diff(c) != 1)
+        n, p = index.documents[s], index.page[s]
+        requests += float(breaks.sum())
+        nbytes += float((size * (np.minimum(n, (k + 1) * p) - k * p)).sum() + size * breaks.sum())
+    return requests, nbytes
