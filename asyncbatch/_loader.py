@@ -475,13 +475,16 @@ class _LoaderBase:
         fixed = None
         if isinstance(first, Schedule):
             length = length // step * step
-            pieces = [SchedulePiece(first, 0, [0] * len(sizes), step)]
+            pieces = [SchedulePiece(first, 0, [0] * len(sizes), step, self.world_size)]
         else:
             fixed = MixtureOrder(sizes, first or sizes, mixture.seed, length, inner)
             pieces = []
             if not self._mix_changes and self._mix_pending is None:
                 return fixed  # fixed weights, never changed: as before schedules
-        pieces += [SchedulePiece(w, start, taken, step) for start, taken, w in self._mix_changes]
+        pieces += [
+            SchedulePiece(w, start, taken, step, self.world_size)
+            for start, taken, w in self._mix_changes
+        ]
         order = ScheduledMixtureOrder(sizes, length, inner, fixed, pieces)
         if self._mix_pending is not None:
             start, self._mix_pending = self._mix_pending, None

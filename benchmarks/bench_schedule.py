@@ -64,7 +64,7 @@ def order(kind: str, batch: int, world: int, steps: int) -> EpochOrder:
     if kind == "fixed":
         samples = MixtureOrder(SIZES, FIXED, 3, length, inner)
     else:
-        piece = SchedulePiece(schedule_for(steps), 0, [0] * len(SIZES), step)
+        piece = SchedulePiece(schedule_for(steps), 0, [0] * len(SIZES), step, world)
         samples = ScheduledMixtureOrder(SIZES, length, inner, None, [piece])
     return EpochOrder(length, batch, seed=3, rank=0, world_size=world, samples=samples)
 

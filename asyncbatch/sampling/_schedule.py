@@ -38,7 +38,7 @@ from .._errors import ConfigError
 Int64Array = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-#: Positions per table of a piece (a table costs about a sort of this many due times).
+#: Positions per table of a piece (a table costs a few sorts of this many positions).
 PIECE_CHUNK = 2**16
 
 
@@ -104,15 +104,20 @@ class Schedule:
 
 class SchedulePiece:
     """``schedule`` from stream position ``start`` (a whole step) on, dataset ``d`` having
-    had ``taken[d]`` samples there; ``step`` positions per schedule step (the global batch)."""
+    had ``taken[d]`` samples there; ``step`` positions per schedule step (the global batch),
+    shared by ``ranks`` ranks (balanced between them, see :func:`rank_loads`)."""
 
-    def __init__(self, schedule: Schedule, start: int, taken: Sequence[int], step: int) -> None:
-        if start % step:
+    def __init__(
+        self, schedule: Schedule, start: int, taken: Sequence[int], step: int, ranks: int = 1
+    ) -> None:
+        if start % step or step % ranks:
             raise ValueError(f"a schedule piece starts at a whole step, not position {start}")
         self.schedule = schedule
         self.start = int(start)
         self.taken = np.asarray(taken, dtype=np.int64)
         self.step = step
+        #: Ranks sharing each step (position ``q`` of a step is rank ``q mod ranks``'s).
+        self.ranks = ranks
         self.first_step = self.start // step
         #: Steps per block: the unit of vectorised allocation and of the tables.
         self.block = max(1, PIECE_CHUNK // step)
@@ -157,15 +162,15 @@ class SchedulePiece:
         rounded = largest_remainder(targets, ends - self.start + self.taken.sum())
         out = np.empty((self.block + 1, self.taken.size), dtype=np.int64)
         out[0] = self._block_starts[block]
+        # Rows where the rounded counts fall below the row before: the fast path ends there.
+        drops = np.flatnonzero((rounded[1:] < rounded[:-1]).any(axis=1)) + 1
         i = 0
         while i < self.block:
-            # Rounded counts that never fall below the previous ones are the allocation.
-            prev = np.vstack([out[i : i + 1], rounded[i:-1]])
-            bad = np.flatnonzero((rounded[i:] < prev).any(axis=1))
-            good = bad[0] if bad.size else self.block - i
-            if good and np.array_equal(prev[0], out[i]):
-                out[i + 1 : i + 1 + good] = rounded[i : i + good]
-                i += good
+            if (rounded[i] >= out[i]).all():
+                k = int(np.searchsorted(drops, i, side="right"))
+                stop = int(drops[k]) if k < drops.size else self.block
+                out[i + 1 : stop + 1] = rounded[i:stop]
+                i = stop
                 continue
             out[i + 1] = carry(out[i], targets[i], self.step)
             i += 1
@@ -176,17 +181,25 @@ class SchedulePiece:
         counts = self._counts(block)
         m = np.diff(counts, axis=0)  # (steps, n) samples of each dataset per step
         steps, n = m.shape
-        owner = np.repeat(np.tile(np.arange(n, dtype=np.int64), steps), m.ravel())
-        group_start = np.repeat(np.cumsum(m.ravel()) - m.ravel(), m.ravel())
-        i = np.arange(owner.size, dtype=np.int64) - group_start
-        per = np.repeat(m.ravel(), m.ravel())
+        world, per_rank = self.ranks, self.step // self.ranks
+        loads = rank_loads(counts[:-1], m, world, per_rank)  # (steps, W, n)
+        # Each rank's share of a step spread evenly over its batch: by ((i + 1/2) / load)
+        # within (step, rank); ties: the lower dataset first.
+        flat = loads.ravel()
+        owner = np.repeat(np.tile(np.arange(n, dtype=np.int64), steps * world), flat)
+        i = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(flat) - flat, flat)
+        group = np.repeat(np.arange(steps * world, dtype=np.int64), per_rank)
+        order = np.argsort(group + (i + 0.5) / np.repeat(flat, flat), kind="stable")
+        # Item j of rank r in step s is position s·G + j·W + r of the stream.
+        which = owner[order].reshape(steps, world, per_rank).transpose(0, 2, 1).ravel()
+        # k in stream order within each step: dataset d's count before the step, plus its
+        # positions so far in the step (each dataset's samples come in its own order).
         step_of = np.repeat(np.arange(steps, dtype=np.int64), self.step)
-        # Spread each dataset evenly over its step: by (step, (i + 1/2) / m); ties keep the
-        # layout's order (the lower dataset first).
-        key = step_of + (i + 0.5) / per
-        order = np.argsort(key, kind="stable")
-        which = owner[order]
-        nth = counts[:-1][step_of, which] + i[order]
+        nth = np.empty(which.size, dtype=np.int64)
+        for d in range(n):
+            mine = which == d
+            seen = np.cumsum(mine.reshape(steps, self.step), axis=1).ravel() - 1
+            nth[mine] = counts[:-1][step_of[mine], d] + seen[mine]
         which.flags.writeable = nth.flags.writeable = False
         return which, nth, counts
 
@@ -220,6 +233,42 @@ class SchedulePiece:
             which[first : first + within], minlength=self.taken.size
         )
         return out
+
+
+def rank_loads(before: Int64Array, m: Int64Array, world: int, per_rank: int) -> Int64Array:
+    """How many samples of each dataset each rank takes in each step, shape (steps, W, n).
+
+    Dataset ``d``'s ``k``-th sample counts for rank ``(k + c_d) mod W`` (``c_d`` spreads the
+    datasets' starts), so each rank's count of ``d`` stays within 1 of its ``1/W`` share; the
+    dataset with the most samples in the step fills what the others leave of each rank's
+    batch (so its count per rank is off by at most the others' deviations). A step where
+    that would not fit (batches of fewer samples than about n² for n datasets) deals its
+    samples out in dataset order, round robin, and balances ranks less well.
+    """
+    steps, n = m.shape
+    ranks = np.arange(world, dtype=np.int64)[None, :, None]
+    offsets = (np.arange(n, dtype=np.int64) * world) // n
+
+    def residue(first: Int64Array, size: Int64Array) -> Int64Array:
+        """Of ``k`` in ``[first, first + size)``, how many fall to each rank."""
+        lead = (ranks - first[:, None, :]) % world
+        extra = (lead < (size % world)[:, None, :]).astype(np.int64)
+        out: Int64Array = size[:, None, :] // world + extra
+        return out
+
+    loads = residue(before + offsets, m)
+    filler = np.argmax(m, axis=1)
+    is_filler = np.arange(n)[None, :] == filler[:, None]
+    loads[np.broadcast_to(is_filler[:, None, :], loads.shape)] = 0
+    rest = per_rank - loads.sum(axis=2)  # (steps, W): what the filler takes
+    loads[np.arange(steps)[:, None], np.arange(world)[None, :], filler[:, None]] = rest
+    bad = (rest < 0).any(axis=1)
+    if bad.any():
+        # Round robin in dataset order from where the first dataset's last one went: item z
+        # of the step is rank (C_0 + z) mod W's.
+        start = np.cumsum(m[bad], axis=1) - m[bad] + before[bad][:, :1]
+        loads[bad] = residue(start, m[bad])
+    return loads
 
 
 def _normalised(weights: Sequence[float]) -> FloatArray:
