@@ -15,8 +15,12 @@ The script prints medians, the ratio of ``plan`` to ``one rank``, the time enume
 rank would take (``one rank`` x 1024), and how far the plan's estimate of rank 0 lies from
 rank 0 costed in full, beside the bound the plan states.
 
+With ``--documents 1e9``, the manifest is a documents dataset of that many documents with
+paged per-shard indexes (512 a page), and the index bytes of rank 0 (estimated from the
+sampled groups) are compared with those of the walk over every one of its groups.
+
 Usage: ``.venv/bin/python benchmarks/bench_plan.py [--tokens 1e12] [--shards 4000]
-[--world 1024] [--rounds 3]``
+[--world 1024] [--rounds 3] [--documents 1e9]``
 """
 
 from __future__ import annotations
@@ -37,22 +41,46 @@ from common import REPO, git_revision
 OPTIONS: dict[str, Any] = {"batch_size": 8, "seq_len": 2048, "shuffle": True}
 
 
-def synthetic(tokens: int, shards: int) -> Any:
+def synthetic(tokens: int, shards: int, documents: int = 0) -> Any:
+    """A manifest of ``tokens`` uint16 tokens in ``shards`` shards, no data behind it; with
+    ``documents``, a documents dataset of that many with paged per-shard indexes (512 a page,
+    as ``write_documents`` writes them)."""
     import numpy as np
 
+    from asyncbatch._checksums import format_digest
     from asyncbatch._dataset import Dataset
     from asyncbatch._manifest import Manifest, ShardInfo
+    from asyncbatch.formats._documents_index import PAGE_DOCUMENTS, index_file_bytes
 
     per = tokens // shards
     infos = tuple(
         ShardInfo(path=f"s{i:05d}.bin", nbytes=2 * per, elements=per) for i in range(shards)
     )
-    return Dataset(
-        "s3://bucket/corpus", Manifest(format="tokens", dtype=np.dtype("<u2"), shards=infos)
-    )
+    if not documents:
+        return Dataset(
+            "s3://bucket/corpus", Manifest(format="tokens", dtype=np.dtype("<u2"), shards=infos)
+        )
+    each = documents // shards
+    size = index_file_bytes(each, PAGE_DOCUMENTS)
+    metadata = {
+        "document_index": "per_shard",
+        "documents": each * shards,
+        "shard_documents": [each] * shards,
+        "shard_indexes": [
+            {
+                "path": f"s{i:05d}.idx",
+                "bytes": size,
+                "page_documents": PAGE_DOCUMENTS,
+                "top_checksum": format_digest(0),
+            }
+            for i in range(shards)
+        ],
+    }
+    manifest = Manifest("documents", np.dtype("<u2"), infos, metadata)
+    return Dataset("s3://bucket/documents", manifest)
 
 
-def child(line: str, tokens: int, shards: int, world: int) -> dict[str, Any]:
+def child(line: str, tokens: int, shards: int, world: int, documents: int) -> dict[str, Any]:
     """One line's run in this process: its figures as a dict."""
     import asyncbatch as ab
     from asyncbatch._options import LoaderConfig
@@ -60,7 +88,7 @@ def child(line: str, tokens: int, shards: int, world: int) -> dict[str, Any]:
     from asyncbatch._portal import run_sync
 
     def run() -> dict[str, Any]:
-        dataset = synthetic(tokens, shards)
+        dataset = synthetic(tokens, shards, documents)
         if line == "plan":
             got = ab.plan(dataset, world_size=world, **OPTIONS)
             rank0 = got.ranks[0]
@@ -70,12 +98,17 @@ def child(line: str, tokens: int, shards: int, world: int) -> dict[str, Any]:
                 "bound": got.relative_error,
                 "total_requests": got.requests,
                 "total_bytes": got.bytes_fetched,
+                "rank0_index": rank0.index_bytes,
             }
         config = LoaderConfig(rank=0, world_size=world, verify="off", **OPTIONS)
         ranked = _Ranked(dataset, config)
         gap, windows = run_sync(_store_traits(ranked.engine.source, config))
         cost = _cost_rank(ranked.engine, 0, gap, windows, 0, 0)
-        return {"rank0_requests": cost.requests, "rank0_bytes": cost.bytes_fetched}
+        return {
+            "rank0_requests": cost.requests,
+            "rank0_bytes": cost.bytes_fetched,
+            "rank0_index": cost.index_bytes,
+        }
 
     started = time.perf_counter()
     figures = run()
@@ -94,15 +127,21 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4000)
     parser.add_argument("--world", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--documents",
+        type=float,
+        default=0,
+        help="a documents dataset of this many documents (paged per-shard indexes)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tokens = int(args.tokens)
+    tokens, documents = int(args.tokens), int(args.documents)
     if args.child:
-        print(json.dumps(child(args.child, tokens, args.shards, args.world)))
+        print(json.dumps(child(args.child, tokens, args.shards, args.world, documents)))
         return
     print(
         f"bench_plan {git_revision()}: {tokens:.3g} tokens, {args.shards} shards, world"
-        f" {args.world}, {OPTIONS}, {os.cpu_count()} CPUs"
+        f" {args.world}, {OPTIONS}, {documents:.3g} documents, {os.cpu_count()} CPUs"
     )
     lines = ["plan", "one rank"]
     results: dict[str, list[dict[str, Any]]] = {line: [] for line in lines}
@@ -120,6 +159,8 @@ def main() -> None:
                     str(args.shards),
                     "--world",
                     str(args.world),
+                    "--documents",
+                    str(documents),
                 ],
                 cwd=REPO,
                 capture_output=True,
@@ -149,6 +190,12 @@ def main() -> None:
             f" {abs(est - exact) / exact:.3%} (stated bound {plan['bound']:.3%})"
         )
     print(f"total: {plan['total_requests']:,.0f} requests, {plan['total_bytes']:,.0f} bytes")
+    if documents:
+        est, walked = plan["rank0_index"], one["rank0_index"]
+        print(
+            f"rank 0 index bytes: plan (sampled) {est:,.0f}, walked over every group"
+            f" {walked:,.0f}, off by {abs(est - walked) / max(1, walked):.2%}"
+        )
 
 
 if __name__ == "__main__":
