@@ -59,7 +59,7 @@ from .formats._megatron_index import SEQUENCE
 from .formats._megatron_source import MegatronWindows
 from .formats._parquet import ParquetRows
 from .stores._disk_cache import DiskCache
-from .stores._registry import open_store
+from .stores._registry import open_store, scheme_of
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -304,7 +304,7 @@ class _Ranked(_LoaderBase):
 
 
 def plan(
-    dataset: Dataset | str,
+    dataset: Dataset | Mixture | str,
     *,
     world_size: int = 1,
     batch_size: int,
@@ -331,7 +331,8 @@ def plan(
     groups: int = SAMPLED_GROUPS,
     max_ids: int = MAX_IDS,
 ) -> Plan:
-    """The cost of reading ``dataset`` (a URL or an opened :class:`Dataset`) with these loader
+    """The cost of reading ``dataset`` (a URL, an opened :class:`Dataset` or a
+    :class:`Mixture`) with these loader
     options on ``world_size`` ranks for ``epochs`` epochs, computed from its manifest (and
     footers, index metadata) and the loader's own order and read planning: no data is read.
 
@@ -351,6 +352,13 @@ def plan(
             raise ConfigError(f"{name} must be positive, got {number!r}")
     if isinstance(dataset, str):
         dataset = open_dataset(dataset, storage_options, cache=cache)
+    if not isinstance(dataset, Dataset | Mixture):
+        raise ConfigError(f"plan takes a Dataset, a Mixture or a URL, got {dataset!r}")
+    url = (
+        dataset.url
+        if isinstance(dataset, Dataset)
+        else f"a mixture of {', '.join(d.url for d in dataset.datasets)}"
+    )
     options: dict[str, Any] = {
         "batch_size": batch_size,
         "seq_len": seq_len,
@@ -376,7 +384,7 @@ def plan(
     )
     first = _Ranked(dataset, dataclasses.replace(base, rank=0))
     source = first.engine.source
-    _check_costable(source, dataset.url)
+    _check_costable(source, url)
     gap, windows = run_sync(_store_traits(source, base))
     if coalesce_gap is not None:
         gap = coalesce_gap
@@ -396,7 +404,7 @@ def plan(
     if isinstance(source, PackedDocuments) and source.index is not None:
         index_note = " (estimated: pages as if a shard's documents were of equal length)"
     return Plan(
-        url=dataset.url,
+        url=url,
         world_size=world_size,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -471,7 +479,7 @@ async def _store_traits(source: Source, config: LoaderConfig) -> tuple[int, bool
     cache = config.cache if isinstance(config.cache, DiskCache) else None
     try:
         for dataset in source.datasets:
-            key = (dataset.url.split("://")[0], repr(sorted(dataset.storage_options.items())))
+            key = (scheme_of(dataset.url), repr(sorted(dataset.storage_options.items())))
             if key not in seen:
                 seen.add(key)
                 stores.append(open_store(dataset.url, dataset.storage_options, cache=cache))

@@ -207,3 +207,24 @@ def test_paged_document_indexes_cost_within_2_percent(tmp_path: Path, shuffle: s
     assert got.index_bytes > 0
     assert abs(got.requests - requests) <= 0.02 * requests, (got.requests, requests)
     assert abs(got.bytes_fetched - fetched) <= 0.02 * fetched, (got.bytes_fetched, fetched)
+
+
+def test_a_mixture_costs_as_its_loaders_count(tmp_path: Path) -> None:
+    parts = []
+    for name, n in (("a", 30_000), ("b", 50_000)):
+        ab.write_tokens(str(tmp_path / name), np.arange(n, dtype=np.uint16), shard_size=20_000)
+        parts.append(ab.open_dataset(str(tmp_path / name)))
+    mixture = ab.mix(parts, weights=[1, 1], seed=0)
+    kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 100}
+    got = plan(mixture, world_size=2, **kwargs)
+    requests = fetched = 0
+    for rank in range(2):
+        with ab.Loader(mixture, rank=rank, world_size=2, **kwargs) as loader:
+            for _ in loader:
+                pass
+            stats = loader.statistics()
+        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    assert (got.requests, got.bytes_fetched) == (requests, fetched)
+    assert got.url.startswith("a mixture of")
+    with pytest.raises(ConfigError, match="plan takes a Dataset"):
+        plan(3, batch_size=1)  # type: ignore[arg-type]
