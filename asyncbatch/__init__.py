@@ -18,7 +18,8 @@ has the full table, which tests/test_layers.py checks)::
     workers     LoaderDataset: the loader inside torch DataLoader worker processes
     _prepare/   a raw corpus (JSONL, Parquet, text) tokenized into a documents dataset, in
                 units run in a process pool or as Ray tasks
-    cli         ``asyncbatch demo | inspect | verify | cache | prepare | index``
+    plan        plan(): the cost of a run, before it starts, from the loader's own planning
+    cli         ``asyncbatch demo | inspect | verify | cache | prepare | index | plan``
 """
 
 from __future__ import annotations
