@@ -12,6 +12,10 @@ over rounds of the difference of the two measurements taken side by side.
 
 Then, once each: the first batch at step 10**6 (a resume far into the run, cold caches).
 
+Then how evenly ranks share each dataset: the largest ``|rank's count − integral / W|`` over
+ranks, datasets and 2000 steps of the docs' schedule (three datasets) and of a five-dataset
+one, for a few world sizes and batches (counts, not timings).
+
 ``--plot PNG`` also draws one schedule's realised mix against its target (docs/sampling.md).
 
 Usage: ``.venv/bin/python benchmarks/bench_schedule.py [--rounds 11] [--batches 4000]``
@@ -100,6 +104,25 @@ def far(kind: str, batch: int, world: int, steps: int) -> float:
     return time.perf_counter() - begin
 
 
+FIVE = [(0, [5, 1, 1, 1, 0.01]), (1000, [0.01, 1, 1, 1, 5])]
+
+
+def rank_balance(points: Any, world: int, batch: int, steps: int = 2000) -> float:
+    """Largest ``|rank's count − integral / W|`` after any step, any rank and dataset."""
+    schedule = points if isinstance(points, Schedule) else Schedule.parse(points, len(points[0][1]))
+    n = len(schedule.breakpoints[0][1])
+    step = world * batch
+    piece = SchedulePiece(schedule, 0, [0] * n, step, world)
+    which, _ = piece.locate_stream(np.arange(steps * step, dtype=np.int64))
+    targets = piece.integral(np.arange(steps + 1, dtype=np.float64) * step) / world
+    per_step = which.reshape(steps, batch, world)
+    worst = 0.0
+    for d in range(n):
+        counts = (per_step == d).sum(axis=1).cumsum(axis=0)  # (steps, world)
+        worst = max(worst, float(np.abs(counts - targets[1:, d : d + 1]).max()))
+    return worst
+
+
 def draw(path: Path) -> None:
     """The docs' schedule over 2000 steps of 64 samples: realised share per 20 steps beside
     the target, and each dataset's count minus the schedule's integral at every step."""
@@ -181,6 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     print("\nfirst batch at step 10**6, cold (a resume far into the run):")
     for kind in ("fixed", "schedule"):
         print(f"  {kind}: {far(kind, args.batch, args.world, 10**6) * 1e3:.1f} ms")
+    print("\nranks: largest |rank's count - integral / W| over 2000 steps")
+    print("| W × batch | docs' schedule (3 datasets) | five datasets |")
+    print("|---|---:|---:|")
+    for world, batch in ((4, 16), (8, 16), (64, 4), (6, 10), (16, 1)):
+        print(
+            f"| {world} × {batch} | {rank_balance(schedule_for(2000), world, batch):.2f}"
+            f" | {rank_balance(FIVE, world, batch):.2f} |"
+        )
     if args.plot is not None:
         draw(args.plot)
 

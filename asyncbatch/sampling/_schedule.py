@@ -183,23 +183,25 @@ class SchedulePiece:
         steps, n = m.shape
         world, per_rank = self.ranks, self.step // self.ranks
         loads = rank_loads(counts[:-1], m, world, per_rank)  # (steps, W, n)
-        # Each rank's share of a step spread evenly over its batch: by ((i + 1/2) / load)
-        # within (step, rank); ties: the lower dataset first.
-        flat = loads.ravel()
-        owner = np.repeat(np.tile(np.arange(n, dtype=np.int64), steps * world), flat)
-        i = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(flat) - flat, flat)
-        group = np.repeat(np.arange(steps * world, dtype=np.int64), per_rank)
-        order = np.argsort(group + (i + 0.5) / np.repeat(flat, flat), kind="stable")
+        # Each rank's share of a step spread evenly over its batch (one pattern per distinct
+        # share: there are few).
+        rows = loads.reshape(-1, n)
+        if (per_rank + 1) ** n < 2**62:  # one integer per row: a fast unique
+            code = rows @ (per_rank + 1) ** np.arange(n, dtype=np.int64)
+            _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+            shares = rows[first]
+        else:
+            shares, inverse = np.unique(rows, axis=0, return_inverse=True)
+            inverse = inverse.ravel()
+        spread = spread_evenly(shares, per_rank)[inverse].ravel()
         # Item j of rank r in step s is position s·G + j·W + r of the stream.
-        which = owner[order].reshape(steps, world, per_rank).transpose(0, 2, 1).ravel()
+        which = spread.reshape(steps, world, per_rank).transpose(0, 2, 1).ravel()
         # k in stream order within each step: dataset d's count before the step, plus its
         # positions so far in the step (each dataset's samples come in its own order).
+        seen = (which.reshape(steps, self.step, 1) == np.arange(n)).cumsum(axis=1)
         step_of = np.repeat(np.arange(steps, dtype=np.int64), self.step)
-        nth = np.empty(which.size, dtype=np.int64)
-        for d in range(n):
-            mine = which == d
-            seen = np.cumsum(mine.reshape(steps, self.step), axis=1).ravel() - 1
-            nth[mine] = counts[:-1][step_of[mine], d] + seen[mine]
+        flat_seen = seen.reshape(-1, n)[np.arange(which.size), which]
+        nth = counts[:-1][step_of, which] + flat_seen - 1
         which.flags.writeable = nth.flags.writeable = False
         return which, nth, counts
 
@@ -233,6 +235,27 @@ class SchedulePiece:
             which[first : first + within], minlength=self.taken.size
         )
         return out
+
+
+def spread_evenly(shares: Int64Array, size: int) -> Int64Array:
+    """For each row of ``shares`` (samples of each dataset, summing to ``size``), the
+    datasets of ``size`` slots: item ``i`` of dataset ``d`` goes where ``(i + 1/2) / L_d``
+    falls among all the row's items' (ties: the lower dataset first), placed in integers."""
+    rows, n = shares.shape
+    sizes = shares.ravel()
+    owner = np.repeat(np.tile(np.arange(n, dtype=np.int64), rows), sizes)
+    row = np.repeat(np.arange(rows, dtype=np.int64), size)
+    i = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    own = shares[row, owner]
+    place = i.copy()
+    for other in range(n):
+        theirs = shares[row, other]
+        scaled = (2 * i + 1) * theirs  # items i' of ``other`` with (2i' + 1)·L < (2i + 1)·L'
+        before = np.where(other < owner, (scaled // own + 1) // 2, (-(-scaled // own)) // 2)
+        place += np.where(other == owner, 0, np.minimum(before, theirs))
+    out = np.empty((rows, size), dtype=np.int64)
+    out.ravel()[row * size + place] = owner
+    return out
 
 
 def rank_loads(before: Int64Array, m: Int64Array, world: int, per_rank: int) -> Int64Array:
