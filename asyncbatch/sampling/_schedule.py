@@ -13,8 +13,9 @@ step lost its rounding up), the step carries instead: that dataset keeps its cou
 by less than one) and the others share the step by largest remainder of what they lack.
 Both are vectorised over a block of steps; only carried steps run one at a time, and the
 counts at each block's start are kept, so a far position costs one pass over the blocks
-before it once. Inside a step, each dataset's samples are spread evenly over its
-positions (so over the ranks, which take every ``W``-th position).
+before it once. Inside a step, :func:`rank_loads` shares each dataset's samples between
+the ranks (position ``q`` is rank ``q mod W``'s) so that each rank's count stays near its
+``1/W`` share, and each rank's batch interleaves its datasets evenly.
 
 A :class:`SchedulePiece` is a schedule applied from stream position ``start`` on, with the
 counts each dataset had there (``taken``): a run resumed with a changed schedule appends a
