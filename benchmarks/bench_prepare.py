@@ -28,6 +28,14 @@ not UTF-8 or are empty left out), cycled until ``--mb`` MB of text, cut in file 
   it), so the cluster's start is not timed;
 * ``s3``: W workers, input uploaded to and output written to moto's S3 server on 127.0.0.1
   (its own process, on the same cores);
+* ``tiny w2``: W files of two short documents, W workers: a run that is all fixed costs
+  (listing, checks, spawning and loading the workers, the manifest); issue #34's target is
+  <= 1 s;
+* ``mixed w2``, ``mixed w2 256MiB``: issue #34's shape of corpus: the first quarter of the
+  JSONL files as they are, the rest of the text as one Parquet file in row groups of ~1 MB,
+  W workers, with the default unit size and with the 256 MiB units that were the default
+  before; each run's ``report.timeline`` gives the tail's share (the part of the run after
+  the last moment all W workers were busy), and ``--figure`` draws busy workers over time;
 * ``datatrove``: ``LocalPipelineExecutor([JsonlReader(jsonl folder), DocumentTokenizer(folder,
   tokenizer.json, eos_token="<|endoftext|>", shuffle_documents=False)], tasks=W, workers=W)``
   (no shuffle, as prepare does not shuffle; its log goes to a file).
@@ -45,12 +53,14 @@ datatrove, Ray's workers). After the rounds, one more ``local w2`` run in a
 fresh process measures the peak RSS (``VmHWM`` in ``/proc``, sampled every 50 ms) of that
 process and of every process it starts, beside the report's ``peak_rss``.
 
-The targets printed are issue #24's: prepare >= 0.9x ``encode_batch``, >= 1.2x datatrove;
-2 workers >= 1.7x 1; Ray >= 0.9x local; S3 >= 0.8x local files.
+The targets printed are issue #24's: >= 1.2x datatrove; 2 workers >= 1.7x 1; Ray >= 0.9x
+local; S3 >= 0.8x local files; and issue #34's: prepare >= 0.85x ``encode_batch`` on W
+threads on a 12 MB corpus (``--mb 12``), fixed costs <= 1 s.
 
 Usage: ``.venv/bin/python benchmarks/bench_prepare.py [--mb 32] [--files 8] [--rounds 3]
 [--workers 2] [--vocab 32000] [--work /tmp/asyncbatch-bench-prepare] [--only "ray,local w2"]
-[--json docs/img/bench_prepare.json]`` (``scripts/bench-setup`` installs datatrove).
+[--json docs/img/bench_prepare.json] [--figure docs/img/prepare_balance.png]``
+(``scripts/bench-setup`` installs datatrove).
 """
 
 from __future__ import annotations
@@ -91,10 +101,13 @@ LINES = [
     "ray",
     "s3",
     "datatrove",
+    "tiny w2",
+    "mixed w2",
+    "mixed w2 256MiB",
 ]
 # Paired ratios: (name, numerator line, denominator line, target).
 RATIOS = (
-    ("local w2 / encode_batch", "local w2", "encode_batch", 0.9),
+    ("local w2 / encode_batch", "local w2", "encode_batch", 0.85),
     ("local w2 / encode_batch_fast", "local w2", "encode_batch_fast", 0.9),
     ("local w2 / datatrove", "local w2", "datatrove", 1.2),
     ("local w1 / encode_batch_fast 1t", "local w1", "encode_batch_fast 1t", 0.9),
@@ -105,7 +118,11 @@ RATIOS = (
     ("encode_batch_fast / encode_batch", "encode_batch_fast", "encode_batch", None),
     ("datatrove / encode_batch", "datatrove", "encode_batch", None),
     ("encode_batch_fast / same 1t", "encode_batch_fast", "encode_batch_fast 1t", None),
+    ("mixed w2 / mixed w2 256MiB", "mixed w2", "mixed w2 256MiB", None),
+    ("mixed w2 / encode_batch", "mixed w2", "encode_batch", None),
 )
+#: The unit size every run had by default before issue #34 (one unit per file here).
+OLD_UNIT_SIZE = 256 * 2**20
 # CPU seconds per run (all the same tokens), where they can be counted.
 CPU_RATIOS = (
     ("local w1 / encode_batch_fast 1t", "local w1", "encode_batch_fast 1t"),
@@ -143,6 +160,28 @@ class Corpus:
     @property
     def tokenizer(self) -> Path:
         return self.folder / "tokenizer.json"
+
+    def mixed(self) -> list[Path]:
+        """The issue #34 shape: the first quarter of the JSONL files as they are, the rest of
+        the text as one Parquet file of row groups of ~1 MB (made once)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder = self.folder / "mixed"
+        if not folder.exists():
+            files = self.jsonl
+            keep = max(1, len(files) // 4)
+            (folder.parent / "mixed-tmp").mkdir(exist_ok=True)
+            for path in files[:keep]:
+                shutil.copyfile(path, folder.parent / "mixed-tmp" / path.name)
+            texts = read_texts(files[keep:])
+            per_group = max(1, len(texts) * 10**6 // sum(len(t.encode()) for t in texts))
+            table = pa.table({"id": [str(i) for i in range(len(texts))], "text": texts})
+            pq.write_table(
+                table, folder.parent / "mixed-tmp" / "rest.parquet", row_group_size=per_group
+            )
+            (folder.parent / "mixed-tmp").rename(folder)
+        return sorted(folder.iterdir())
 
 
 def stdlib_documents() -> Iterator[tuple[str, str]]:
@@ -418,6 +457,8 @@ class Measurement:
     #: CPU seconds of every thread of the processes that did the work, where they can be
     #: counted (not Ray's workers nor datatrove's, which are not this process's children).
     cpu: float | None = None
+    #: prepare's report.timeline: (unit, start, end) of each unit, seconds from the call.
+    timeline: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def rate(self) -> float:
@@ -471,6 +512,7 @@ class Bench:
         workers: int,
         engine: Literal["local", "ray"] = "local",
         storage_options: dict[str, Any] | None = None,
+        unit_size: int | None = None,
     ) -> Measurement:
         import asyncbatch as ab
 
@@ -485,6 +527,7 @@ class Bench:
             workers=workers,
             engine=engine,
             storage_options=storage_options,
+            unit_size=unit_size,
             progress=False,
         )
         wall = time.perf_counter() - start
@@ -495,15 +538,34 @@ class Bench:
             cpu += self.moto_cpu() - server if storage_options else 0.0
         if report.units_already_done:
             raise RuntimeError(f"{output} was not fresh: {report.units_already_done} units done")
-        return Measurement(report.tokens, wall, report.seconds, cpu)
+        return Measurement(report.tokens, wall, report.seconds, cpu, report.timeline)
 
-    def local(self, name: str, kind: str, workers: int, warm: bool) -> Measurement:
+    def local(
+        self, name: str, kind: str, workers: int, warm: bool, unit_size: int | None = None
+    ) -> Measurement:
         output = self.fresh(name)
-        files = [str(p) for p in self.corpus.files(kind, warm)]
+        if kind == "mixed":
+            files = [
+                str(p) for p in (self.corpus.files("jsonl", True) if warm else self.corpus.mixed())
+            ]
+        elif kind == "tiny":
+            files = [str(p) for p in self.tiny()]
+        else:
+            files = [str(p) for p in self.corpus.files(kind, warm)]
         try:
-            return self.prepare(files, str(output), workers)
+            return self.prepare(files, str(output), workers, unit_size=unit_size)
         finally:
             shutil.rmtree(output, ignore_errors=True)
+
+    def tiny(self) -> list[Path]:
+        """One file of two short documents per worker: a run that is all fixed costs."""
+        folder = self.scratch / "tiny"
+        if not folder.exists():
+            folder.mkdir()
+            for k in range(self.args.workers):
+                lines = [json.dumps({"text": f"tiny document {k} {i}"}) for i in range(2)]
+                (folder / f"tiny-{k}.jsonl").write_text("\n".join(lines) + "\n")
+        return sorted(folder.iterdir())
 
     def ray(self, warm: bool) -> Measurement:
         import ray
@@ -592,6 +654,11 @@ class Bench:
             "ray": self.ray,
             "s3": self.s3,
             "datatrove": self.datatrove,
+            "tiny w2": lambda warm: self.local("tiny w2", "tiny", workers, warm),
+            "mixed w2": lambda warm: self.local("mixed w2", "mixed", workers, warm),
+            "mixed w2 256MiB": lambda warm: self.local(
+                "mixed w2 256MiB", "mixed", workers, warm, OLD_UNIT_SIZE
+            ),
         }
         return {name: line for name, line in lines.items() if name in self.args.only}
 
@@ -688,6 +755,21 @@ def print_results(
                 f"  >= {target:<4} {'met' if statistics.median(ratios) >= target else 'NOT met'}"
             )
         print(f"{label:<34}{spread(ratios)}{verdict}")
+    if "tiny w2" in results:
+        walls = [m.wall for m in results["tiny w2"]]
+        print(
+            f"\nfixed costs: prepare of {args.workers} files of 2 documents, {args.workers}"
+            f" workers: wall s {spread(walls)} (median min max)  <= 1.0 s"
+            f" {'met' if statistics.median(walls) <= 1.0 else 'NOT met'}"
+        )
+    for name in ("mixed w2", "mixed w2 256MiB", "local w2"):
+        if name in results:
+            shares = [tail_share(m.timeline, args.workers) for m in results[name]]
+            units = len(results[name][-1].timeline)
+            print(
+                f"tail share of {name!r} ({units} units): {spread(shares, 100, 1)} % of the run"
+                f" with fewer than {args.workers} workers busy (median min max)"
+            )
     print()
     print(f"{'CPU seconds, paired ratio':<34}{'median':>8}{'min':>8}{'max':>8}")
     for label, top, bottom in CPU_RATIOS:
@@ -696,6 +778,73 @@ def print_results(
         pairs = zip(results[top], results[bottom], strict=True)
         ratios = [a.cpu / b.cpu for a, b in pairs if a.cpu and b.cpu]
         print(f"{label:<34}{spread(ratios)}")
+
+
+def busy(timeline: tuple[tuple[int, float, float], ...]) -> list[tuple[float, int]]:
+    """``(time, units running from then on)`` at every unit's start and end."""
+    events = sorted(
+        [(start, 1) for _, start, _ in timeline] + [(end, -1) for _, _, end in timeline]
+    )
+    running, steps = 0, []
+    for moment, change in events:
+        running += change
+        steps.append((moment, running))
+    return steps
+
+
+def tail_share(timeline: tuple[tuple[int, float, float], ...], workers: int) -> float:
+    """The share of the run (first unit's start to last unit's end) after the last moment
+    all ``workers`` were busy: the tail that leaves cores idle."""
+    if not timeline:
+        return 0.0
+    steps = busy(timeline)
+    first, last = steps[0][0], steps[-1][0]
+    full = [moment for moment, running in steps if running >= workers]
+    if not full:
+        return 1.0
+    # the end of the last stretch at full occupancy
+    ends = [steps[k + 1][0] for k, (_, running) in enumerate(steps[:-1]) if running >= workers]
+    return (last - max(ends)) / max(last - first, 1e-9)
+
+
+def plot_balance(results: dict[str, list[Measurement]], workers: int, path: Path) -> None:
+    """Units running over time (the workers', and the driver's own while its workers start)
+    in the last round of the mixed corpus, at both unit sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.2))
+    for name, label in (
+        ("mixed w2 256MiB", "256 MiB units (the default before)"),
+        ("mixed w2", "default units (inputs / 1024, >= 1 MiB)"),
+    ):
+        if name not in results:
+            continue
+        measured = results[name][-1]
+        steps = busy(measured.timeline)
+        times = [0.0] + [moment for moment, _ in steps]
+        counts = [0] + [running for _, running in steps]
+        share = tail_share(measured.timeline, workers)
+        axis.step(
+            times,
+            counts,
+            where="post",
+            label=f"{label}: {len(measured.timeline)} units, {measured.wall:.1f} s,"
+            f" tail {share:.0%}",
+        )
+    axis.set_xlabel("seconds from the start of prepare()")
+    axis.set_ylabel("units running")
+    top = workers + 1  # the driver runs units too while its workers start
+    axis.set_yticks(range(top + 1))
+    axis.legend(loc="lower center", fontsize=8)
+    axis.set_title(
+        f"prepare, {workers} workers: one Parquet file of 75% of the text + JSONL files", fontsize=9
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"(figure {path})")
 
 
 def print_rss(result: dict[str, Any], corpus: Corpus, workers: int) -> None:
@@ -741,6 +890,12 @@ def main() -> None:
         help=f"comma-separated lines to run (default: all of {','.join(LINES)})",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the per-round rates")
+    parser.add_argument(
+        "--figure",
+        type=Path,
+        default=None,
+        help="draw busy workers over time of the mixed lines (last round) to this PNG",
+    )
     args = parser.parse_args()
     if args.vocab >= 65536:
         parser.error("--vocab must be < 65536 (uint16 tokens)")
@@ -799,6 +954,8 @@ def main() -> None:
     print_results(results, corpus, args, (load_before, os.getloadavg()[0]), bench.ray_start)
     if rss is not None:
         print_rss(rss, corpus, args.workers)
+    if args.figure is not None:
+        plot_balance(results, args.workers, args.figure)
     print(f"(run time {time.perf_counter() - started:.0f} s)")
     if args.json is not None:
         write_rates(
