@@ -41,6 +41,10 @@ def default_workers() -> int:
 
 #: ``on_progress(unit index, documents, tokens, input bytes)``: a unit's counts so far.
 OnProgress = Callable[[int, int, int, int], None]
+#: A pickled tokenizer larger than this goes to the workers through a temporary file.
+SPEC_INLINE_BYTES = 16 * 1024
+#: Seconds the driver waits, when a run stops, for the unit it runs itself to end its batch.
+STOP_SECONDS = 10.0
 #: Seconds between two reports of one unit from a worker process.
 REPORT_INTERVAL = 0.25
 
@@ -70,7 +74,7 @@ _SPEC: TokenizerSpec | None = None
 _REPORTS: Any = None  # the driver's queue of (unit, documents, tokens, input bytes)
 
 
-def _start_worker(spec_file: str, reports: Any = None) -> None:
+def _start_worker(spec: bytes | str, reports: Any = None) -> None:
     global _SPEC, _REPORTS
     parent = os.getppid()
     threading.Thread(
@@ -78,11 +82,12 @@ def _start_worker(spec_file: str, reports: Any = None) -> None:
     ).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    with open(spec_file, "rb") as file:
-        spec: TokenizerSpec = pickle.load(file)
-    _SPEC, _REPORTS = spec, reports
-    if spec.kind != "none":
-        load(spec)
+    if isinstance(spec, str):  # a file's path
+        with open(spec, "rb") as file:
+            spec = file.read()
+    _SPEC, _REPORTS = pickle.loads(spec), reports
+    if _SPEC.kind != "none":
+        load(_SPEC)
 
 
 def _exit_with(parent: int) -> None:
@@ -148,16 +153,21 @@ def start_pool(spec: TokenizerSpec, workers: int, reports: bool = False) -> Pool
     started now, so that they load while the driver checks the done units. ``reports``: the
     workers report each unit's progress every ``REPORT_INTERVAL`` seconds."""
     pickled = check_sendable(spec)
-    # The tokenizer goes through a file: passed as an argument it is written down the pipe
-    # of each new process, which blocks until that process has started (a second each, one
-    # after the other); a path does not.
-    handle, spec_file = tempfile.mkstemp(prefix="asyncbatch-prepare-", suffix=".pickle")
-    with os.fdopen(handle, "wb") as file:
-        file.write(pickled)
+    # A large tokenizer goes through a file: an argument is written down the pipe of each
+    # new process, which blocks, once past the pipe's buffer, until that process has started
+    # (a second each, one after the other); a path does not. (A driver killed with kill -9
+    # leaves that file in the temporary folder.)
+    sent: bytes | str = pickled
+    spec_file = ""
+    if len(pickled) > SPEC_INLINE_BYTES:
+        handle, spec_file = tempfile.mkstemp(prefix="asyncbatch-prepare-", suffix=".pickle")
+        with os.fdopen(handle, "wb") as file:
+            file.write(pickled)
+        sent = spec_file
     context = multiprocessing.get_context("spawn")
     queue = context.Queue() if reports else None
     pool = futures.ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(spec_file, queue)
+        workers, mp_context=context, initializer=_start_worker, initargs=(sent, queue)
     )
     ready = [pool.submit(_ready) for _ in range(workers)]  # each submit starts a worker
     return Pool(pool, spec, ready, queue, spec_file)
@@ -203,16 +213,24 @@ def run_pool(
             exhausted.set()
         return unit
 
+    stopping = threading.Event()
+
+    def report_here(index: int, *counts: int) -> None:
+        if stopping.is_set():  # the run stopped (Ctrl-C, an error): end this unit after its batch
+            raise _Stopped
+        if on_progress is not None:
+            inline.put(("report", (index, *counts)))
+
     def run_here() -> None:
         try:
-            while not workers.started():
+            while not workers.started() and not stopping.is_set():
                 unit = take()
                 if unit is None:
                     break
-                report = None
-                if on_progress is not None:
-                    report = functools.partial(_put_report, inline, unit.index)
+                report = functools.partial(report_here, unit.index)
                 inline.put(("result", run_unit(unit, settings, workers.spec, report)))
+        except _Stopped:
+            pass
         except BaseException as exc:  # noqa: BLE001 - raised by the generator
             inline.put(("error", exc))
         finally:
@@ -289,6 +307,8 @@ def run_pool(
             process.terminate()  # Ctrl-C, or a generator closed early: stop at once
         raise
     finally:
+        stopping.set()
+        here.join(STOP_SECONDS)  # not left running into the interpreter's exit
         workers.close()
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -296,8 +316,8 @@ def run_pool(
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def _put_report(reports: queue.Queue[tuple[str, Any]], index: int, *counts: int) -> None:
-    reports.put(("report", (index, *counts)))
+class _Stopped(Exception):
+    """Ends a unit the driver runs itself once the run has stopped."""
 
 
 # -- Ray ---------------------------------------------------------------------------------------
