@@ -355,7 +355,7 @@ _OPTION_HELP = "storage option (JSON values allowed), repeatable (default: none)
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="asyncbatch", description=(__doc__ or "").replace("``", ""))
+    root = _Parser(prog="asyncbatch", description=(__doc__ or "").replace("``", ""))
     commands = root.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("demo", help="stream a dataset (by default a local demo one)")
@@ -596,6 +596,27 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` (its subcommands' too) that keeps its long options' names, and
+    names itself in what it parsed when it is the innermost command that parsed it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.long_options: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        self.long_options += [n for n in names if isinstance(n, str) and n.startswith("--")]
+        return super().add_argument(*names, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        if getattr(parsed, "parsed_by", None) is None:  # a subcommand's parser was first
+            parsed.parsed_by = self
+        return parsed, rest
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """The arguments; an unknown option is reported by the subcommand's own parser (its
     usage), with the closest option it has (``--tokeniser``: did you mean --tokenizer?)."""
@@ -603,14 +624,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args, unknown = root.parse_known_args(argv)
     if not unknown:
         return args
-    command: argparse.ArgumentParser = root
-    for action in root._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            command = action.choices.get(args.command, root)
-            for inner in command._actions:  # `cache info`, `cache clear`
-                if isinstance(inner, argparse._SubParsersAction):
-                    command = inner.choices.get(getattr(args, inner.dest, ""), command)
-    known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+    command: _Parser = args.parsed_by  # `prepare`, or `cache info`: the innermost
+    known = command.long_options
     hints = []
     for item in unknown:
         name = item.partition("=")[0]

@@ -369,7 +369,7 @@ def test_a_corrupt_metadata_index_is_refused_naming_it(copy: Path) -> None:
         first_batches(copy, verify="full")
     report = verify_dataset(str(copy))
     assert [bad.url for bad in report.bad] == [str(data)]
-    assert any("document metadata files" in note for note in report.notes)
+    assert report.metadata_files > 0  # checked with the shards
     index.write_bytes(good.tobytes() + b"\0" * 8)
     with pytest.raises(ManifestError, match=f"size mismatch: {index}"):
         first_batches(copy)
