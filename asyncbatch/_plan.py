@@ -246,7 +246,12 @@ class Plan:
     def plot(self, path: str) -> None:
         """Requests and bytes fetched per costed rank over the epoch, cumulative, as a PNG
         (matplotlib, Agg)."""
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError as exc:
+            raise ConfigError(
+                "plotting a plan needs matplotlib: pip install 'asyncbatch[plan]'"
+            ) from exc
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
