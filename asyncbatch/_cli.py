@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._defaults import CACHE_BLOCK_SIZE, MAX_INFLIGHT, PREFETCH_BYTES
 from ._errors import AsyncBatchError, NotFoundError
-from ._plan_cli import add_plan_command
+from ._plan_cli import add_plan_command, key_value_pairs
 from ._progress import Progress
 
 if TYPE_CHECKING:
@@ -72,16 +72,7 @@ def ensure_demo_dataset(tokens: int = DEMO_TOKENS) -> str:
 
 
 def _options(pairs: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--option takes KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+    return key_value_pairs(pairs, "option")
 
 
 def demo(args: argparse.Namespace) -> int:

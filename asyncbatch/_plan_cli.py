@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ._defaults import MAX_INFLIGHT
@@ -17,8 +18,8 @@ def _shuffle(value: str) -> bool | str:
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def _pairs(pairs: list[str], what: str) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs, JSON values allowed."""
+def key_value_pairs(pairs: Sequence[str], what: str) -> dict[str, Any]:
+    """``--what KEY=VALUE`` pairs as a dict, JSON values allowed (every command's options)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -151,8 +152,8 @@ def plan_command(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         get_per_1000=args.get_price,
         egress_per_gb=args.egress_price,
-        format_options=_pairs(args.format_option, "format-option"),
-        storage_options=_pairs(args.option, "option"),
+        format_options=key_value_pairs(args.format_option, "format-option"),
+        storage_options=key_value_pairs(args.option, "option"),
     )
     print(result)
     if args.plot:
