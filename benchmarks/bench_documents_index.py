@@ -10,7 +10,11 @@ Three parts (``--part``, default all):
   which counts requests and bytes. Each round, each layout in rotating order:
   ``ab.open_dataset`` plus ``ab.Loader(batch_size=16, seq_len=2048, shuffle=True)`` up to its
   first batch: seconds, requests and bytes (headers included) from the open to the first
-  batch. Medians; the paired ratio of the times. Target: ≤ 1 MiB + 64 KiB, < 1 s.
+  batch, the open's seconds, and the CPU seconds moto's server and this process spent over
+  it (moto reads a whole object again for every range it serves: its CPU grows with the GETs
+  of large objects). Also one 4 KiB range GET of each object, straight to moto; ``--trace``
+  prints one paged round's requests with their times. Medians; the paired ratio of the
+  times. Target: ≤ 1 MiB + 64 KiB, < 1 s.
 * ``epoch``: an exact global shuffle epoch of packed windows (``--seq-len`` 2048, uint16) over
   ``--epoch-documents`` (10^7) documents of 100 to 300 tokens in shards of 256 MiB, at world
   size ``--world`` (64), simulated: for ``--ranks`` of the ranks, the rank's windows in the
@@ -37,6 +41,7 @@ Usage: ``.venv/bin/python benchmarks/bench_documents_index.py [--part s3|epoch|l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -46,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,7 @@ from asyncbatch.formats._documents_index import (
     shard_index_info,
 )
 from asyncbatch.sampling._order import GlobalShuffle
+from asyncbatch.stores._s3 import S3Store
 
 BUCKET = "bench-documents-index"
 LAYOUTS = {"paged": PAGE_DOCUMENTS, "whole": None}
@@ -142,31 +148,106 @@ def ensure(name: str, count: int, low: int, high: int, page: int | None, data: b
 # s3: the first shuffled batch of 5×10^6 documents in one shard
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process ``pid`` has used (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_range_ms(fs: s3fs.S3FileSystem, path: str, rounds: int = 7) -> float:
+    """Median milliseconds of one 4 KiB range GET of ``path``, straight to the server."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fs.cat_file(path, start=4096, end=8192)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@contextlib.contextmanager
+def traced_requests() -> Iterator[list[tuple[str, str, float, float]]]:
+    """Record every HEAD and ranged GET of the S3 transport while the block runs: kind,
+    object and range, start and end (``time.perf_counter``). For ``--trace`` only."""
+    log: list[tuple[str, str, float, float]] = []
+    read_range, stat = S3Store.read_range, S3Store.stat
+
+    async def traced_read(self: S3Store, url: str, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            await read_range(self, url, **kwargs)
+        finally:
+            where = f"{url.rsplit('/', 1)[-1]} [{kwargs['start']}, {kwargs['end']})"
+            log.append(("GET", where, start, time.perf_counter()))
+
+    async def traced_stat(self: S3Store, url: str) -> Any:
+        start = time.perf_counter()
+        try:
+            return await stat(self, url)
+        finally:
+            log.append(("HEAD", url.rsplit("/", 1)[-1], start, time.perf_counter()))
+
+    S3Store.read_range, S3Store.stat = traced_read, traced_stat  # type: ignore[method-assign]
+    try:
+        yield log
+    finally:
+        S3Store.read_range, S3Store.stat = read_range, stat  # type: ignore[method-assign]
+
+
 def part_s3(args: argparse.Namespace) -> None:
     roots = {
         layout: ensure("s3", args.documents, 0, 6, page, True) for layout, page in LAYOUTS.items()
     }
     results: dict[str, list[dict[str, float]]] = {layout: [] for layout in LAYOUTS}
-    with start_moto() as (endpoint, _), running_proxy(endpoint, args.delay_ms / 1e3) as proxy:
+    with (
+        start_moto() as (endpoint, moto_pid),
+        running_proxy(endpoint, args.delay_ms / 1e3) as proxy,
+    ):
         fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
         fs.mkdir(BUCKET)
         for layout, root in roots.items():
             fs.put(str(root), f"{BUCKET}/{layout}", recursive=True)
         options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+        single = {
+            name: one_range_ms(fs, f"{BUCKET}/paged/{name}")
+            for name in ("shard-00000.idx", "shard-00000.bin")
+        }
 
-        def measure(layout: str) -> dict[str, float]:
+        def measure(layout: str, trace: bool = False) -> dict[str, float]:
             time.sleep(0.3)  # earlier reads' last bytes pass the proxy first
-            before = proxy.counts()
-            start = time.perf_counter()
-            dataset = ab.open_dataset(f"s3://{BUCKET}/{layout}", options)
-            with ab.Loader(dataset, batch_size=16, seq_len=2048, shuffle=True, prefetch=1) as ld:
-                next(iter(ld))
-                seconds = time.perf_counter() - start
-                after = proxy.counts()
+            before, moto_before = proxy.counts(), cpu_seconds(moto_pid)
+            with contextlib.ExitStack() as stack:
+                log = stack.enter_context(traced_requests()) if trace else []
+                start, cpu_before = time.perf_counter(), time.process_time()
+                dataset = ab.open_dataset(f"s3://{BUCKET}/{layout}", options)
+                opened = time.perf_counter() - start
+                with ab.Loader(
+                    dataset, batch_size=16, seq_len=2048, shuffle=True, prefetch=1
+                ) as ld:
+                    next(iter(ld))
+                    seconds = time.perf_counter() - start
+                    after, moto_after = proxy.counts(), cpu_seconds(moto_pid)
+                    cpu = time.process_time() - cpu_before
+                    done = list(log)
+            for kind, where, a, b in sorted(done, key=lambda entry: entry[2]):
+                began, ended = (a - start) * 1e3, (b - start) * 1e3
+                print(f"  {kind:<5}{where:<44}{began:>8.1f} ->{ended:>8.1f} ms")
             counted = after - before
-            return {"s": seconds, "requests": counted.requests, "bytes": counted.down_bytes}
+            return {
+                "s": seconds,
+                "open_s": opened,
+                "requests": counted.requests,
+                "bytes": counted.down_bytes,
+                "moto_cpu_s": moto_after - moto_before,
+                "cpu_s": cpu,
+            }
 
         measure("paged")  # imports, clients warm: untimed
+        if args.trace:
+            print("# one paged round, every request from the open (start -> end):")
+            measure("paged", trace=True)
         for round_ in range(args.rounds):
             order = list(LAYOUTS)[round_ % 2 :] + list(LAYOUTS)[: round_ % 2]
             for layout in order:
@@ -174,14 +255,26 @@ def part_s3(args: argparse.Namespace) -> None:
     print(
         f"# s3: {args.documents} documents (0-5 tokens) in one shard, moto through a counting"
         f" proxy (+{args.delay_ms:g} ms); open + first batch of 16 x 2048, exact shuffle,"
-        f" prefetch=1; {args.rounds} rounds, medians"
+        f" prefetch=1; {args.rounds} rounds, medians; load average"
+        f" {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
-    print(f"{'index':<8}{'requests':>10}{'KiB':>10}{'ms':>9}")
+    print(
+        f"# moto alone, one 4 KiB range GET (median of 7): the index object"
+        f" {single['shard-00000.idx']:.1f} ms, the shard {single['shard-00000.bin']:.1f} ms"
+    )
+    print(
+        f"{'index':<8}{'requests':>10}{'KiB':>10}{'ms':>9}{'open ms':>9}"
+        f"{'moto CPU ms':>13}{'client CPU ms':>15}"
+    )
     for layout, runs in results.items():
+
+        def median(key: str, runs: list[dict[str, float]] = runs) -> float:
+            return statistics.median(r[key] for r in runs)
+
         print(
-            f"{layout:<8}{statistics.median(r['requests'] for r in runs):>10.0f}"
-            f"{statistics.median(r['bytes'] for r in runs) / 1024:>10.1f}"
-            f"{statistics.median(r['s'] for r in runs) * 1e3:>9.1f}"
+            f"{layout:<8}{median('requests'):>10.0f}{median('bytes') / 1024:>10.1f}"
+            f"{median('s') * 1e3:>9.1f}{median('open_s') * 1e3:>9.1f}"
+            f"{median('moto_cpu_s') * 1e3:>13.0f}{median('cpu_s') * 1e3:>15.0f}"
         )
     ratio = paired_ratio([r["s"] for r in results["paged"]], [r["s"] for r in results["whole"]])
     print(f"time to first batch, paged / whole: {ratio:.2f} (paired)")
@@ -360,6 +453,9 @@ def main() -> None:
     parser.add_argument("--documents", type=positive, default=5_000_000)
     parser.add_argument("--rounds", type=positive, default=5)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--trace", action="store_true", help="s3: print one paged round's requests, timed"
+    )
     parser.add_argument("--epoch-documents", type=positive, default=10_000_000)
     parser.add_argument("--world", type=positive, default=64)
     parser.add_argument("--ranks", type=positive, default=4)
