@@ -10,9 +10,10 @@ Three parts (``--part``, default all):
   which counts requests and bytes. Each round, each layout in rotating order:
   ``ab.open_dataset`` plus ``ab.Loader(batch_size=16, seq_len=2048, shuffle=True)`` up to its
   first batch: seconds, requests and bytes (headers included) from the open to the first
-  batch, the open's seconds, and the CPU seconds moto's server and this process spent over
-  it (moto reads a whole object again for every range it serves: its CPU grows with the GETs
-  of large objects). Also one 4 KiB range GET of each object, straight to moto; ``--trace``
+  batch, the open's seconds, and the CPU seconds the server and this process spent over it
+  (moto reads a whole object again for every range it serves: its CPU grows with the GETs of
+  large objects; ``--server s3rver`` runs the same against s3rver, which reads only the range
+  asked for). Also one 4 KiB range GET of each object, straight to the server; ``--trace``
   prints one paged round's requests with their times. Medians; the paired ratio of the
   times. Target: ≤ 1 MiB + 64 KiB, < 1 s.
 * ``epoch``: an exact global shuffle epoch of packed windows (``--seq-len`` 2048, uint16) over
@@ -157,6 +158,37 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pid(marker: str) -> int | None:
+    """The pid of this process's child whose command line holds ``marker`` (Linux)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == os.getpid() and marker.encode() in command:
+            return int(entry.name)
+    return None
+
+
+@contextlib.contextmanager
+def s3_server(kind: str) -> Iterator[tuple[str, int | None, str, str, str]]:
+    """An S3 server of ``kind`` (``moto``, or ``s3rver``: Node, reads only the range asked
+    for) with an empty bucket: endpoint, server pid, key, secret, bucket."""
+    if kind == "moto":
+        with start_moto() as (endpoint, pid):
+            s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing").mkdir(BUCKET)
+            yield endpoint, pid, "testing", "testing", BUCKET
+        return
+    from s3rver import BUCKET as S3RVER_BUCKET
+    from s3rver import KEY, SECRET, default_s3rver_dir, ensure_s3rver, running_s3rver
+
+    with running_s3rver(ensure_s3rver(default_s3rver_dir())) as endpoint:
+        yield endpoint, child_pid("s3rver"), KEY, SECRET, S3RVER_BUCKET
+
+
 def one_range_ms(fs: s3fs.S3FileSystem, path: str, rounds: int = 7) -> float:
     """Median milliseconds of one 4 KiB range GET of ``path``, straight to the server."""
     times = []
@@ -202,33 +234,34 @@ def part_s3(args: argparse.Namespace) -> None:
     }
     results: dict[str, list[dict[str, float]]] = {layout: [] for layout in LAYOUTS}
     with (
-        start_moto() as (endpoint, moto_pid),
+        s3_server(args.server) as (endpoint, server_pid, key, secret, bucket),
         running_proxy(endpoint, args.delay_ms / 1e3) as proxy,
     ):
-        fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
-        fs.mkdir(BUCKET)
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, key=key, secret=secret)
         for layout, root in roots.items():
-            fs.put(str(root), f"{BUCKET}/{layout}", recursive=True)
-        options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+            fs.put(str(root), f"{bucket}/{layout}", recursive=True)
+        options = {"endpoint_url": proxy.url, "key": key, "secret": secret}
         single = {
-            name: one_range_ms(fs, f"{BUCKET}/paged/{name}")
+            name: one_range_ms(fs, f"{bucket}/paged/{name}")
             for name in ("shard-00000.idx", "shard-00000.bin")
         }
 
         def measure(layout: str, trace: bool = False) -> dict[str, float]:
             time.sleep(0.3)  # earlier reads' last bytes pass the proxy first
-            before, moto_before = proxy.counts(), cpu_seconds(moto_pid)
+            before = proxy.counts()
+            server_before = float("nan") if server_pid is None else cpu_seconds(server_pid)
             with contextlib.ExitStack() as stack:
                 log = stack.enter_context(traced_requests()) if trace else []
                 start, cpu_before = time.perf_counter(), time.process_time()
-                dataset = ab.open_dataset(f"s3://{BUCKET}/{layout}", options)
+                dataset = ab.open_dataset(f"s3://{bucket}/{layout}", options)
                 opened = time.perf_counter() - start
                 with ab.Loader(
                     dataset, batch_size=16, seq_len=2048, shuffle=True, prefetch=1
                 ) as ld:
                     next(iter(ld))
                     seconds = time.perf_counter() - start
-                    after, moto_after = proxy.counts(), cpu_seconds(moto_pid)
+                    after = proxy.counts()
+                    server_after = float("nan") if server_pid is None else cpu_seconds(server_pid)
                     cpu = time.process_time() - cpu_before
                     done = list(log)
             for kind, where, a, b in sorted(done, key=lambda entry: entry[2]):
@@ -240,7 +273,7 @@ def part_s3(args: argparse.Namespace) -> None:
                 "open_s": opened,
                 "requests": counted.requests,
                 "bytes": counted.down_bytes,
-                "moto_cpu_s": moto_after - moto_before,
+                "server_cpu_s": server_after - server_before,
                 "cpu_s": cpu,
             }
 
@@ -253,18 +286,19 @@ def part_s3(args: argparse.Namespace) -> None:
             for layout in order:
                 results[layout].append(measure(layout))
     print(
-        f"# s3: {args.documents} documents (0-5 tokens) in one shard, moto through a counting"
+        f"# s3: {args.documents} documents (0-5 tokens) in one shard, {args.server} through a"
+        " counting"
         f" proxy (+{args.delay_ms:g} ms); open + first batch of 16 x 2048, exact shuffle,"
         f" prefetch=1; {args.rounds} rounds, medians; load average"
         f" {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     print(
-        f"# moto alone, one 4 KiB range GET (median of 7): the index object"
+        f"# {args.server} alone, one 4 KiB range GET (median of 7): the index object"
         f" {single['shard-00000.idx']:.1f} ms, the shard {single['shard-00000.bin']:.1f} ms"
     )
     print(
         f"{'index':<8}{'requests':>10}{'KiB':>10}{'ms':>9}{'open ms':>9}"
-        f"{'moto CPU ms':>13}{'client CPU ms':>15}"
+        f"{'server CPU ms':>15}{'client CPU ms':>15}"
     )
     for layout, runs in results.items():
 
@@ -274,7 +308,7 @@ def part_s3(args: argparse.Namespace) -> None:
         print(
             f"{layout:<8}{median('requests'):>10.0f}{median('bytes') / 1024:>10.1f}"
             f"{median('s') * 1e3:>9.1f}{median('open_s') * 1e3:>9.1f}"
-            f"{median('moto_cpu_s') * 1e3:>13.0f}{median('cpu_s') * 1e3:>15.0f}"
+            f"{median('server_cpu_s') * 1e3:>15.0f}{median('cpu_s') * 1e3:>15.0f}"
         )
     ratio = paired_ratio([r["s"] for r in results["paged"]], [r["s"] for r in results["whole"]])
     print(f"time to first batch, paged / whole: {ratio:.2f} (paired)")
@@ -453,6 +487,12 @@ def main() -> None:
     parser.add_argument("--documents", type=positive, default=5_000_000)
     parser.add_argument("--rounds", type=positive, default=5)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--server",
+        choices=["moto", "s3rver"],
+        default="moto",
+        help="s3: the S3 server (s3rver: Node, installed with npm on first use)",
+    )
     parser.add_argument(
         "--trace", action="store_true", help="s3: print one paged round's requests, timed"
     )
