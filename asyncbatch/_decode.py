@@ -7,7 +7,9 @@ per-batch ``transform=``. A group's samples are cut into a few chunks per thread
 task per sample: each hop costs tens of microseconds); each thread decodes and transforms
 its chunk sample by sample, then the batches are collated, also in the pool, so neither the
 loop nor the consumer's thread touches a pixel. Pillow releases the GIL inside its codecs,
-so the threads decode at once on separate cores.
+so the threads decode at once on separate cores. The pool (:class:`OrderedPool`) takes the
+oldest group's work first: a group's collation never waits behind a later group's decoding,
+and later groups decode whenever the earlier ones leave a thread free.
 
 What decodes which field is resolved once, from the source's schema, when the loader is
 built: ``"image"`` takes every binary field whose name's last extension is an image type
@@ -31,10 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import io
+import itertools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -450,6 +455,85 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: A pool's waiting call: its rank, its place in submission order, its future and itself.
+_Work: TypeAlias = tuple[tuple[int, ...], int, "Future[Any]", Callable[[], Any]]
+
+
+class OrderedPool(Executor):
+    """``threads`` threads that run the work of the lowest rank first (ties: in submission
+    order): the decode pool, ranked by batch, so the batch due next is done first and the
+    threads are never idle while any group waits to be decoded or collated."""
+
+    def __init__(self, threads: int, name: str = "asyncbatch-samples") -> None:
+        self._size, self._name = max(1, threads), name
+        self._work: list[_Work] = []
+        self._ready = threading.Condition()
+        self._order = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for work
+        self._shutdown = False
+
+    def submit_ranked(
+        self, rank: tuple[int, ...], fn: Callable[..., Any], /, *args: Any
+    ) -> Future[Any]:
+        """Run ``fn(*args)`` before every waiting call of a higher ``rank``."""
+        future: Future[Any] = Future()
+        with self._ready:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            work: _Work = (rank, next(self._order), future, functools.partial(fn, *args))
+            heapq.heappush(self._work, work)
+            if not self._idle and len(self._threads) < self._size:
+                # Daemon threads: loaders close their pools as interpreter shutdown begins
+                # (asyncbatch._lifecycle); an idle thread left behind holds nothing.
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+            self._ready.notify()
+        return future
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """:class:`~concurrent.futures.Executor`'s: after every ranked call waiting."""
+        return self.submit_ranked((2**62,), functools.partial(fn, *args, **kwargs))
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._idle += 1
+                while not self._work and not self._shutdown:
+                    self._ready.wait()
+                self._idle -= 1
+                if not self._work:  # shut down, nothing left
+                    return
+                _, _, future, work = heapq.heappop(self._work)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = work()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, work
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking work; the threads end once the waiting work is done (``cancel_futures``:
+        cancelled instead); ``wait``: join them."""
+        with self._ready:
+            self._shutdown = True
+            if cancel_futures:
+                for _, _, future, _ in self._work:
+                    future.cancel()
+                self._work.clear()
+            self._ready.notify_all()
+        if wait:
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+
+
 def _chunks(count: int, parts: int) -> list[tuple[int, int]]:
     """``[0, count)`` cut into at most ``parts`` near-equal consecutive ranges."""
     parts = max(1, min(parts, count))
@@ -470,9 +554,16 @@ async def decode_group(
     transformed and collated in ``pool``, and each batch's bytes; never blocks the loop.
     A sample that fails cuts the group short: the batches before its own, and its error."""
     loop = asyncio.get_running_loop()
+    rank = (epoch, batches[0]) if batches else (epoch,)
+
+    def run(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        if isinstance(pool, OrderedPool):
+            return asyncio.wrap_future(pool.submit_ranked(rank, fn, *args), loop=loop)
+        return loop.run_in_executor(pool, fn, *args)
+
     work = _chunks(len(ids), decoding.threads * CHUNKS_PER_THREAD)
-    decoded = await asyncio.gather(
-        *(loop.run_in_executor(pool, decoding.decode_rows, fields, ids, a, b) for a, b in work)
+    decoded: list[list[dict[str, Any] | None | Exception]] = await asyncio.gather(
+        *(run(decoding.decode_rows, fields, ids, a, b) for a, b in work)
     )
     samples: list[dict[str, Any] | None] = []
     error: Exception | None = None
@@ -491,7 +582,7 @@ async def decode_group(
     def collate(a: int, b: int) -> list[tuple[Any, ...]]:
         return [decoding.collate(fields, samples, ids, *span) for span in spans[a:b]]
 
-    collated = await asyncio.gather(*(loop.run_in_executor(pool, collate, a, b) for a, b in parts))
+    collated = await asyncio.gather(*(run(collate, a, b) for a, b in parts))
     skipped = sum(1 for sample in samples[: cuts[len(spans)]] if sample is None)
     decoding.skipped += skipped
     group: list[Batch] = []

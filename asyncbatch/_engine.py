@@ -28,7 +28,7 @@ import functools
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -314,7 +314,7 @@ class Engine:
         reader: Reader,
         decoder: ThreadPoolExecutor | None,
         transformer: ThreadPoolExecutor | None,
-        samples: ThreadPoolExecutor | None,
+        samples: Executor | None,
         gap: int,
         epoch: int,
         history: History,
@@ -372,7 +372,7 @@ class Engine:
         history: History,
         batches: range,
         held: GroupBytes,
-        samples: ThreadPoolExecutor | None = None,
+        samples: Executor | None = None,
     ) -> tuple[list[Batch], list[int], list[int] | None]:
         """The group's batches, the bytes each holds in the store (its share of the group's
         planned bytes) and, where known, its own bytes; counts the bytes it holds in

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._dataset import Dataset
+from ._decode import OrderedPool
 from .stores import open_store
 from .stores._base import ObjectInfo, Store
 from .stores._checked import Expected
@@ -119,11 +120,7 @@ class Resources:
             ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-transform") if transforms else None
         )
         #: ``decode=``: the pool that decodes, transforms and collates samples (None without).
-        self.samples = (
-            ThreadPoolExecutor(sample_threads, thread_name_prefix="asyncbatch-samples")
-            if sample_threads
-            else None
-        )
+        self.samples = OrderedPool(sample_threads) if sample_threads else None
         #: The runs reading through these (each removed as it ends).
         self.runs: set[asyncio.Task[Any]] = set()
         #: The first error a store's close raised, for :meth:`aclose` to raise.

@@ -19,6 +19,7 @@ import torch
 from conftest import asyncbatch_threads
 
 import asyncbatch as ab
+from asyncbatch._decode import OrderedPool
 from asyncbatch._errors import ConfigError, DecodeError, FormatError, TransformError
 
 wds = pytest.importorskip("webdataset")
@@ -448,3 +449,44 @@ def test_a_corrupt_image_in_parquet_names_its_file_and_row(tmp_path: Path) -> No
     assert caught.value.url.endswith("part-1.parquet")
     assert caught.value.key == 7
     assert "#7 (global index)" in str(caught.value)
+
+
+def test_the_decode_pool_runs_the_earliest_batchs_work_first() -> None:
+    """A group's collation must not wait behind a later group's decoding (a FIFO pool ran
+    them in submission order, delivering batches in pairs with the pool idle between)."""
+    pool = OrderedPool(1)
+    gate = threading.Event()
+    ran: list[str] = []
+    try:
+        blocker = pool.submit_ranked((0, 0), gate.wait, 10)
+        later = [pool.submit_ranked((0, 8), ran.append, f"decode 8.{k}") for k in range(2)]
+        first = pool.submit_ranked((0, 4), ran.append, "collate 4")
+        unranked = pool.submit(ran.append, "unranked")
+        next_epoch = pool.submit_ranked((1, 0), ran.append, "epoch 1")
+        gate.set()
+        for future in [blocker, *later, first, unranked, next_epoch]:
+            future.result(timeout=10)
+        assert ran == ["collate 4", "decode 8.0", "decode 8.1", "epoch 1", "unranked"]
+    finally:
+        pool.shutdown()
+
+
+def test_the_decode_pool_hands_errors_on_and_cancels_waiting_work() -> None:
+    pool = OrderedPool(2)
+    gate = threading.Event()
+    try:
+        failed = pool.submit_ranked((0,), int, "not a number")
+        with pytest.raises(ValueError, match="not a number"):
+            failed.result(timeout=10)
+        busy = [pool.submit_ranked((0,), gate.wait, 10) for _ in range(2)]
+        waiting = pool.submit_ranked((1,), lambda: "ran")
+        assert waiting.cancel()
+        gate.set()
+        assert [f.result(timeout=10) for f in busy] == [True, True]
+        assert waiting.cancelled()
+        assert pool.submit_ranked((2,), lambda: "ran").result(timeout=10) == "ran"
+    finally:
+        pool.shutdown(wait=True)
+    assert not [t for t in threading.enumerate() if t.name.startswith("asyncbatch-samples")]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        pool.submit_ranked((3,), int, "1")
