@@ -414,7 +414,7 @@ class WebDatasetSamples:
                     sidecar_dataset.append(k)
                     self.described_files[side] = (entry.sidecar_bytes, None)
                 g += 1
-        self.tables = ShardTables(fixed, lazy, width, index_cache_bytes)
+        self.tables = ShardTables(fixed, lazy, width, index_cache_bytes, g)
         self.shard_urls: Sequence[str] = [*shard_urls, *sidecars]
         self.shard_dataset = np.concatenate(
             [shard_dataset, np.array(sidecar_dataset, dtype=np.int64)]
@@ -436,16 +436,19 @@ class WebDatasetSamples:
         in this group's turn), then one range per sample (or per selected member), then the
         fields, their headers checked."""
         shards = self.shard_of(ids)
-        if self.tables.joined is not None:  # no sidecar to fetch
-            picked = self._pick(ids, shards, {})
+        if not self.tables.lazy:  # no sidecar to fetch
+            picked = self._pick(ids, shards)
             plan = self._plan(picked, gap)
         else:
             wait, turn = self.tables.turns.take()
             try:
                 if wait is not None:
                     yield wait
-                tables = yield from self.tables.load(np.unique(shards))
-                picked = self._pick(ids, shards, tables)
+                held = yield from self.tables.load(np.unique(shards))
+                try:
+                    picked = self._pick(ids, shards)
+                finally:
+                    self.tables.release(held)
                 plan = self._plan(picked, gap)
             finally:  # the next group may fetch its sidecars
                 if not turn.done():
@@ -454,30 +457,10 @@ class WebDatasetSamples:
         fields: dict[str, Any] = yield OffLoop(lambda: self._decode(buffer, picked))
         return fields
 
-    def _pick(
-        self, ids: Int64Array, shards: Int64Array, tables: Mapping[int, ShardTable]
-    ) -> _Picked:
-        """What the tables say of samples ``ids``: one gather, or one per shard they lie in
-        where the tables are the shards' own."""
-        joined = self.tables.joined
-        if joined is not None:  # every shard's table in memory, as one
-            rows, keys = joined.rows[ids], joined.keys[ids]
-        else:
-            local = ids - self.shard_starts[shards]
-            rows = np.empty((ids.size, columns(len(self.columns))[3] + 1), dtype=np.int64)
-            width = max((t.keys.shape[1] for t in tables.values()), default=0)
-            keys = np.zeros((ids.size, width), dtype=np.uint8)
-            order = np.argsort(shards, kind="stable")
-            cuts = np.flatnonzero(np.diff(shards[order])) + 1
-            for picked in np.split(order, cuts) if ids.size else []:
-                table, at = tables[int(shards[picked[0]])], local[picked]
-                rows[picked] = table.rows[at]
-                keys[picked, : table.keys.shape[1]] = table.keys[at]
-        key_lengths = rows[:, -1]
-        key_offsets = np.zeros(ids.size + 1, dtype=np.int64)
-        np.cumsum(key_lengths, out=key_offsets[1:])
-        key_data = keys[np.arange(keys.shape[1]) < key_lengths[:, None]]
-        return _Picked(shards, rows, key_data, key_offsets)
+    def _pick(self, ids: Int64Array, shards: Int64Array) -> _Picked:
+        """What the tables (all in the pool) say of samples ``ids``: one gather."""
+        rows, keys, key_offsets = self.tables.pool.pick(shards, ids - self.shard_starts[shards])
+        return _Picked(shards, rows, keys, key_offsets)
 
     def _plan(self, picked: _Picked, gap: int) -> ReadPlan:
         """One range per sample (or per selected member), merged across gaps the store says

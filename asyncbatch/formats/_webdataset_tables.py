@@ -8,14 +8,14 @@ shards'), checked against the summary read at open, and kept in a cache of at mo
 ``index_cache_bytes`` (least recently used tables dropped first, never those a batch is
 using). Concurrent batches that need one sidecar share one fetch. A rank therefore fetches
 the sidecars of the shards it reads, once while they fit the cache, and no others.
+
+Every table held lies in one :class:`TablePool`, so a batch finds its samples' rows with
+one gather whichever shards they lie in: no Python per shard or per sample on that path.
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from collections.abc import Generator, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,9 @@ import numpy.typing as npt
 
 from .._errors import FormatError, NotFoundError
 from .._layout import ReadPlan
-from ._base import OffLoop, Read, Step, Wait
+from ._base import OffLoop, Read, Step
 from ._documents_index import Turns
+from ._fetch_cache import FetchCache
 from ._webdataset_index import ShardIndex, SidecarSummary
 
 Int64Array = npt.NDArray[np.int64]
@@ -36,10 +37,9 @@ DEFAULT_INDEX_CACHE_BYTES = 256 * 2**20
 
 @dataclass(frozen=True, eq=False)
 class ShardTable:
-    """Samples of one shard (or of all, joined), offsets local to their shard: per sample a
-    row of ``rows``: its start and end, the data offset of the member of each selected
-    field, their lengths, and its key's length (:func:`columns` names them); its key, UTF-8,
-    in a row of ``keys``, padded with zeros. One gather of each takes a batch's samples."""
+    """Samples of one shard, offsets local to it: per sample a row of ``rows``: its start and
+    end, the data offset of the member of each selected field, their lengths, and its key's
+    length (:func:`columns` names them); the keys, UTF-8, one after another in ``keys``."""
 
     rows: Int64Array
     keys: npt.NDArray[np.uint8]
@@ -81,26 +81,92 @@ def shard_table(index: ShardIndex, column_of: Int64Array, width: int, url: str) 
         ],
         axis=1,
     )
-    return ShardTable(rows, padded(index.keys, key_lengths))
+    keys = index.keys[int(index.key_offsets[0]) : int(index.key_offsets[-1])]
+    return ShardTable(rows, keys)
 
 
-def padded(data: npt.NDArray[np.uint8], lengths: Int64Array) -> npt.NDArray[np.uint8]:
-    """Strings ``data`` of ``lengths`` one after another as rows padded with zeros."""
-    width = int(lengths.max()) if lengths.size else 0
-    out = np.zeros((lengths.size, width), dtype=np.uint8)
-    out[np.arange(width) < lengths[:, None]] = data
-    return out
+class TablePool:
+    """The tables of the shards held, one after another in one array (and their keys in
+    another), so that a batch's rows are one gather at ``base[shard] + sample``.
+
+    Tables are appended; a dropped one leaves a hole until the next append that does not
+    fit, which copies the tables held into arrays with room for half as many again: the
+    pool takes at most 1.5 times the bytes of the most it held at once (a cache's budget,
+    bar the tables batches hold). Gathers copy: a batch's rows stay valid after its tables
+    are dropped."""
+
+    def __init__(self, shards: int, width: int) -> None:
+        #: A shard's first row in :attr:`rows`; -1 when its table is not held.
+        self.base = np.full(shards, -1, dtype=np.int64)
+        #: The rows of the tables held, and where each row's key starts in :attr:`keys`.
+        self.rows = np.empty((0, width), dtype=np.int64)
+        self.key_at = np.empty(0, dtype=np.int64)
+        self.keys = np.empty(0, dtype=np.uint8)
+        self._samples = np.zeros(shards, dtype=np.int64)
+        self._key_base = np.zeros(shards, dtype=np.int64)
+        self._key_bytes = np.zeros(shards, dtype=np.int64)
+        self._rows_used = self._keys_used = 0
+
+    def add(self, shard: int, table: ShardTable) -> None:
+        """Hold ``table`` as the table of ``shard``."""
+        self.drop(shard)
+        count, size = table.rows.shape[0], table.keys.size
+        if self._rows_used + count > self.rows.shape[0] or self._keys_used + size > self.keys.size:
+            self._compact(count, size)
+        at, key_at = self._rows_used, self._keys_used
+        self.rows[at : at + count] = table.rows
+        self.keys[key_at : key_at + size] = table.keys
+        lengths = table.rows[:, -1]
+        self.key_at[at : at + count] = key_at + np.cumsum(lengths) - lengths
+        self.base[shard], self._samples[shard] = at, count
+        self._key_base[shard], self._key_bytes[shard] = key_at, size
+        self._rows_used, self._keys_used = at + count, key_at + size
+
+    def drop(self, shard: int) -> None:
+        """Let go of the table of ``shard`` (if held)."""
+        self.base[shard] = -1
+
+    def _compact(self, count: int, size: int) -> None:
+        """Copy the tables held to new arrays with room for ``count`` rows and ``size`` key
+        bytes more, and as much again as half of all."""
+        held = np.flatnonzero(self.base >= 0)
+        samples, key_bytes = self._samples[held], self._key_bytes[held]
+        rows_needed, keys_needed = int(samples.sum()) + count, int(key_bytes.sum()) + size
+        rows = np.empty((rows_needed + rows_needed // 2, self.rows.shape[1]), dtype=np.int64)
+        keys = np.empty(keys_needed + keys_needed // 2, dtype=np.uint8)
+        key_at = np.empty(rows.shape[0], dtype=np.int64)
+        old_rows = _ranges(self.base[held], samples)
+        old_keys = _ranges(self._key_base[held], key_bytes)
+        used, key_used = old_rows.size, old_keys.size
+        rows[:used] = self.rows[old_rows]
+        keys[:key_used] = self.keys[old_keys]
+        new_base = np.cumsum(samples) - samples
+        new_key_base = np.cumsum(key_bytes) - key_bytes
+        shift = np.repeat(new_key_base - self._key_base[held], samples)
+        key_at[:used] = self.key_at[old_rows] + shift
+        self.rows, self.keys, self.key_at = rows, keys, key_at
+        self.base[held], self._key_base[held] = new_base, new_key_base
+        self._rows_used, self._keys_used = used, key_used
+
+    def pick(
+        self, shards: Int64Array, samples: Int64Array
+    ) -> tuple[Int64Array, npt.NDArray[np.uint8], Int64Array]:
+        """The rows of samples ``samples`` (local) of ``shards`` (all held), their keys one
+        after another, and the keys' offsets."""
+        at = self.base[shards] + samples
+        rows = self.rows[at]
+        lengths = rows[:, -1]
+        offsets = np.zeros(at.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        picks = _ranges(self.key_at[at], lengths)
+        return rows, self.keys[picks], offsets
 
 
-def joined(tables: list[ShardTable]) -> ShardTable:
-    """The tables of consecutive shards as one (rows: their samples one after another)."""
-    width = max((t.keys.shape[1] for t in tables), default=0)
-    keys = np.zeros((sum(t.rows.shape[0] for t in tables), width), dtype=np.uint8)
-    at = 0
-    for t in tables:
-        keys[at : at + t.keys.shape[0], : t.keys.shape[1]] = t.keys
-        at += t.keys.shape[0]
-    return ShardTable(np.concatenate([t.rows for t in tables]), keys)
+def _ranges(starts: Int64Array, lengths: Int64Array) -> Int64Array:
+    """Positions ``[starts[i], starts[i] + lengths[i])`` of every ``i``, one after another."""
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if ends.size else 0
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -113,9 +179,17 @@ class LazyShard:
     column_of: Int64Array
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What the cache keeps of a table: its bytes (the table is in the pool)."""
+
+    nbytes: int
+
+
 class ShardTables:
-    """The tables of shards numbered through a source: ``fixed`` ones in memory, ``lazy``
-    ones fetched when first needed and cached within ``budget`` bytes."""
+    """The tables of ``shards`` shards numbered through a source, in one :class:`TablePool`:
+    ``fixed`` ones from the start, ``lazy`` ones fetched when first needed and held within
+    ``budget`` bytes (a :class:`~._fetch_cache.FetchCache` of them)."""
 
     def __init__(
         self,
@@ -123,107 +197,74 @@ class ShardTables:
         lazy: Mapping[int, LazyShard],
         width: int,
         budget: int,
+        shards: int,
     ) -> None:
-        self.fixed = dict(fixed)
         self.lazy = dict(lazy)
-        #: With no sidecar to fetch, every shard's table joined: a batch gathers its rows at
-        #: its global sample numbers.
-        self.joined = None if lazy else joined([self.fixed[s] for s in range(len(self.fixed))])
-        if self.joined is not None:
-            self.fixed = {}
         self.width = width
-        self.budget = budget
-        self._cache: OrderedDict[int, ShardTable] = OrderedDict()
-        self._cached_bytes = 0
-        #: Fetches under way, settled by the batch that fetches them.
-        self._loading: dict[int, Future[ShardTable]] = {}
-        self._pid = os.getpid()
+        self.pool = TablePool(shards, columns(width)[3] + 1)
+        for s, table in fixed.items():
+            self.pool.add(s, table)
+        #: Whether each shard's table comes from its sidecar.
+        self.is_lazy = np.zeros(shards, dtype=bool)
+        self.is_lazy[list(self.lazy)] = True
+        self.cache: FetchCache[int, _Held] = FetchCache(budget, self._dropped)
         self.turns = Turns()
 
-    def load(self, shards: Int64Array) -> Generator[Step, Any, dict[int, ShardTable]]:
-        """The tables of ``shards`` (unique), fetching the sidecars not cached; a fetch
-        another batch started is waited for, not repeated."""
-        if self._pid != os.getpid():  # a forked child: no one here settles the parent's
-            self._loading, self._pid = {}, os.getpid()
-        table: dict[int, ShardTable] = {}
-        todo = shards.tolist()
-        while todo:
-            missing: list[int] = []
-            waiting: dict[int, Future[ShardTable]] = {}
-            for s in todo:
-                found = self.fixed.get(s)
-                if found is None:
-                    found = self._cache.get(s)
-                    if found is not None:
-                        self._cache.move_to_end(s)
-                if found is not None:
-                    table[s] = found
-                elif s in self._loading:
-                    waiting[s] = self._loading[s]
-                else:
-                    missing.append(s)
-            if missing:
-                table.update((yield from self._fetch(missing)))
-            if waiting:
-                yield Wait(tuple(waiting.values()))
-            todo = []
-            for s, future in waiting.items():
-                if future.cancelled():  # the batch fetching it was stopped: fetch it here
-                    todo.append(s)
-                    continue
-                error = future.exception()
-                if error is not None:
-                    raise error
-                table[s] = future.result()
-        return table
+    def load(self, shards: Int64Array) -> Generator[Step, Any, list[int]]:
+        """Have the tables of ``shards`` (unique) in the pool, fetching the sidecars not
+        cached (a fetch another batch started is waited for, not repeated); returns those
+        held, to :meth:`release` once the batch's rows are picked. Pick them before the
+        next step: a table not held may be dropped by another batch's fetch."""
+        lazy = shards[self.is_lazy[shards]]
+        if (self.pool.base[lazy] >= 0).all():  # all in the pool: nothing to fetch or hold
+            self.cache.touch(lazy.tolist())
+            return []
+        held: list[int] = lazy.tolist()
+        yield from self.cache.obtain(held, self._fetch, hold=True)
+        return held
 
-    def _fetch(self, shards: list[int]) -> Generator[Step, Any, dict[int, ShardTable]]:
-        futures: dict[int, Future[ShardTable]] = {s: Future() for s in shards}
-        self._loading.update(futures)
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into a worker process: the fetched tables stay behind, as the cache's do.
+        return dict(self.__dict__, turns=Turns())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.pool.base[self.is_lazy] = -1
+
+    def _dropped(self, shard: int, _: _Held) -> None:
+        self.pool.drop(shard)
+
+    def release(self, held: list[int]) -> None:
+        """Let go of tables :meth:`load` held."""
+        self.cache.release(held)
+
+    def _fetch(self, shards: list[int]) -> Generator[Step, Any, dict[int, _Held]]:
+        lazy = [self.lazy[s] for s in shards]
+        sizes = np.array([one.summary.fetch_bytes for one in lazy], dtype=np.int64)
+        dest = np.cumsum(sizes) - sizes
+        none = np.zeros(0, dtype=np.int64)
+        files = np.array([one.file for one in lazy], dtype=np.int64)
+        plan = ReadPlan(
+            files, np.zeros_like(sizes), sizes, dest, none, none, none, none, int(sizes.sum())
+        )
         try:
-            lazy = [self.lazy[s] for s in shards]
-            sizes = np.array([one.summary.fetch_bytes for one in lazy], dtype=np.int64)
-            dest = np.cumsum(sizes) - sizes
-            none = np.zeros(0, dtype=np.int64)
-            files = np.array([one.file for one in lazy], dtype=np.int64)
-            plan = ReadPlan(
-                files, np.zeros_like(sizes), sizes, dest, none, none, none, none, int(sizes.sum())
-            )
-            try:
-                buffer = yield Read(plan)
-            except NotFoundError as exc:
-                raise FormatError(
-                    f"{exc.url or ', '.join(one.url for one in lazy)}: a sidecar index found at"
-                    " open is missing; open the dataset again"
-                ) from exc
+            buffer = yield Read(plan)
+        except NotFoundError as exc:
+            raise FormatError(
+                f"{exc.url or ', '.join(one.url for one in lazy)}: a sidecar index found at"
+                " open is missing; open the dataset again"
+            ) from exc
 
-            def parse() -> dict[int, ShardTable]:
-                got = {}
-                for s, one, at, size in zip(
-                    shards, lazy, dest.tolist(), sizes.tolist(), strict=True
-                ):
-                    # A copy: the buffer is the engine's, and goes back to its pool.
-                    data = bytes(buffer[at : at + size])
-                    index = ShardIndex.from_body(data, one.summary, one.url)
-                    got[s] = shard_table(index, one.column_of, self.width, one.url)
-                return got
+        def parse() -> list[ShardTable]:
+            got = []
+            for one, at, size in zip(lazy, dest.tolist(), sizes.tolist(), strict=True):
+                # A copy: the buffer is the engine's, and goes back to its pool.
+                data = bytes(buffer[at : at + size])
+                index = ShardIndex.from_body(data, one.summary, one.url)
+                got.append(shard_table(index, one.column_of, self.width, one.url))
+            return got
 
-            got: dict[int, ShardTable] = yield OffLoop(parse)
-        except BaseException as exc:
-            # Stopped (cancelled, or the generator closed): the waiters fetch it themselves.
-            for s, future in futures.items():
-                del self._loading[s]
-                if isinstance(exc, Exception):
-                    future.set_exception(exc)
-                else:
-                    future.cancel()
-            raise
-        for s, one in got.items():
-            del self._loading[s]
-            futures[s].set_result(one)
-            self._cache[s] = one
-            self._cached_bytes += one.nbytes
-        while self._cached_bytes > self.budget and len(self._cache) > len(got):
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= dropped.nbytes
-        return got
+        tables: list[ShardTable] = yield OffLoop(parse)
+        for s, table in zip(shards, tables, strict=True):
+            self.pool.add(s, table)
+        return {s: _Held(table.nbytes) for s, table in zip(shards, tables, strict=True)}
