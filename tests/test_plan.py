@@ -28,13 +28,12 @@ from asyncbatch._plan import plan
 WORLD = 4
 
 
-def loaders_count(url: str, options: dict[str, Any], **kwargs: Any) -> tuple[int, int, int]:
-    """(requests, bytes fetched, bytes delivered) of one epoch of real loaders, all ranks."""
+def loaders_count(data: Any, world_size: int = WORLD, **kwargs: Any) -> tuple[int, int, int]:
+    """(requests, bytes fetched, bytes delivered) of one epoch of real loaders of ``data``
+    (a URL, Dataset or Mixture) at every rank of ``world_size``; ``kwargs`` go to each."""
     requests = fetched = delivered = 0
-    for rank in range(WORLD):
-        with ab.Loader(
-            url, storage_options=options, rank=rank, world_size=WORLD, **kwargs
-        ) as loader:
+    for rank in range(world_size):
+        with ab.Loader(data, rank=rank, world_size=world_size, **kwargs) as loader:
             for _ in loader:
                 pass
             stats = loader.statistics()
@@ -56,7 +55,7 @@ def test_plan_equals_what_loaders_count_on_s3(s3_endpoint: str, shuffle: bool | 
         kwargs["block_size"] = 8
     got = plan(url, world_size=WORLD, storage_options=options, **kwargs)
     assert not got.sampled and got.relative_error == 0
-    requests, fetched, delivered = loaders_count(url, options, **kwargs)
+    requests, fetched, delivered = loaders_count(url, storage_options=options, **kwargs)
     assert abs(got.requests - requests) <= 0.02 * requests, (got.requests, requests)
     assert abs(got.bytes_fetched - fetched) <= 0.02 * fetched, (got.bytes_fetched, fetched)
     assert got.bytes_delivered == pytest.approx(delivered)
@@ -131,11 +130,8 @@ def test_documents_with_one_index_cost_exactly_as_samples(tmp_path: Path) -> Non
     lengths = np.random.default_rng(2).integers(1, 50, 400)
     ab.write_documents(url, [np.arange(n, dtype=np.uint16) for n in lengths], index="single")
     got = plan(url, batch_size=4, shuffle=True)
-    with ab.Loader(url, batch_size=4, shuffle=True) as loader:
-        for _ in loader:
-            pass
-        stats = loader.statistics()
-    assert (got.requests, got.bytes_fetched) == (stats.requests, stats.bytes_fetched)
+    requests, fetched, _ = loaders_count(url, world_size=1, batch_size=4, shuffle=True)
+    assert (got.requests, got.bytes_fetched) == (requests, fetched)
 
 
 @pytest.mark.parametrize("shuffle", [True, "block"])
@@ -148,13 +144,7 @@ def test_megatron_pages_cost_exactly_as_loaders_fetch_them(tmp_path: Path, shuff
     dataset = ab.open_dataset(str(tmp_path / "corpus.bin"), options={"index_page": 256})
     kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 64, "shuffle": shuffle}
     got = plan(dataset, world_size=2, **kwargs)
-    requests = fetched = 0
-    for rank in range(2):
-        with ab.Loader(dataset, rank=rank, world_size=2, **kwargs) as loader:
-            for _ in loader:
-                pass
-            stats = loader.statistics()
-        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    requests, fetched, _ = loaders_count(dataset, world_size=2, **kwargs)
     assert got.index_bytes > 0
     assert (got.requests, got.bytes_fetched) == (requests, fetched)
     with pytest.raises(ConfigError, match="unit='document'"):
@@ -175,13 +165,7 @@ def test_parquet_row_groups_cost_exactly_from_the_footers(tmp_path: Path) -> Non
     url = str(tmp_path / "pq")
     kwargs: dict[str, Any] = {"batch_size": 16, "shuffle": "block"}
     got = plan(url, world_size=2, **kwargs)
-    requests = fetched = 0
-    for rank in range(2):
-        with ab.Loader(url, rank=rank, world_size=2, **kwargs) as loader:
-            for _ in loader:
-                pass
-            stats = loader.statistics()
-        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    requests, fetched, _ = loaders_count(url, world_size=2, **kwargs)
     assert (got.requests, got.bytes_fetched) == (requests, fetched)
     with pytest.raises(ConfigError, match="offset index"):
         plan(url, batch_size=16, shuffle=True)
@@ -197,13 +181,7 @@ def test_paged_document_indexes_cost_within_2_percent(tmp_path: Path, shuffle: s
     ab.write_documents(url, documents, shard_size=220_000)
     kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 256, "shuffle": shuffle, "prefetch": 2}
     got = plan(url, world_size=2, **kwargs)
-    requests = fetched = 0
-    for rank in range(2):
-        with ab.Loader(url, rank=rank, world_size=2, **kwargs) as loader:
-            for _ in loader:
-                pass
-            stats = loader.statistics()
-        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    requests, fetched, _ = loaders_count(url, world_size=2, **kwargs)
     assert got.index_bytes > 0
     assert abs(got.requests - requests) <= 0.02 * requests, (got.requests, requests)
     assert abs(got.bytes_fetched - fetched) <= 0.02 * fetched, (got.bytes_fetched, fetched)
@@ -217,13 +195,7 @@ def test_a_mixture_costs_as_its_loaders_count(tmp_path: Path) -> None:
     mixture = ab.mix(parts, weights=[1, 1], seed=0)
     kwargs: dict[str, Any] = {"batch_size": 4, "seq_len": 100}
     got = plan(mixture, world_size=2, **kwargs)
-    requests = fetched = 0
-    for rank in range(2):
-        with ab.Loader(mixture, rank=rank, world_size=2, **kwargs) as loader:
-            for _ in loader:
-                pass
-            stats = loader.statistics()
-        requests, fetched = requests + stats.requests, fetched + stats.bytes_fetched
+    requests, fetched, _ = loaders_count(mixture, world_size=2, **kwargs)
     assert (got.requests, got.bytes_fetched) == (requests, fetched)
     assert got.url.startswith("a mixture of")
     with pytest.raises(ConfigError, match="plan takes a Dataset"):
