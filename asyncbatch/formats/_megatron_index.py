@@ -9,16 +9,13 @@ sequence before it ends, the first and the last where the summary says; a page t
 disagrees is a :class:`~asyncbatch.FormatError` naming the ``.idx``, the page and its bytes.
 
 Pages are kept in a cache of at most ``index_cache_bytes`` (least recently used dropped
-first), so within that bound no page is fetched twice; concurrent batches that need one page
-share one fetch.
+first, never those a batch is using: a :class:`~._fetch_cache.FetchCache`), so within that
+bound no page is fetched twice; concurrent batches that need one page share one fetch.
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from collections.abc import Generator, Mapping, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +23,8 @@ import numpy.typing as npt
 
 from .._errors import ConfigError, FormatError, NotFoundError
 from .._layout import ReadPlan
-from ._base import Read, Step, Wait
+from ._base import Read, Step
+from ._fetch_cache import FetchCache
 from ._megatron import DOCUMENT_PAGES, SEQUENCE_PAGES, IndexLayout
 
 if TYPE_CHECKING:
@@ -37,6 +35,8 @@ Int64Array = npt.NDArray[np.int64]
 #: Bytes of pages one source keeps (``format_options={"index_cache_bytes": ...}``).
 DEFAULT_INDEX_CACHE_BYTES = 64 * 2**20
 SEQUENCE, DOCUMENT = "sequence", "document"
+#: Pages by (kind, page number): each one's local element offsets.
+PageTable = dict[tuple[str, int], Int64Array]
 
 
 class _Pages:
@@ -102,24 +102,13 @@ class MegatronIndex:
         self.entry_ends = np.cumsum(self.entries)
         self.entry_base = self.entry_ends - self.entries
         self.budget = budget
-        self._cache: OrderedDict[tuple[str, int], Int64Array] = OrderedDict()
-        self._cached_bytes = 0
-        self._loading: dict[tuple[str, int], Future[Int64Array]] = {}
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickled into a worker process: the cache and fetches under way stay behind.
-        state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={})
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _pid=os.getpid())
+        #: Pages by (kind, page); pickled into a worker process, it leaves its pages behind.
+        self._cache: FetchCache[tuple[str, int], Int64Array] = FetchCache(budget)
 
     @property
     def cached_bytes(self) -> int:
-        """Bytes of pages held now (at most the budget, but for one batch's own pages)."""
-        return self._cached_bytes
+        """Bytes of pages held now (at most the budget, but for the pages batches use)."""
+        return self._cache.cached_bytes
 
     # --- which pages ---------------------------------------------------------------------
 
@@ -188,66 +177,15 @@ class MegatronIndex:
         """The local element offsets of pages ``wanted`` (unique) of ``pages``: an entry each,
         then the page's end; those not cached are fetched, a fetch another batch started is
         waited for, not repeated."""
-        if self._pid != os.getpid():  # a forked child: the parent's fetches are not here
-            self._loading, self._pid = {}, os.getpid()
         kind = SEQUENCE if pages is self.sequences else DOCUMENT
-        table: dict[int, Int64Array] = {}
-        todo = wanted.tolist()
-        while todo:
-            missing: list[int] = []
-            waiting: dict[int, Future[Int64Array]] = {}
-            for g in todo:
-                key = (kind, g)
-                offsets = self._cache.get(key)
-                if offsets is not None:
-                    self._cache.move_to_end(key)
-                    table[g] = offsets
-                elif key in self._loading:
-                    waiting[g] = self._loading[key]
-                else:
-                    missing.append(g)
-            if missing:
-                table.update((yield from self._fetch(kind, missing)))
-            if waiting:
-                yield Wait(tuple(waiting.values()))
-            todo = []
-            for g, future in waiting.items():
-                if future.cancelled():  # the batch fetching it was stopped: fetch it here
-                    todo.append(g)
-                    continue
-                error = future.exception()
-                if error is not None:
-                    raise error
-                table[g] = future.result()
-        return table
+        fetch = self._sequence_pages if kind == SEQUENCE else self._document_pages
 
-    def _fetch(self, kind: str, pages: list[int]) -> Generator[Step, Any, dict[int, Int64Array]]:
-        keys = [(kind, g) for g in pages]
-        futures: dict[tuple[str, int], Future[Int64Array]] = {key: Future() for key in keys}
-        self._loading.update(futures)
-        try:
-            fetch = self._sequence_pages if kind == SEQUENCE else self._document_pages
-            got = yield from fetch(pages)
-        except BaseException as exc:
-            # Stopped (cancelled, or the generator closed): the waiters fetch it themselves.
-            for key, future in futures.items():
-                del self._loading[key]
-                if isinstance(exc, Exception):
-                    future.set_exception(exc)
-                else:
-                    future.cancel()
-            raise
-        for g, offsets in got.items():
-            key = (kind, g)
-            del self._loading[key]
-            futures[key].set_result(offsets)
-            if key not in self._cache:
-                self._cache[key] = offsets
-                self._cached_bytes += offsets.nbytes
-        while self._cached_bytes > self.budget and len(self._cache) > len(got):
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= dropped.nbytes
-        return got
+        def fetch_keys(keys: list[tuple[str, int]]) -> Generator[Step, Any, PageTable]:
+            got = yield from fetch([g for _, g in keys])
+            return {(kind, g): offsets for g, offsets in got.items()}
+
+        got = yield from self._cache.obtain([(kind, g) for g in wanted.tolist()], fetch_keys)
+        return {g: offsets for (_, g), offsets in got.items()}
 
     def _read(
         self, dataset: Int64Array, starts: Int64Array, ends: Int64Array
