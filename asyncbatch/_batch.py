@@ -13,13 +13,17 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ._schema import FieldSchema as FieldSchema
+
+# torch loads inside the methods that use it: the modules that only name these types (the
+# formats that `asyncbatch inspect`, `verify` and `index` open) do not import it.
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -58,6 +62,8 @@ class Jagged:
 
     def to_nested(self) -> torch.Tensor:
         """A ``torch.nested`` tensor of layout ``torch.jagged`` sharing ``values``."""
+        import torch
+
         if not isinstance(self.values, torch.Tensor):
             raise TypeError("only a jagged column of numbers converts to a nested tensor")
         offsets = self.offsets - self.offsets[0]
@@ -66,6 +72,8 @@ class Jagged:
     def to_padded(self, pad: int | float = 0, length: int | None = None) -> torch.Tensor:
         """``[samples, length, ...]`` padded with ``pad`` (``length``: the longest sample's);
         values past ``length`` are cut. :attr:`lengths` or :meth:`mask` tell what is real."""
+        import torch
+
         if not isinstance(self.values, torch.Tensor):
             raise TypeError("only a jagged column of numbers pads into a tensor")
         lengths = self.lengths
@@ -79,6 +87,8 @@ class Jagged:
 
     def mask(self, length: int | None = None) -> torch.Tensor:
         """Bool ``[samples, length]``: True where a padded position holds a real value."""
+        import torch
+
         lengths = self.lengths
         width = int(lengths.max()) if length is None and len(self) else int(length or 0)
         return torch.arange(width)[None, :] < lengths[:, None]
@@ -89,9 +99,13 @@ class Jagged:
 
     def pin_memory(self) -> Jagged:
         """The same column with its tensors in page-locked memory (needs an accelerator)."""
+        import torch
+
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Jagged:
+        import torch
+
         values = move(self.values) if isinstance(self.values, torch.Tensor) else self.values
         return Jagged(values, move(self.offsets))
 
@@ -208,6 +222,8 @@ class Batch(MutableMapping[str, Any]):
         Like ``torch.Tensor.pin_memory``, it needs an accelerator: without one, torch raises
         (and ``DataLoader`` skips pinning altogether).
         """
+        import torch
+
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
@@ -272,6 +288,8 @@ class Batch(MutableMapping[str, Any]):
 
 def _move(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with ``move`` applied to its tensors (a jagged column's too)."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return move(value)
     if isinstance(value, Jagged):
@@ -283,6 +301,8 @@ def _move(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _add_buffer(value: Any, buffers: list[memoryview]) -> dict[str, Any]:
     """Append ``value``'s bytes to ``buffers``; returns what rebuilds it from them."""
+    import torch
+
     is_tensor = isinstance(value, torch.Tensor)
     array = value.numpy(force=True) if is_tensor else np.asarray(value)
     if array.dtype == object:
@@ -293,6 +313,8 @@ def _add_buffer(value: Any, buffers: list[memoryview]) -> dict[str, Any]:
 
 
 def _from_buffer(spec: Mapping[str, Any], buffer: memoryview) -> Any:
+    import torch
+
     if spec.get("objects"):
         items = pickle.loads(buffer)
         return np.fromiter(items, dtype=object, count=len(items)).reshape(spec["shape"])

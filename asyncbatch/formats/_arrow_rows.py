@@ -25,13 +25,15 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import Jagged, Strings
 from .._errors import FormatError
 from ..stores._copying import copy_pieces
 from . import _arrow_ipc as ipc
 from ._arrow_fields import Field
+
+# torch is imported inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -288,6 +290,8 @@ class RowPicker:
     ) -> dict[str, tuple[Any, Any]]:
         """Each column's Arrow array, validated, and its field where the bytes are the
         values (None elsewhere)."""
+        import torch
+
         from ._parquet import pyarrow_modules
 
         pa, _ = pyarrow_modules()
@@ -365,6 +369,8 @@ def gathered(
     copied out of ``buffer``, where ``placed[i, k]`` is the byte at which row ``i``'s record
     batch keeps its buffer ``k``, into buffers from ``empty(nbytes)``; the record batches'
     arrays validated already."""
+    import torch
+
     from ._parquet import pyarrow_modules
 
     pa, _ = pyarrow_modules()
@@ -404,5 +410,7 @@ def _aligned(raw: npt.NDArray[np.uint8], width: int) -> npt.NDArray[np.uint8]:
 
 def _tensor(raw: npt.NDArray[np.uint8], kind: Any, pa: Any, shape: tuple[int, ...]) -> Any:
     """The numbers ``raw`` holds, of Arrow type ``kind``, as a tensor sharing its bytes."""
+    import torch
+
     dtype = np.dtype(kind.to_pandas_dtype())
     return torch.from_numpy(raw.view(dtype).reshape(shape))

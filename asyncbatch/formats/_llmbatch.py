@@ -32,11 +32,10 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema
 from .._dataset import Dataset
@@ -47,6 +46,11 @@ from ..stores._base import Store
 from ._base import Opener, PlannedSource
 from ._npy import object_infos
 from ._tokens import TOKENS_FIELD, output_dtype
+
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "llmbatch"
 MAGIC = b"LLMBATCH"
@@ -407,6 +411,8 @@ class LLMBatchRecords(PlannedSource):
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """The records ``ids`` from the bytes :meth:`reads` described (converted as they were
         read with ``dtype=``)."""
+        import torch
+
         kind = self.stored_dtype if self.convert is None else self.convert[1]
         return {TOKENS_FIELD: torch.from_numpy(buffer.view(kind).reshape(ids.size, self.seq_len))}
 

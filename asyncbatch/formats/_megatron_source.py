@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema
 from .._dataset import Dataset
@@ -30,6 +29,11 @@ from ._base import Fetch, OffLoop, Read, Source
 from ._documents import OFFSETS, DocumentSamples, boundaries
 from ._megatron_index import DEFAULT_INDEX_CACHE_BYTES, MegatronIndex
 from ._tokens import TokenWindows
+
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
+if TYPE_CHECKING:
+    import torch
 
 Int64Array = npt.NDArray[np.int64]
 

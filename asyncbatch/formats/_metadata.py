@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema, Jagged
 from .._dataset import Dataset, join_url
@@ -45,7 +44,11 @@ from ._metadata_values import NEVER_MERGE as NEVER_MERGE
 from ._metadata_values import Fetched, Groups, ValueFiles, take_values
 from ._tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
 if TYPE_CHECKING:
+    import torch
+
     from ..stores._base import Store
 
 FORMAT = "metadata_stream"
@@ -309,6 +312,8 @@ class MetadataWindows(TokenWindows):
     def fields(
         self, stream: npt.NDArray[Any], spans: Spans, fetched: Fetched, item_of_span: Int64Array
     ) -> dict[str, Any]:
+        import torch
+
         tokens = np.ascontiguousarray(stream[self.token_field])
         if self.out_dtype is not None and self.out_dtype != tokens.dtype:
             tokens = tokens.astype(self.out_dtype)

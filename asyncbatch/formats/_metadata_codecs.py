@@ -14,10 +14,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema
 from .._errors import ConfigError, FormatError
+
+# torch is imported inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -95,6 +97,8 @@ class NumpyCodec:
         return np.ascontiguousarray(array, dtype=self.dtype).tobytes()
 
     def decode(self, data: npt.NDArray[np.uint8], offsets: Int64Array) -> Any:
+        import torch
+
         size = self.dtype.itemsize
         if self.shape is None:
             if np.any(offsets % size):
@@ -156,6 +160,8 @@ def make_codec(name: str, options: Mapping[str, Any] | None = None) -> Any:
 
 def decode_values(codec: Any, data: npt.NDArray[np.uint8], offsets: Int64Array) -> Any:
     """``offsets.size - 1`` values decoded by ``codec``; numbers come back as a tensor."""
+    import torch
+
     decode = getattr(codec, "decode", None)
     if decode is not None:
         values = decode(data, offsets)

@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._errors import FormatError
 from .._layout import ReadPlan, ShardMap
 from ._base import Read, Step
 from ._metadata_codecs import decode_values
+
+# torch is imported inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
 
 #: Byte offsets in a metadata index file: little-endian int64.
 INDEX_DTYPE = np.dtype("<i8")
@@ -205,6 +207,8 @@ class ValueFiles:
 
 def take_values(values: Any, items: Int64Array) -> Any:
     """``values[items]``: a tensor gathered by numpy (torch's gather is ~100x slower here)."""
+    import torch
+
     if isinstance(values, torch.Tensor):
         return torch.from_numpy(values.numpy()[items])
     return values[items]

@@ -37,11 +37,10 @@ import fnmatch
 import io
 import re
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema, Jagged, Strings
 from .._checksums import digest, format_digest
@@ -65,6 +64,11 @@ from ._documents import boundaries
 from ._npy import gather_limited, may_list, parent_and_name, read_range
 from ._parquet_pages import PageReader
 from ._tokens import TOKENS_FIELD
+
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
+if TYPE_CHECKING:
+    import torch
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -671,6 +675,8 @@ def _field_schema(name: str, kind: Any, pa: Any) -> FieldSchema:
 
 
 def _numbers(array: Any) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(array.to_numpy(zero_copy_only=False, writable=True))
 
 
@@ -694,6 +700,8 @@ def _filled(array: Any, pa: Any) -> Any:
 
 def _to_field(array: Any, fill: bool, pa: Any) -> Any:
     """The batch field of one column of the taken rows (a contiguous Arrow array)."""
+    import torch
+
     kind = array.type
     if fill and array.null_count:
         array = _filled(array, pa)
@@ -961,6 +969,8 @@ class PackedParquet:
         needed: Int64Array,
         starts: Int64Array,
     ) -> dict[str, Any]:
+        import torch
+
         table = self.rows.decode_groups(buffer, needed, spans)
         offsets, values = self._documents(table, needed)
         tokens, rows = self.tokens[needed], self.rows.rows[needed]

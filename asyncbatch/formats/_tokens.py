@@ -13,17 +13,21 @@ on; a window never crosses from one dataset into the next.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema
 from .._dataset import Dataset
 from .._errors import ConfigError
 from .._layout import ReadPlan, ShardMap, WindowPlan
 from ._base import PlannedSource
+
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
+if TYPE_CHECKING:
+    import torch
 
 TOKENS_FIELD = "tokens"
 
@@ -114,6 +118,8 @@ class TokenWindows(PlannedSource):
 
     def decode(self, buffer: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64]) -> dict[str, Any]:
         """Fields of windows ``ids`` from the raw batch buffer (views, no copy if possible)."""
+        import torch
+
         if self.convert is not None:  # converted as they were read
             assert self.out_dtype is not None
             converted = buffer.view(self.out_dtype).reshape(ids.size, self.window)
@@ -154,6 +160,8 @@ def output_dtype(
 
 
 def _numpy_dtype(dtype: npt.DTypeLike | torch.dtype) -> np.dtype[Any]:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         try:
             return torch.empty((), dtype=dtype).numpy().dtype
