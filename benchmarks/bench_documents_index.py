@@ -158,6 +158,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_idle(pid: int | None, timeout: float = 30.0) -> None:
+    """Wait until process ``pid`` uses no CPU for 0.2 s: a server still serving the requests
+    a closed loader left behind (moto goes on reading whole objects for them) must not be
+    timed in the next round."""
+    if pid is None:
+        return
+    deadline = time.monotonic() + timeout
+    before = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = cpu_seconds(pid)
+        if now == before:
+            return
+        before = now
+
+
 def child_pid(marker: str) -> int | None:
     """The pid of this process's child whose command line holds ``marker`` (Linux)."""
     for entry in Path("/proc").iterdir():
@@ -248,6 +264,7 @@ def part_s3(args: argparse.Namespace) -> None:
 
         def measure(layout: str, trace: bool = False) -> dict[str, float]:
             time.sleep(0.3)  # earlier reads' last bytes pass the proxy first
+            wait_idle(server_pid)
             before = proxy.counts()
             server_before = float("nan") if server_pid is None else cpu_seconds(server_pid)
             with contextlib.ExitStack() as stack:
