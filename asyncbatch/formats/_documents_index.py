@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -49,6 +48,7 @@ from .._errors import ChecksumError, ConfigError, FormatError, ManifestError, No
 from .._layout import ReadPlan, ShardMap
 from .._manifest import MANIFEST_NAME
 from ._base import Read, Step, Wait
+from ._fetch_cache import FetchCache
 
 if TYPE_CHECKING:
     from .._dataset import Dataset
@@ -386,26 +386,19 @@ class DocumentIndex:
         #: Whether documents as samples read the offsets of whole indexes by range instead
         #: of whole: when the whole indexes of all shards do not fit the cache.
         self.ranged = int(self.nbytes[lazy & (self.page == 0)].sum()) > budget
-        self._cache: OrderedDict[Key, Int64Array] = OrderedDict()
-        self._cached_bytes = 0
-        #: Fetches of index pieces under way, settled by the batch that fetches them.
-        self._loading: dict[Key, Future[Int64Array]] = {}
-        self._pid = os.getpid()
+        #: Index pieces fetched, and fetches under way shared (:mod:`._fetch_cache`).
+        self._pieces: FetchCache[Key, Int64Array] = FetchCache(budget)
         self.turns = Turns()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into a worker process: the cache and fetches under way stay behind.
-        state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _cached_bytes=0, _loading={}, turns=Turns())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _pid=os.getpid())
+        return dict(self.__dict__, turns=Turns())
 
     @property
     def cached_bytes(self) -> int:
-        """Bytes of index pieces the cache holds now (at most ``budget``, bar one batch's)."""
-        return self._cached_bytes
+        """Bytes of index pieces the cache holds now (at most ``budget``, bar those batches
+        are using)."""
+        return self._pieces.cached_bytes
 
     def segments_of_documents(self, ids: Int64Array) -> Int64Array:
         return np.searchsorted(self.document_ends, ids, side="right").astype(np.int64)
@@ -430,63 +423,7 @@ class DocumentIndex:
     ) -> Generator[Step, Any, dict[Key, Int64Array]]:
         """The pieces ``keys`` (unique), fetching with ``fetch`` those not cached; a fetch
         another batch started is waited for, not repeated."""
-        self._forked()
-        table: dict[Key, Int64Array] = {}
-        todo = list(keys)
-        while todo:
-            missing: list[Key] = []
-            waiting: dict[Key, Future[Int64Array]] = {}
-            for key in todo:
-                value = self._cache.get(key)
-                if value is not None:
-                    self._cache.move_to_end(key)
-                    table[key] = value
-                elif key in self._loading:
-                    waiting[key] = self._loading[key]
-                else:
-                    missing.append(key)
-            if missing:
-                table.update((yield from self._fetching(missing, fetch)))
-            if waiting:
-                yield Wait(tuple(waiting.values()))
-            todo = []
-            for key, future in waiting.items():
-                if future.cancelled():  # the batch fetching it was stopped: fetch it here
-                    todo.append(key)
-                    continue
-                error = future.exception()
-                if error is not None:
-                    raise error
-                table[key] = future.result()
-        return table
-
-    def _fetching(
-        self,
-        keys: list[Key],
-        fetch: Callable[[list[Key]], Generator[Step, Any, dict[Key, Int64Array]]],
-    ) -> Generator[Step, Any, dict[Key, Int64Array]]:
-        futures: dict[Key, Future[Int64Array]] = {key: Future() for key in keys}
-        self._loading.update(futures)
-        try:
-            got = yield from fetch(keys)
-        except BaseException as exc:
-            # Stopped (cancelled, or the generator closed): the waiters fetch it themselves.
-            for key, future in futures.items():
-                del self._loading[key]
-                if isinstance(exc, Exception):
-                    future.set_exception(exc)
-                else:
-                    future.cancel()
-            raise
-        for key, value in got.items():
-            del self._loading[key]
-            futures[key].set_result(value)
-            self._cache[key] = value
-            self._cached_bytes += value.nbytes
-        while self._cached_bytes > self.budget and len(self._cache) > len(got):
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= dropped.nbytes
-        return got
+        return (yield from self._pieces.obtain(keys, fetch))
 
     def _read(
         self, segments: Sequence[int], starts: Sequence[int], sizes: Sequence[int]
@@ -670,12 +607,6 @@ class DocumentIndex:
                 f" ({offsets[d]} then {offsets[d + 1]})"
             )
         return offsets
-
-    def _forked(self) -> None:
-        """In a forked child, drop the fetches under way in the parent: no one there settles
-        their futures."""
-        if self._pid != os.getpid():
-            self._loading, self._pid = {}, os.getpid()
 
     # -- documents as samples ------------------------------------------------------------------
 
