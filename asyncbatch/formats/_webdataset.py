@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema, Strings
 from .._checksums import digest, format_digest
@@ -306,6 +305,8 @@ def _string_table(items: Sequence[str]) -> tuple[npt.NDArray[np.uint8], Int64Arr
 
 def _gather(data: npt.NDArray[np.uint8], offsets: Int64Array, rows: Int64Array) -> Strings:
     """Rows ``rows`` of the strings ``data`` / ``offsets`` as a UTF-8 :class:`Strings`."""
+    import torch
+
     lengths = offsets[rows + 1] - offsets[rows]
     out = np.zeros(rows.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
@@ -502,6 +503,8 @@ class WebDatasetSamples:
     def _decode(self, buffer: npt.NDArray[np.uint8], picked: _Picked) -> dict[str, Any]:
         """The fields of the picked samples as views of ``buffer``, after their headers are
         checked against the index."""
+        import torch
+
         count = picked.shards.size
         lengths = picked.rows[:, columns(len(self.columns))[2]].T.ravel()
         data = int(lengths.sum())
