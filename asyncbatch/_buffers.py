@@ -44,8 +44,10 @@ class BufferPool:
     """Uninitialised byte buffers, from slabs reused once their buffer is gone.
 
     A slab serves a request of at least half its size. Free slabs are kept up to
-    ``keep_bytes`` together (the loader's prefetch bound), the smallest dropped first;
-    :meth:`close` drops them, and every slab returned after it.
+    ``keep_bytes`` together (the loader's prefetch bound), plus room for the scratch of two
+    groups once a read asks for scratch (merged reads land there before their pieces are
+    copied into place), the smallest dropped first; :meth:`close` drops them, and every slab
+    returned after it.
     """
 
     def __init__(self, keep_bytes: int = 0) -> None:
@@ -57,6 +59,8 @@ class BufferPool:
         #: Free slabs by size (with a serial, so that slabs are never compared).
         self._free: list[tuple[int, int, Slab]] = []
         self._free_bytes = 0
+        #: Kept beside ``keep_bytes``: twice the largest scratch asked for.
+        self._scratch_bytes = 0
         self._serial = 0
         self._closed = False
         #: The callbacks of the buffers handed out, by id (arrays do not hash).
@@ -66,11 +70,14 @@ class BufferPool:
         self.reused = 0
         _POOLS.add(self)
 
-    def empty(self, nbytes: int) -> npt.NDArray[np.uint8]:
-        """A writable uint8 array of ``nbytes``, its contents undefined (as ``np.empty``)."""
+    def empty(self, nbytes: int, scratch: bool = False) -> npt.NDArray[np.uint8]:
+        """A writable uint8 array of ``nbytes``, its contents undefined (as ``np.empty``);
+        ``scratch``: for a group's merged reads (more free memory is kept for those)."""
         if nbytes < POOLED_FROM:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
+            if scratch:
+                self._scratch_bytes = max(self._scratch_bytes, 2 * nbytes)
             self._take_returned()
             slab = self._take(nbytes)
             if slab is None:
@@ -103,17 +110,18 @@ class BufferPool:
 
     def _take_returned(self) -> None:
         """Move the returned slabs to the free list, as far as ``keep_bytes`` allows."""
+        keep = self.keep_bytes + self._scratch_bytes
         while self._returned:
             slab = self._returned.popleft()
             size = len(slab)
             if self._closed:
                 continue
-            while self._free and self._free_bytes + size > self.keep_bytes:
+            while self._free and self._free_bytes + size > keep:
                 if self._free[0][0] > size:  # keep the larger slabs
                     break
                 dropped, *_ = self._free.pop(0)
                 self._free_bytes -= dropped
-            if self._free_bytes + size <= self.keep_bytes:
+            if self._free_bytes + size <= keep:
                 self._serial += 1
                 bisect.insort(self._free, (size, self._serial, slab))
                 self._free_bytes += size

@@ -617,7 +617,7 @@ class Reader:
             return buffer
         sizes = np.where(indirect, ends - starts, 0)
         scratch_at = np.cumsum(sizes) - sizes
-        scratch = self.buffers.empty(int(sizes.sum()))
+        scratch = self.buffers.empty(int(sizes.sum()), scratch=True)
         i, d = np.flatnonzero(indirect), np.flatnonzero(~indirect)
         to_scratch = self._read_all(shards[i], starts[i], ends[i], scratch, scratch_at[i])
         if d.size:

@@ -90,6 +90,22 @@ def test_free_memory_is_kept_up_to_keep_bytes_and_dropped_by_close() -> None:
     assert pool.free_bytes == 0
 
 
+def test_scratch_of_merged_reads_is_kept_beside_the_batches() -> None:
+    """A group reading through scratch holds its buffer and its scratch: with only the batches'
+    bound kept, every other group mapped (and faulted in) fresh memory."""
+    pool = BufferPool(4 * MiB)  # two groups of 2 MiB batches
+    for _ in range(5):  # two groups at a time, each a buffer and its scratch
+        held = [pool.empty(2 * MiB), pool.empty(2 * MiB, scratch=True)]
+        held += [pool.empty(2 * MiB), pool.empty(2 * MiB, scratch=True)]
+        del held
+    assert pool.created == 4 and pool.free_bytes == 8 * MiB
+    without = BufferPool(4 * MiB)
+    for _ in range(5):
+        held = [without.empty(2 * MiB) for _ in range(4)]
+        del held
+    assert without.created > 4 and without.free_bytes == 4 * MiB
+
+
 def test_a_batch_is_not_shared_with_a_forked_child() -> None:
     """Slabs are private memory: a child's writes stay its own, and a slab the parent fills
     again after handing the child a batch leaves the child's copy as it was."""
