@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import shutil
 import statistics
 import struct
@@ -34,8 +32,16 @@ from typing import Any
 
 import numpy as np
 import s3fs
-from common import git_revision, paired_ratio, positive
-from common import moto_server as start_moto
+from common import (
+    cache_folder,
+    git_revision,
+    machine,
+    moto_server,
+    paired_ratio,
+    positive,
+    rotated,
+    settle,
+)
 from delayproxy import Counts, running_proxy
 
 import asyncbatch as ab
@@ -75,8 +81,7 @@ def pack_v1(index: ShardIndex) -> bytes:
 
 
 def ensure_layouts(shards: int, per_shard: int) -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    root = Path(cache) / "asyncbatch" / f"bench-webdataset-open-{shards}x{per_shard}"
+    root = cache_folder(f"bench-webdataset-open-{shards}x{per_shard}")
     if (root / "done").exists():
         return root
     print(f"writing {shards} shards of {per_shard} samples to {root}", file=sys.stderr)
@@ -94,17 +99,6 @@ def ensure_layouts(shards: int, per_shard: int) -> Path:
         Path(sidecar_url(str(root / "v1" / tar.name))).write_bytes(pack_v1(index))
     (root / "done").touch()
     return root
-
-
-def settle(proxy: Any) -> None:
-    """Wait until the proxy has passed on the last bytes of earlier reads."""
-    last = proxy.counts()
-    while True:
-        time.sleep(0.1)
-        now = proxy.counts()
-        if now == last:
-            return
-        last = now
 
 
 def measure(url: str, options: dict[str, Any], shuffle: Any, proxy: Any) -> dict[str, float]:
@@ -141,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     root = ensure_layouts(args.shards, args.per_shard)
     lines = [(layout, shuffle) for shuffle in SHUFFLES for layout in LAYOUTS]
-    with start_moto() as (endpoint, _), running_proxy(endpoint, args.delay_ms / 1e3) as proxy:
+    with moto_server() as (endpoint, _), running_proxy(endpoint, args.delay_ms / 1e3) as proxy:
         fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
         fs.mkdir(BUCKET)
         for layout in LAYOUTS:
@@ -151,13 +145,12 @@ def main() -> None:
         measure(urls["v2"], options, "block", proxy)  # imports, clients warm: untimed
         results: list[list[dict[str, float]]] = [[] for _ in lines]
         for round_ in range(args.rounds):
-            turn = round_ % len(lines)
-            for number in [*range(turn, len(lines)), *range(turn)]:
+            for number in rotated(len(lines), round_):
                 layout, shuffle = lines[number]
                 results[number].append(measure(urls[layout], options, shuffle, proxy))
     sidecar = Path(sidecar_url(str(next((root / "v2").glob("*.tar"))))).stat().st_size
     print(f"# bench_webdataset_open {datetime.date.today()} commit {git_revision()}")
-    print(f"# {platform.machine()} Python {platform.python_version()}, {os.cpu_count()} cpus")
+    print(f"# {machine()}")
     print(
         f"# {args.shards} shards of {args.per_shard} samples (sidecars of {sidecar} bytes), moto"
         f" S3 through a counting proxy (+{args.delay_ms:g} ms), rank 0 of 4, batch"

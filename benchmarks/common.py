@@ -62,6 +62,38 @@ def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> 
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
+def rotated(lines: int, round_: int) -> list[int]:
+    """The order in which round ``round_`` measures ``lines`` lines: each round starts one
+    line later, so no line is always measured first (or right after the same other)."""
+    turn = round_ % lines
+    return [*range(turn, lines), *range(turn)]
+
+
+def cache_folder(name: str) -> Path:
+    """``~/.cache/asyncbatch/<name>`` (``$XDG_CACHE_HOME`` respected): where a benchmark keeps
+    the data it writes once and reuses."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "asyncbatch" / name
+
+
+def machine() -> str:
+    """The machine a benchmark ran on, for its header: ``x86_64 Python 3.11.7, 2 cpus``."""
+    return f"{platform.machine()} Python {platform.python_version()}, {os.cpu_count()} cpus"
+
+
+def settle(proxy: Any) -> None:
+    """Wait until a counting proxy (``delayproxy.running_proxy``) has passed on the last bytes
+    of earlier reads (a closed loader's cancelled ones), so that they count for none of the
+    next steps."""
+    last = proxy.counts()
+    while True:
+        time.sleep(0.1)
+        now = proxy.counts()
+        if now == last:
+            return
+        last = now
+
+
 def stop_process(process: subprocess.Popen[Any]) -> None:
     """Terminate ``process`` and wait for it; kill it if it has not ended after 10 s."""
     process.terminate()
