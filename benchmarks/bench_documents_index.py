@@ -64,6 +64,7 @@ from delayproxy import running_proxy
 
 import asyncbatch as ab
 from asyncbatch._checksums import ALGORITHM, digest
+from asyncbatch._layout import ReadPlan
 from asyncbatch._manifest import Manifest, ShardInfo
 from asyncbatch.formats._base import Read, Wait
 from asyncbatch.formats._documents_index import (
@@ -345,6 +346,7 @@ def drive(steps: Generator[Any, Any, Any], files: list[str], counts: dict[str, A
                 continue
             assert isinstance(step, Read)
             plan = step.plan
+            assert isinstance(plan, ReadPlan)  # index reads are byte ranges
             buffer = np.empty(plan.nbytes, dtype=np.uint8)
             for f, a, b, d in zip(
                 plan.read_shard.tolist(),
