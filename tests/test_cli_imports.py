@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import asyncbatch as ab
 
@@ -32,11 +31,6 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="formats/_documents.py imports torch at module top, and the format registry imports"
-    " it on every open: drop this mark once it imports torch where it builds tensors",
-)
 def test_commands_that_build_no_batches_do_not_import_torch(tmp_path: Path) -> None:
     documents = str(tmp_path / "documents")
     ab.write_documents(documents, [np.arange(n, dtype=np.uint16) for n in (3, 5, 7)])

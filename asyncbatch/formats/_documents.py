@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._batch import FieldSchema, Jagged
 from .._dataset import Dataset, join_url, read_object
@@ -68,7 +67,11 @@ from ._metadata import END_FIELD, START_FIELD, VALUE_FIELD
 from ._metadata_values import take_values
 from ._tokens import TOKENS_FIELD, TokenWindows, output_dtype
 
+# torch loads inside the functions that build tensors, so that opening a dataset
+# (`asyncbatch inspect`, `verify`, `index`) does not import it.
 if TYPE_CHECKING:
+    import torch
+
     from ..stores._base import Store
 
 Int64Array = npt.NDArray[np.int64]
@@ -267,6 +270,8 @@ class _PerBatch:
 def _pad(column: Jagged, pad: Any, width: int | None) -> torch.Tensor:
     """``[samples, width]`` padded with ``pad`` (numpy does it: torch cannot index-put
     uint16); ``width`` None means the longest sample's length."""
+    import torch
+
     lengths = column.lengths.numpy()
     if width is None:
         width = int(lengths.max()) if lengths.size else 0
@@ -432,6 +437,8 @@ class DocumentSamples(PlannedSource):
     def _decode(
         self, buffer: npt.NDArray[np.uint8], count: int, lengths: Int64Array
     ) -> dict[str, Any]:
+        import torch
+
         offsets = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         values = buffer.view(self.stored_dtype)
@@ -572,6 +579,8 @@ class PackedDocuments(TokenWindows):
         fetched, item_of_run = yield from metadata.of_runs(runs, index, gap)
 
         def columns() -> dict[str, Any]:
+            import torch
+
             values = take_values(metadata.values.decode(fetched), item_of_run)
             bounds = np.searchsorted(runs.sample, np.arange(ids.size + 1)).astype(np.int64)
             offsets = torch.from_numpy(bounds)
@@ -602,6 +611,8 @@ def boundaries(
     windows of ``window`` elements at ``starts`` (see :class:`PackedDocuments`), vectorised
     over the windows. ``numbers``: the document number of each offset (default: its
     index), when ``offsets`` are a part of the offsets around the windows."""
+    import torch
+
     n = starts.size
     first_doc = np.searchsorted(offsets, starts, side="right") - 1
     # Offsets strictly inside each window: indexes lo[b] .. hi[b] - 1 of ``offsets``.
@@ -655,6 +666,8 @@ def _ramp(size: int) -> Int64Array:
 def _cu_seqlens(at: Int64Array, which: Int64Array, n: int, seq_len: int) -> Jagged:
     """Per window: 0, the distinct boundaries ``at`` (window-relative, grouped by window
     ``which``, ascending) inside ``(0, seq_len)``, then ``seq_len``; int32."""
+    import torch
+
     keep = at < seq_len
     keep[1:] &= (at[1:] != at[:-1]) | (which[1:] != which[:-1])
     inner_of = which[keep]
