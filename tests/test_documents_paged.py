@@ -214,7 +214,9 @@ def test_first_shuffled_batch_reads_pages_not_the_index_over_s3(
             index_gets = proxy.count("GET", ".idx")
             fetched = loader.statistics().bytes_fetched
     assert sent <= 2**20 + 2**16
-    assert fetched <= sent
+    # What the loader counts as fetched includes the next group's reads once planned, which
+    # may not have reached the proxy yet when it was read: bounded the same, not by ``sent``.
+    assert 0 < fetched <= 2**20 + 2**16
     # The top level (782 pages: 12.5 KiB), then the pages of 16 windows (one or two each).
     assert 12_512 < index_sent <= 12_512 + 16 * 3 * (8 * PAGE_DOCUMENTS + 8)
     assert index_gets <= 1 + 16 * 2  # the top level, then one range per run of pages
