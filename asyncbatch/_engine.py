@@ -359,6 +359,10 @@ class Engine:
             # The queue counts the batches' own bytes from here, in place of what was held.
             queue.put_many(items, release=held.held, stored=stored, sizes=sizes)
             held.held = 0
+            if queue.capacity < GROUPS_IN_QUEUE * self.group and self.group > self.unit:
+                # The queue shrank to what its decoded batches' bytes allow: groups follow.
+                fits = queue.capacity // GROUPS_IN_QUEUE // self.unit * self.unit
+                self.group = max(self.unit, fits)
             return not isinstance(items[-1], Final)
         finally:
             held.release()

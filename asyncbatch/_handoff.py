@@ -79,8 +79,12 @@ class BatchQueue:
         capacity: int,
         loop: asyncio.AbstractEventLoop,
         delivered: DeliveryCounts | None = None,
+        byte_bound: int | None = None,
     ) -> None:
         self.capacity = capacity
+        #: With it, the capacity drops (never below 2) to as many batches as fit in it, by
+        #: the largest batch put so far: decoded batches, whose size no plan knows ahead.
+        self.byte_bound = byte_bound
         self._loop = loop
         #: Counts of the batches taken, kept by the caller across runs.
         self.delivered = delivered if delivered is not None else DeliveryCounts()
@@ -157,6 +161,9 @@ class BatchQueue:
         sized = list(zip(items, counted, stored, strict=True))
         nbytes = sum(counted) - release
         with self._lock:
+            if self.byte_bound is not None and counted:
+                fits = self.byte_bound // max(1, max(counted))
+                self.capacity = max(2, min(self.capacity, fits))
             self._items.extend(sized)
             self._bytes += nbytes
             self._peak_bytes = max(self._peak_bytes, self._bytes)

@@ -237,6 +237,11 @@ class _LoaderBase:
         self.rank, self.world_size = resolve_rank(config.rank, config.world_size)
         #: Batches read ahead; with ``prefetch=None`` known once the dataset is open.
         self.prefetch = config.prefetch or 0
+        #: ``decode=`` with ``prefetch=None``: the decoded batches queued stay within the
+        #: default's bytes (a decoded image is many times its file, by a ratio no plan knows).
+        self._decoded_bound = (
+            PREFETCH_BYTES if config.prefetch is None and config.decode is not None else None
+        )
         #: Samples per block of the block shuffle (None without it); known once the dataset
         #: is open.
         self.block_size: int | None = None
@@ -581,13 +586,15 @@ class _LoaderBase:
 
     def _new_queue(self, loop: asyncio.AbstractEventLoop) -> BatchQueue:
         """The prefetch queue of a new run."""
-        self._queue = BatchQueue(self.prefetch, loop, self._delivered)
+        self._queue = BatchQueue(self.prefetch, loop, self._delivered, self._decoded_bound)
         return self._queue
 
     def _drop_queue(self) -> None:
         """Keep the run's queue figures for statistics(), not its batches (GPU memory too)."""
         if self._queue is not None:
             self._last_statistics = self._queue.statistics()
+            # What the decoded batches taught the queue holds for the next runs too.
+            self.prefetch = min(self.prefetch, self._queue.capacity)
         self._queue = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -828,7 +835,8 @@ class Loader(_LoaderBase):
         seed: Seed of the shuffle; the order depends only on it and the epoch.
         prefetch: Batches read ahead (bounds memory); ``None``: as many as fit in 64 MiB,
             2 to 128 (1024 when every dataset is local files), or two block-shuffle windows
-            (four of local files).
+            (four of local files); with ``decode=``, as many decoded batches as fit in
+            64 MiB, from the first one decoded on.
         max_inflight: Read requests in flight at once.
         next_token: One more token per window, for next-token targets.
         dtype: Output dtype (numpy or torch); ``None``: as stored. One that cannot hold

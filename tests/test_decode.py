@@ -9,6 +9,7 @@ import io
 import json
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -490,3 +491,33 @@ def test_the_decode_pool_hands_errors_on_and_cancels_waiting_work() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncbatch-samples")]
     with pytest.raises(RuntimeError, match="shutdown"):
         pool.submit_ranked((3,), int, "1")
+
+
+def test_default_prefetch_holds_decoded_batches_within_its_bytes(tmp_path: Path) -> None:
+    """Flat 1024 x 1024 JPEGs of a few KB decode to 3 MiB each: the files' size alone would
+    read 128 batches ahead (600 MiB decoded); the default bound is 64 MiB of decoded batches."""
+    flat = Image.new("RGB", (1024, 1024), (40, 90, 160))
+    out = io.BytesIO()
+    flat.save(out, "JPEG")
+    jpeg = out.getvalue()
+    assert len(jpeg) < 64 * 1024
+    samples = [{"__key__": f"f{i:04d}", "jpg": jpeg} for i in range(120)]
+    folder = tmp_path / "flat"
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "shard-000000.tar")) as sink:
+        for sample in samples:
+            sink.write(sample)
+    batch_bytes = 4 * 3 * 1024 * 1024
+    with ab.Loader(str(folder), batch_size=4, decode="image", decode_threads=1) as loader:
+        iterator = iter(loader)
+        for _ in range(3):
+            next(iterator)
+            time.sleep(0.3)  # a slow consumer: the engine reads ahead as far as it may
+        seen = loader.statistics()
+        assert seen.capacity == 2**26 // batch_bytes  # 5 batches of 12 MiB
+        assert seen.peak_bytes <= 2**26 + 2 * batch_bytes  # the bound, and a group being read
+        assert sum(1 for _ in iterator) == 30 - 3
+    assert loader.prefetch == 5  # kept for the next epochs
+    with ab.Loader(str(folder), batch_size=4, decode="image", prefetch=8) as loader:
+        next(iter(loader))
+        assert loader.statistics().capacity == 8  # an explicit prefetch counts batches
