@@ -43,11 +43,19 @@ def documents() -> Documents:
 
 
 def write_paged(
-    root: Path, lengths: npt.NDArray[np.int64], per_shard: int, page: int | None
+    root: Path,
+    lengths: npt.NDArray[np.int64],
+    per_shard: int,
+    page: int | None,
+    *,
+    slots: bool = False,
+    **slot_args: int,
 ) -> npt.NDArray[np.uint16]:
     """A per-shard dataset of documents of ``lengths`` (each token its document's number
     modulo 60,000), ``per_shard`` documents a shard, written with numpy and the writers'
-    helpers as ``prepare`` writes one (fast for many documents); its tokens."""
+    helpers as ``prepare`` writes one (fast for many documents); its tokens. No slot table
+    unless ``slots`` (``slot_args``: ``block_tokens``, ``slot_starts``), so that packed
+    windows read pages."""
     count = lengths.size
     tokens = np.repeat(np.arange(count) % 60_000, lengths).astype(np.uint16)
     ends = np.cumsum(lengths)
@@ -62,7 +70,10 @@ def write_paged(
         blocks = block_digests(data, DEFAULT_CHECKSUM_BLOCK)
         shards.append(ShardInfo(name, len(data), len(data) // 2, 0, digest(data), blocks))
         raw = shard_index_bytes(
-            np.concatenate([[0], ends[first:last] - start]), page_documents=page
+            np.concatenate([[0], ends[first:last] - start]),
+            page_documents=page,
+            slots=slots,
+            **slot_args,
         )
         (root / index_path(name)).write_bytes(raw)
         infos.append(shard_index_info(index_path(name), raw))
@@ -81,7 +92,9 @@ def write_paged(
 
 def test_the_paged_index_file(tmp_path: Path) -> None:
     docs = [[1, 2], [3], [], [4, 5, 6], [7], [], [], [8, 9]]
-    dataset = ab.write_documents(str(tmp_path / "ds"), docs, dtype=np.uint16, page_documents=3)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), docs, dtype=np.uint16, page_documents=3, slots=False
+    )
     entry = dataset.manifest.metadata["shard_indexes"][0]
     raw = (tmp_path / "ds" / entry["path"]).read_bytes()
     assert raw[:8] == PAGED_MAGIC and struct.unpack_from("<qq", raw, 8) == (3, 8)
@@ -117,7 +130,9 @@ def test_paged_reads_back_exactly(
     """Pages of 3 documents, shards of ~500 tokens, empty documents and documents longer
     than a window: every document and window as written, with the index cache at its
     default and at 0 (every page fetched again when needed)."""
-    dataset = ab.write_documents(str(tmp_path / "ds"), documents, shard_size=1000, page_documents=3)
+    dataset = ab.write_documents(
+        str(tmp_path / "ds"), documents, shard_size=1000, page_documents=3, slots=False
+    )
     assert len(dataset.manifest.shards) > 4
     tokens, owner = stream_of(documents)
     args: dict[str, Any] = {"batch_size": 8, "shuffle": True, "seed": 5, "drop_last": False}
@@ -139,7 +154,7 @@ def test_paged_reads_back_exactly(
 
 def test_whole_and_paged_indexes_in_one_dataset(tmp_path: Path, documents: Documents) -> None:
     """Every other shard's index rewritten whole (as an earlier writer wrote it): documents
-    and windows read across both kinds."""
+    and windows read across both kinds (packed windows: slots and whole indexes)."""
     root = tmp_path / "ds"
     dataset = ab.write_documents(str(root), documents, shard_size=800, page_documents=4)
     manifest = json.loads((root / "manifest.json").read_text())
@@ -270,7 +285,7 @@ def test_a_page_that_fails_its_checks_is_refused(tmp_path: Path) -> None:
     the shard, for documents as samples and packed windows alike."""
     docs = [[1, 2, 3], [4], [5, 6], [7, 8], [], [9], [10, 11, 12], [13], [14, 15]]
     root = tmp_path / "ds"
-    ab.write_documents(str(root), docs, dtype=np.uint16, page_documents=3)
+    ab.write_documents(str(root), docs, dtype=np.uint16, page_documents=3, slots=False)
     index = root / "shard-00000.idx"
     good, saved = index.read_bytes(), (root / "manifest.json").read_text()
     url, shard = str(index), str(root / "shard-00000.bin")

@@ -18,14 +18,17 @@ Two kinds of index file:
   shard's top level (checked against ``top_checksum``) the first time a batch touches the
   shard, then only the pages the batch needs, by range (neighbouring pages in one read), each
   checked against its checksum and its neighbours in the top level. Index bytes then grow
-  with what a rank reads, not with the documents of the shards it touches.
+  with what a rank reads, not with the documents of the shards it touches. A paged file
+  may end with a *slot table* (the entry has ``slots``; :mod:`._documents_slots`): where
+  documents start in each block of the shard's tokens, which packed windows read instead
+  of the top level and pages (:meth:`DocumentIndex.window_offsets`).
 * *whole* (earlier writers; no ``page_documents``): the offsets alone, fetched whole (one read)
   the first time a batch touches the shard. Documents as samples, when the whole indexes of all
   shards do not fit the cache, read instead just the two offsets of each document asked for,
   by range (neighbouring documents' merged as the token reads are).
 
 Opening reads the manifest only: O(shards) bytes, whatever the number of documents. Top
-levels, pages and whole indexes share one cache of at most ``index_cache_bytes`` (least
+levels, pages, slots and whole indexes share one cache of at most ``index_cache_bytes`` (least
 recently used dropped first, never what the batch fetching them needs); concurrent batches
 that need one piece share one fetch, so no piece is fetched twice while the cache holds it.
 """
@@ -37,7 +40,7 @@ import struct
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +51,16 @@ from .._errors import ChecksumError, ConfigError, FormatError, ManifestError, No
 from .._layout import ReadPlan, ShardMap
 from .._manifest import MANIFEST_NAME
 from ._base import Read, Step, Wait
-from ._fetch_cache import FetchCache
+from ._documents_slots import (
+    OVERFLOW_POINTER,
+    SLOT_HEADER_BYTES,
+    Slot,
+    SlotTable,
+    slot_checksum,
+    slot_table_bytes,
+    slot_table_of,
+)
+from ._fetch_cache import FetchCache, Fetcher
 
 if TYPE_CHECKING:
     from .._dataset import Dataset
@@ -72,6 +84,9 @@ TOP_ENTRY_BYTES = 16
 #: Cache keys' second part: a whole index, a top level (pages are numbered from 0).
 WHOLE, TOP = -1, -2
 Key = tuple[int, int]
+#: A slot's key: ``(segment, SLOT, block)``.
+SLOT = -3
+SlotKey = tuple[int, int, int]
 
 
 def page_count(documents: int, page_documents: int) -> int:
@@ -98,12 +113,20 @@ def index_path(shard_path: str) -> str:
 
 
 def shard_index_bytes(
-    local_offsets: npt.ArrayLike, *, page_documents: int | None = PAGE_DOCUMENTS
+    local_offsets: npt.ArrayLike,
+    *,
+    page_documents: int | None = PAGE_DOCUMENTS,
+    slots: bool = True,
+    block_tokens: int | None = None,
+    slot_starts: int | None = None,
 ) -> bytes:
     """One shard's index file: the ``n + 1`` offsets of its ``n`` documents, local to the
     shard (0 first, never decreasing, the shard's element count last), as little-endian
     int64; paged (header, offsets, top level: see the module) unless ``page_documents`` is
-    None (the earlier whole layout, offsets alone)."""
+    None (the earlier whole layout, offsets alone). A paged file ends with the slot table
+    packed windows read (:mod:`._documents_slots`) when ``slots`` and it is smaller than
+    the offsets; ``block_tokens`` and ``slot_starts`` force its ``B`` and ``k`` (and the
+    table)."""
     offsets = np.asarray(local_offsets)
     if (
         offsets.ndim != 1
@@ -138,7 +161,13 @@ def shard_index_bytes(
         dtype="<u8",
     )
     header = PAGED_MAGIC + struct.pack("<qq", page_documents, n)
-    return header + raw + firsts.tobytes() + sums.tobytes()
+    table = b""
+    if slots:
+        for name, value in (("block_tokens", block_tokens), ("slot_starts", slot_starts)):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        table = slot_table_bytes(offsets, block=block_tokens, starts=slot_starts)
+    return header + raw + firsts.tobytes() + sums.tobytes() + table
 
 
 def shard_index_info(path: str, data: bytes, *, checksum: bool = True) -> dict[str, Any]:
@@ -151,14 +180,17 @@ def shard_index_info(path: str, data: bytes, *, checksum: bool = True) -> dict[s
         info["checksum"] = format_digest(digest(data))
     if bytes(data[: len(PAGED_MAGIC)]) == PAGED_MAGIC:
         page_documents, n = struct.unpack_from("<qq", data, len(PAGED_MAGIC))
-        if page_documents < 1 or n < 0 or len(data) != index_file_bytes(n, page_documents):
+        paged = index_file_bytes(n, page_documents) if page_documents >= 1 and n >= 0 else -1
+        if paged < 0 or len(data) < paged:
             raise ConfigError(
                 f"index file {path!r} of {len(data)} bytes is not a paged index of {n}"
                 f" documents in pages of {page_documents}"
             )
-        top = memoryview(data)[HEADER_BYTES + INDEX_DTYPE.itemsize * (n + 1) :]
+        top = memoryview(data)[HEADER_BYTES + INDEX_DTYPE.itemsize * (n + 1) : paged]
         info["page_documents"] = page_documents
         info["top_checksum"] = format_digest(digest(top))
+        if len(data) > paged:
+            info["slots"] = slot_table_of(data, paged, path).entry()
     return info
 
 
@@ -173,7 +205,10 @@ def per_shard_metadata(
     numbers = [int(n) for n in counts]
     for n, info in zip(numbers, index_infos, strict=True):
         page = info.get("page_documents")
-        if n < 0 or int(info["bytes"]) != index_file_bytes(n, None if page is None else int(page)):
+        size = index_file_bytes(n, None if page is None else int(page))
+        if info.get("slots") is not None:
+            size += SlotTable(**_slot_fields(info["slots"])).file_bytes
+        if n < 0 or int(info["bytes"]) != size:
             raise ConfigError(
                 f"index file {info.get('path')!r} of {info['bytes']} bytes cannot hold the"
                 f" {n + 1} offsets of {n} documents"
@@ -184,6 +219,18 @@ def per_shard_metadata(
         "document_index": PER_SHARD,
         SHARD_DOCUMENTS: numbers,
         "shard_indexes": [dict(info) for info in index_infos],
+    }
+
+
+def _slot_fields(entry: Mapping[str, Any]) -> dict[str, int]:
+    """A manifest ``slots`` entry as :class:`SlotTable`'s fields (unchecked)."""
+    return {
+        "block": int(entry["block_tokens"]),
+        "starts": int(entry["starts"]),
+        "before_bytes": int(entry["before_bytes"]),
+        "count_bytes": int(entry["count_bytes"]),
+        "blocks": int(entry["blocks"]),
+        "overflow": int(entry["overflow"]),
     }
 
 
@@ -206,6 +253,8 @@ class ShardIndexes:
     checksums: tuple[int | None, ...]
     pages: Int64Array
     top_checksums: tuple[int | None, ...]
+    #: Each shard's slot table (None: none, packed windows read pages).
+    slots: tuple[SlotTable | None, ...] = ()
 
     @classmethod
     def of(cls, dataset: Dataset) -> ShardIndexes:
@@ -230,6 +279,15 @@ class ShardIndexes:
             paged = ["page_documents" in e for e in entries]
             if any(p < 1 for p, on in zip(pages, paged, strict=True) if on):
                 raise ValueError(f"page_documents {pages[:8]} must be positive")
+            slots: list[SlotTable | None] = []
+            # (another number of entries than shards is refused below)
+            for e, on, shard in zip(entries, paged, shards, strict=False):
+                if e.get("slots") is None:
+                    slots.append(None)
+                elif not on:
+                    raise ValueError(f"{e['path']}: slots without page_documents")
+                else:
+                    slots.append(SlotTable.of_entry(e["slots"], shard.elements))
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: no valid per-shard document index: {exc!r}") from exc
         if not len(counts) == len(paths) == len(shards):
@@ -242,10 +300,13 @@ class ShardIndexes:
                 f"{where}: shard_documents {counts[:8]}{'...' if len(counts) > 8 else ''}"
                 f" do not add up to the {total} documents"
             )
-        for n, path, size, page, shard in zip(counts, paths, nbytes, pages, shards, strict=True):
+        for n, path, size, page, table, shard in zip(
+            counts, paths, nbytes, pages, slots, shards, strict=True
+        ):
             url = join_url(dataset.url, path)
-            if size != index_file_bytes(n, page or None):
+            if size != index_file_bytes(n, page or None) + (table.file_bytes if table else 0):
                 kind = f" paged index ({page} documents a page)" if page else " int64 offsets"
+                kind += f" and slot table ({table.file_bytes} bytes)" if table else ""
                 raise ManifestError(
                     f"{where}: the index {url} (bytes [0, {size})) cannot hold the {n + 1}"
                     f"{kind} of the {n} documents of {shard.path}"
@@ -261,6 +322,7 @@ class ShardIndexes:
             tuple(checksums),
             np.array(pages, dtype=np.int64),
             tuple(tops),
+            tuple(slots),
         )
 
 
@@ -322,6 +384,8 @@ class DocumentIndex:
         pages: list[int] = []
         checksums: list[int | None] = []
         tops: list[int | None] = []
+        #: Each segment's slot table (None: none; packed windows then read pages or whole).
+        self.slot_tables: list[SlotTable | None] = []
         self.urls: list[str] = []  # of each segment's index ("" when in memory)
         self.shard_urls: list[str] = []  # of each segment's shard ("" when in memory)
         #: The index files, in the order of the source's ``shard_urls`` after the shards,
@@ -339,6 +403,7 @@ class DocumentIndex:
                 pages.append(0)
                 checksums.append(None)
                 tops.append(None)
+                self.slot_tables.append(None)
                 self.urls.append("")
                 self.shard_urls.append("")
                 continue
@@ -353,6 +418,7 @@ class DocumentIndex:
             pages += layout.pages.tolist()
             checksums += layout.checksums
             tops += layout.top_checksums
+            self.slot_tables += layout.slots
             self.urls += layout.urls
             self.shard_urls += dataset.shard_urls
             self.index_urls += layout.urls
@@ -386,8 +452,17 @@ class DocumentIndex:
         #: Whether documents as samples read the offsets of whole indexes by range instead
         #: of whole: when the whole indexes of all shards do not fit the cache.
         self.ranged = int(self.nbytes[lazy & (self.page == 0)].sum()) > budget
-        #: Index pieces fetched, and fetches under way shared (:mod:`._fetch_cache`).
-        self._pieces: FetchCache[Key, Int64Array] = FetchCache(budget)
+        #: Where each segment's slots begin in its index file (-1: no slot table).
+        self.slot_at = np.array(
+            [
+                -1 if t is None else index_file_bytes(n, p) + SLOT_HEADER_BYTES
+                for t, n, p in zip(self.slot_tables, documents, pages, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        #: Index pieces fetched (pages, top levels, whole indexes, slots), and fetches under
+        #: way shared (:mod:`._fetch_cache`).
+        self._pieces: FetchCache[Key | SlotKey, Int64Array | Slot] = FetchCache(budget)
         self.turns = Turns()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -423,7 +498,10 @@ class DocumentIndex:
     ) -> Generator[Step, Any, dict[Key, Int64Array]]:
         """The pieces ``keys`` (unique), fetching with ``fetch`` those not cached; a fetch
         another batch started is waited for, not repeated."""
-        return (yield from self._pieces.obtain(keys, fetch))
+        # One cache holds every kind of piece; a kind's keys only ever hold that kind.
+        shared = cast("Fetcher[Key | SlotKey, Int64Array | Slot]", fetch)
+        got = yield from self._pieces.obtain(keys, shared)
+        return cast("dict[Key, Int64Array]", got)
 
     def _read(
         self, segments: Sequence[int], starts: Sequence[int], sizes: Sequence[int]
@@ -714,11 +792,38 @@ class DocumentIndex:
     ) -> Generator[Step, Any, tuple[Int64Array, Int64Array]]:
         """Global offsets of the documents around the windows of ``width`` elements at
         ``starts``, and the global number of each, as
-        :func:`~asyncbatch.formats._documents.boundaries` takes them; fetched as needed (whole
-        indexes; of paged ones, the top level, then the pages the windows overlap). Runs of
-        neighbouring pieces (segments, pages) are slices of the global offsets; between runs
-        one entry stands for the elements no window touches."""
+        :func:`~asyncbatch.formats._documents.boundaries` takes them; fetched as needed (of
+        indexes with a slot table, the slots of the blocks the windows overlap; whole
+        indexes; of paged ones, the top level, then the pages the windows overlap). Each
+        entry says where a document starts, or (at the edges of what was fetched) a bound
+        that no window's boundaries can tell from it (see :meth:`slot_entries`)."""
         segments = self.segments_of_windows(starts, width)
+        slotted = self.slot_at[segments] >= 0
+        if not slotted.any():
+            return (yield from self._piece_offsets(segments, starts, width))
+        keys = self.slot_keys(segments[slotted], starts, width)
+        if slotted.all():
+            table = yield from self.slots(keys)
+            return self.slot_entries(keys, table)
+        table, (offsets, numbers) = yield (
+            self.slots(keys),
+            self._piece_offsets(segments[~slotted], starts, width),
+        )
+        more, more_numbers = self.slot_entries(keys, table)
+        offsets = np.concatenate([offsets, more])
+        numbers = np.concatenate([numbers, more_numbers])
+        order = np.lexsort((numbers, offsets))
+        offsets, numbers = offsets[order], numbers[order]
+        fresh = np.ones(offsets.size, dtype=bool)
+        fresh[1:] = (offsets[1:] != offsets[:-1]) | (numbers[1:] != numbers[:-1])
+        return offsets[fresh], numbers[fresh]
+
+    def _piece_offsets(
+        self, segments: Int64Array, starts: Int64Array, width: int
+    ) -> Generator[Step, Any, tuple[Int64Array, Int64Array]]:
+        """:meth:`window_offsets` of ``segments`` without slot tables: runs of neighbouring
+        pieces (segments, pages) are slices of the global offsets; between runs one entry
+        stands for the elements no window touches."""
         paged = self.page[segments] > 0
         pieces: list[tuple[int, int, Int64Array]] = []  # segment, first local document, offsets
         whole = segments[~paged]
@@ -758,6 +863,227 @@ class DocumentIndex:
         parts.append(np.array([max(end, 0)], dtype=np.int64))
         numbers.append(np.array([after], dtype=np.int64))
         return np.concatenate(parts), np.concatenate(numbers)
+
+    # -- packed windows: slot tables ------------------------------------------------------------
+
+    def slot_keys(self, segments: Int64Array, starts: Int64Array, width: int) -> list[SlotKey]:
+        """The slots (``(segment, SLOT, block)``, ordered) of the blocks of ``segments``
+        that the windows of ``width`` elements at ``starts`` overlap."""
+        keys: list[SlotKey] = []
+        for s in segments.tolist():
+            table = self.slot_tables[s]
+            assert table is not None
+            base = self.element_starts[s]
+            lo = np.maximum(starts, base) - base
+            hi = np.minimum(starts + width, self.element_ends[s]) - base
+            inside = lo < hi
+            first = lo[inside] // table.block
+            count = (hi[inside] - 1) // table.block - first + 1
+            step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+            keys += [(s, SLOT, b) for b in np.unique(np.repeat(first, count) + step).tolist()]
+        return keys
+
+    def slots(self, keys: Sequence[SlotKey]) -> Generator[Step, Any, dict[SlotKey, Slot]]:
+        """The slots ``keys`` (unique), fetching those not cached (neighbours in one range;
+        an overflowing block's starts in a second round), each checked."""
+        shared = cast("Fetcher[Key | SlotKey, Int64Array | Slot]", self._fetch_slots)
+        got = yield from self._pieces.obtain(keys, shared)
+        return cast("dict[SlotKey, Slot]", got)
+
+    def _slot_where(self, s: int, b: int, a: int, size: int) -> str:
+        table = self.slot_tables[s]
+        assert table is not None
+        end = min((b + 1) * table.block, int(self.elements[s]))
+        return (
+            f"{self.urls[s]}: bytes [{a}, {a + size}): the slot of block {b} (elements"
+            f" [{b * table.block}, {end})) of shard {self.shard_urls[s]}"
+        )
+
+    def _fetch_slots(self, keys: list[SlotKey]) -> Generator[Step, Any, dict[SlotKey, Slot]]:
+        keys = sorted(keys)
+        runs: list[list[SlotKey]] = []
+        for key in keys:
+            if runs and runs[-1][-1] == (key[0], SLOT, key[2] - 1):
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        segments, starts, sizes = [], [], []
+        for run in runs:
+            s, first = run[0][0], run[0][2]
+            table = self.slot_tables[s]
+            assert table is not None
+            segments.append(s)
+            starts.append(int(self.slot_at[s]) + first * table.slot_bytes)
+            sizes.append(len(run) * table.slot_bytes)
+        buffer, dest = yield from self._read(segments, starts, sizes)
+        got: dict[SlotKey, Slot] = {}
+        spills: list[tuple[SlotKey, int, int, int, int]] = []  # key, before, first, count, sum
+        for run, start, at in zip(runs, starts, dest, strict=True):
+            table = self.slot_tables[run[0][0]]
+            assert table is not None
+            size = table.slot_bytes
+            for i, key in enumerate(run):
+                row = bytes(buffer[at + i * size : at + (i + 1) * size])
+                parsed = self._checked_slot(key, row, start + i * size)
+                if isinstance(parsed, Slot):
+                    got[key] = parsed
+                else:
+                    spills.append((key, *parsed))
+        if spills:
+            segments, starts, sizes = [], [], []
+            for (s, _, _), _, first, count, _ in spills:
+                table = self.slot_tables[s]
+                assert table is not None
+                segments.append(s)
+                starts.append(int(self.slot_at[s]) + table.blocks * table.slot_bytes + 2 * first)
+                sizes.append(2 * count)
+            buffer, dest = yield from self._read(segments, starts, sizes)
+            for (key, before, _, count, expected), start, at in zip(
+                spills, starts, dest, strict=True
+            ):
+                s, _, b = key
+                raw = bytes(buffer[at : at + 2 * count])
+                if slot_checksum(raw, b) != expected:
+                    raise ChecksumError(
+                        f"{self.urls[s]}: bytes [{start}, {start + 2 * count}): the overflow"
+                        f" starts of block {b} of shard {self.shard_urls[s]}: checksum"
+                        f" {slot_checksum(raw, b):08x}, its slot says {expected:08x}",
+                        self.urls[s],
+                        start,
+                        start + 2 * count,
+                    )
+                table = self.slot_tables[s]
+                assert table is not None
+                slot_start = int(self.slot_at[s]) + b * table.slot_bytes
+                where = self._slot_where(s, b, slot_start, table.slot_bytes)
+                positions = np.frombuffer(raw, dtype="<u2").astype(np.int64)
+                got[key] = self._slot(s, b, before, positions, where)
+        return got
+
+    def _checked_slot(
+        self, key: SlotKey, row: bytes, start: int
+    ) -> Slot | tuple[int, int, int, int]:
+        """Slot ``key`` from its bytes ``row`` (read at byte ``start`` of the index), checked;
+        of an overflowing block, its ``before`` and overflow pointer (first entry, count,
+        checksum) instead. A ChecksumError or FormatError naming the index, the bytes, the
+        block and the shard unless it is whole and agrees with its shard."""
+        s, _, b = key
+        table = self.slot_tables[s]
+        assert table is not None
+        where = self._slot_where(s, b, start, len(row))
+        body = len(row) - 4
+        expected = int.from_bytes(row[body:], "little")
+        if slot_checksum(row[:body], b) != expected:
+            raise ChecksumError(
+                f"{where}: checksum {slot_checksum(row[:body], b):08x}, the slot says"
+                f" {expected:08x}",
+                self.urls[s],
+                start,
+                start + len(row),
+            )
+        head = table.before_bytes + table.count_bytes
+        before = int.from_bytes(row[: table.before_bytes], "little")
+        count = int.from_bytes(row[table.before_bytes : head], "little")
+        if count == table.marker:
+            pointer = np.frombuffer(row, dtype=OVERFLOW_POINTER, count=1, offset=head)[0]
+            first, spilled = int(pointer["first"]), int(pointer["count"])
+            if spilled <= table.starts or first + spilled > table.overflow:
+                raise FormatError(
+                    f"{where}: overflow entries [{first}, {first + spilled}), not more than"
+                    f" the slot's {table.starts} starts within the {table.overflow} entries"
+                    " of the overflow area"
+                )
+            return before, first, spilled, int(pointer["checksum"])
+        if count > table.starts:
+            raise FormatError(f"{where}: {count} starts, more than the {table.starts} a slot holds")
+        positions = np.frombuffer(row, dtype="<u2", count=count, offset=head).astype(np.int64)
+        return self._slot(s, b, before, positions, where)
+
+    def _slot(self, s: int, b: int, before: int, positions: Int64Array, where: str) -> Slot:
+        """Block ``b``'s slot of ``before`` and ``positions`` (from the block's start): a
+        FormatError naming ``where`` unless they agree with the shard."""
+        table = self.slot_tables[s]
+        assert table is not None
+        n, length = (
+            int(self.documents[s]),
+            min(table.block, int(self.elements[s]) - b * table.block),
+        )
+        count = positions.size
+        if before + count > n or (b > 0 and before < 1):
+            raise FormatError(
+                f"{where}: {before} documents before the block and {count} starting in it,"
+                f" but the shard holds {n} documents, its first at element 0"
+            )
+        if b == 0 and (before != 0 or count == 0 or positions[0] != 0):
+            first = int(positions[0]) if count else None
+            raise FormatError(
+                f"{where}: the shard's first document must start at element 0 (the slot"
+                f" says {before} before the block, the first start at {first})"
+            )
+        falling = np.flatnonzero(positions[1:] < positions[:-1])
+        if falling.size:
+            d = int(falling[0])
+            raise FormatError(
+                f"{where}: document starts decrease ({positions[d]} then {positions[d + 1]})"
+            )
+        if count and positions[-1] >= length:
+            raise FormatError(
+                f"{where}: a document starts at {positions[-1]} from the block's start, beyond"
+                f" its {length} elements"
+            )
+        return Slot(before, positions + b * table.block)
+
+    def slot_entries(
+        self, keys: Sequence[SlotKey], table: Mapping[SlotKey, Slot]
+    ) -> tuple[Int64Array, Int64Array]:
+        """The entries of :meth:`window_offsets` from the slots ``keys`` (ordered): per run
+        of neighbouring blocks, a *head* (unless the run starts the shard: the document going
+        on at the run's start, numbered, placed at the element before it), every document
+        starting in the run, and a *tail* (the number of the next document, at the run's
+        end). The head and the tail stand where no window whose slots these are has an
+        element: a window that held that element would have fetched that block, and the
+        run would go on. So they only ever number the document a window starts in, or
+        close its last document; no boundary comes from them. Neighbouring slots must agree
+        (a FormatError naming the later)."""
+        offsets: list[Int64Array] = []
+        numbers: list[Int64Array] = []
+        tail: tuple[int, int] | None = None
+        previous: tuple[int, int, Slot] | None = None
+        for key in keys:
+            s, _, b = key
+            slot = table[key]
+            layout = self.slot_tables[s]
+            assert layout is not None
+            block = layout.block
+            base, first = int(self.element_starts[s]), int(self.document_starts[s])
+            if previous is not None and previous[:2] == (s, b - 1):
+                last = previous[2]
+                if slot.before != last.before + last.starts.size:
+                    at = int(self.slot_at[s]) + b * layout.slot_bytes
+                    raise FormatError(
+                        f"{self._slot_where(s, b, at, layout.slot_bytes)}: {slot.before}"
+                        f" documents before the block, but block {b - 1}'s slot has"
+                        f" {last.before} before it and {last.starts.size} starting in it"
+                    )
+            else:
+                if tail is not None:
+                    offsets.append(np.array([tail[0]], dtype=np.int64))
+                    numbers.append(np.array([tail[1]], dtype=np.int64))
+                if b > 0:
+                    offsets.append(np.array([base + b * block - 1], dtype=np.int64))
+                    numbers.append(np.array([first + slot.before - 1], dtype=np.int64))
+            offsets.append(base + slot.starts)
+            number = first + slot.before
+            numbers.append(np.arange(number, number + slot.starts.size, dtype=np.int64))
+            end = base + min((b + 1) * block, int(self.elements[s]))
+            tail = (end, number + slot.starts.size)
+            previous = (s, b, slot)
+        if tail is not None:
+            offsets.append(np.array([tail[0]], dtype=np.int64))
+            numbers.append(np.array([tail[1]], dtype=np.int64))
+        if not offsets:
+            return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        return np.concatenate(offsets), np.concatenate(numbers)
 
 
 class Turns:

@@ -50,11 +50,14 @@ async def write_documents_async(
     checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
     index: str = "per_shard",
     page_documents: int | None = PAGE_DOCUMENTS,
+    slots: bool = True,
 ) -> Dataset:
     """Async form of :func:`write_documents`, in the running loop."""
     check_write_args(shard_size, max_concurrency, checksum_block)
     if index not in INDEX_LAYOUTS:
         raise ConfigError(f"index={index!r}: expected one of {INDEX_LAYOUTS}")
+    if not isinstance(slots, bool):
+        raise ConfigError(f"slots must be True or False, got {slots!r}")
     if page_documents is not None and (
         isinstance(page_documents, bool)
         or not isinstance(page_documents, int)
@@ -84,7 +87,9 @@ async def write_documents_async(
             if index == "single":
                 lengths = await _write_stream(shards, documents)
             else:
-                per_shard = await _write_per_shard(store, root, shards, documents, page_documents)
+                per_shard = await _write_per_shard(
+                    store, root, shards, documents, page_documents, slots
+                )
             written = await shards.finish()
         target = shards.dtype
         if target is None:
@@ -137,11 +142,13 @@ async def _write_per_shard(
     shards: ShardWriter,
     documents: Iterable[npt.ArrayLike],
     page_documents: int | None,
+    slots: bool = True,
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """The per-shard layout: a shard closes after the document that fills it to
     ``shard_size`` bytes (empty documents after it join it; a document larger than a shard
-    makes one larger shard); each shard's index (paged unless ``page_documents`` is None) is
-    written beside it. Documents per shard and the index entries."""
+    makes one larger shard); each shard's index (paged unless ``page_documents`` is None,
+    with a slot table when ``slots``) is written beside it. Documents per shard and the
+    index entries."""
     counts: list[int] = []
     infos: list[dict[str, Any]] = []
     writes: list[asyncio.Task[None]] = []
@@ -157,7 +164,7 @@ async def _write_per_shard(
         shard = await shards.add_shard(data)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        raw = shard_index_bytes(offsets, page_documents=page_documents)
+        raw = shard_index_bytes(offsets, page_documents=page_documents, slots=slots)
         path = index_path(shard.path)
         infos.append(shard_index_info(path, raw, checksum=True))
         counts.append(len(lengths))
@@ -198,6 +205,7 @@ def write_documents(
     checksum_block: int | None = DEFAULT_CHECKSUM_BLOCK,
     index: str = "per_shard",
     page_documents: int | None = PAGE_DOCUMENTS,
+    slots: bool = True,
 ) -> Dataset:
     """Write ``documents`` (an iterable of 1-D arrays or lists of tokens) as a documents
     dataset at ``url``: shards of the concatenated tokens, the index, the manifest last.
@@ -207,7 +215,10 @@ def write_documents(
     larger shard) and each shard ``shard-K.bin`` has its index ``shard-K.idx``, so opening
     reads the manifest alone. The index is paged (``page_documents`` offsets a page, 512 by
     default): a loader fetches a shard's small top level, then only the pages its batches
-    need; ``page_documents=None`` writes whole indexes (the earlier per-shard layout).
+    need; ``page_documents=None`` writes whole indexes (the earlier per-shard layout). A
+    paged index ends with a slot table (``slots``, unless False or the table would not be
+    smaller than the offsets): where documents start in each block of a shard's tokens, so
+    that packed windows (``seq_len=``) read a few dozen bytes of index each instead of pages.
     ``index="single"``: one ``documents.idx`` for every document,
     read whole at open, documents cut at shard ends (the earlier layout).
 
@@ -227,5 +238,6 @@ def write_documents(
             checksum_block=checksum_block,
             index=index,
             page_documents=page_documents,
+            slots=slots,
         )
     )
