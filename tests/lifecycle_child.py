@@ -128,6 +128,9 @@ def sigint(args: dict[str, Any]) -> dict[str, Any]:
     path = args["path"]
     if args["kind"] == "open":
         return open_in_a_running_loop(path)
+    # The loader's modules (torch too: opening a dataset no longer loads it) before "ready",
+    # so the signal finds next() waiting on the store, not the Loader still importing.
+    importlib.import_module("asyncbatch._loader")
     if args["kind"] == "store":
         ab.register_store("stalled", stalled_store)
         local = ab.open_dataset(path)
