@@ -22,9 +22,12 @@ Three parts (``--part``, default all):
   loader's order (``GlobalShuffle``, positions ``q % W``), 16 a batch, are given to the
   source's own :class:`DocumentIndex` (the code a loader runs), whose reads are served from
   the local index files and counted. Token bytes are the windows' own (``seq_len`` × 2 bytes
-  a window). Per layout: index bytes per rank, their ratio to the token bytes, requests, the
-  cache's peak bytes (``index_cache_bytes`` at its 64 MiB default), and pieces fetched more
-  than once. Target: ≤ 2 % of the token bytes, no page fetched twice while it fits.
+  a window). Per layout (``--layouts``: ``slots``, the paged index of 512 a page with the
+  slot table the writers choose, which packed windows read instead of pages; ``paged`` at
+  each of ``--pages``, no slot table; ``whole``): index bytes per rank, their ratio to the
+  token bytes, requests, the cache's peak bytes (``index_cache_bytes`` at its 64 MiB
+  default), and ranges fetched more than once. Target: ≤ 2 % of the token bytes, no piece
+  fetched twice while it fits.
 * ``local``: ``--local-documents`` (10^6, 10^7, 10^8) documents of 0 to 5 tokens on local
   disk, paged, each in a fresh process (warmed by the same steps on 5×10^4 documents:
   imports, threads): seconds to open, to the first exact-shuffle batch of 16 × 2048 and to
@@ -97,11 +100,13 @@ def write_dataset(
     *,
     data: bool = True,
     seed: int = 1,
+    slots: bool = False,
 ) -> None:
     """``count`` documents of ``low`` to ``high - 1`` uint16 tokens in shards of at most
     256 MiB (documents never cross shard ends), indexes written with the writers' helpers
-    (``page``: documents a page; None: whole). ``data=False`` writes no shard files (the
-    epoch simulation reads only indexes)."""
+    (``page``: documents a page; None: whole; ``slots``: with the slot table the writers
+    choose). ``data=False`` writes no shard files (the epoch simulation reads only
+    indexes)."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     per_shard = max(1, SHARD_BYTES // (2 * (low + high) // 2 or 1))
@@ -123,7 +128,7 @@ def write_dataset(
             (root / name).write_bytes(raw)
             checksum = digest(raw)
         shards.append(ShardInfo(name, 2 * elements, elements, 0, checksum, None))
-        index = shard_index_bytes(offsets, page_documents=page)
+        index = shard_index_bytes(offsets, page_documents=page, slots=slots)
         (root / index_path(name)).write_bytes(index)
         infos.append(shard_index_info(index_path(name), index))
         counts.append(n)
@@ -138,11 +143,13 @@ def write_dataset(
     (root / "manifest.json").write_text(manifest.to_json())
 
 
-def ensure(name: str, count: int, low: int, high: int, page: int | None, data: bool) -> Path:
-    root = cache_root(f"{name}-{count}-{page}")
+def ensure(
+    name: str, count: int, low: int, high: int, page: int | None, data: bool, slots: bool = False
+) -> Path:
+    root = cache_root(f"{name}-{count}-{page}" + ("-slots" if slots else ""))
     if not (root / "manifest.json").exists():
         print(f"writing {count} documents ({name}, pages of {page}) to {root}", file=sys.stderr)
-        write_dataset(root, count, low, high, page, data=data)
+        write_dataset(root, count, low, high, page, data=data, slots=slots)
     return root
 
 
@@ -403,17 +410,35 @@ def part_epoch(args: argparse.Namespace) -> None:
         f"{'index':<8}{'page':>6}{'rank':>5}{'index MiB':>11}{'token MiB':>11}{'ratio':>8}"
         f"{'requests':>10}{'refetched':>10}{'peak cache MiB':>16}{'s':>7}"
     )
-    pages = [*args.pages, None]
-    for page in pages:
-        root = ensure("epoch", args.epoch_documents, 100, 300, page, False)
+    layouts: list[tuple[str, int | None]] = []
+    if "slots" in args.layouts:
+        layouts.append(("slots", PAGE_DOCUMENTS))
+    if "paged" in args.layouts:
+        layouts += [("paged", page) for page in args.pages]
+    if "whole" in args.layouts:
+        layouts.append(("whole", None))
+    for layout, page in layouts:
+        slotted = layout == "slots"
+        root = ensure("epoch", args.epoch_documents, 100, 300, page, False, slotted)
         dataset = ab.open_dataset(str(root))
+        if slotted:
+            entries = dataset.manifest.metadata["shard_indexes"]
+            tables = {
+                (e["slots"]["block_tokens"], e["slots"]["starts"]) for e in entries if "slots" in e
+            }
+            kept = sum(1 for e in entries if "slots" in e)
+            print(
+                f"# slots: {kept} of {len(entries)} shards, (block tokens, starts a slot):"
+                f" {sorted(tables)}; bytes per shard index file (median)"
+                f" {int(statistics.median(e['bytes'] for e in entries)):,}"
+            )
         rows = [
             simulate_rank(dataset, rank, args.world, args.seq_len, args.budget)
             for rank in range(args.ranks)
         ]
         for rank, row in enumerate(rows):
             print(
-                f"{'paged' if page else 'whole':<8}{page or '-':>6}{rank:>5}"
+                f"{layout:<8}{page or '-':>6}{rank:>5}"
                 f"{row['index_bytes'] / 2**20:>11.2f}{row['token_bytes'] / 2**20:>11.2f}"
                 f"{row['index_bytes'] / row['token_bytes']:>8.1%}{row['requests']:>10}"
                 f"{row['repeats']:>10}{row['peak_cache'] / 2**20:>16.2f}{row['seconds']:>7.1f}"
@@ -521,6 +546,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=positive, default=2048)
     parser.add_argument("--budget", type=positive, default=64 * 2**20)
     parser.add_argument("--pages", type=positive, nargs="+", default=[PAGE_DOCUMENTS])
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["slots", "paged", "whole"],
+        default=["slots", "paged", "whole"],
+        help="epoch: the index layouts simulated (slots: paged at 512 plus the slot table)",
+    )
     parser.add_argument(
         "--local-documents",
         type=positive,

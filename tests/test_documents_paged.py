@@ -199,24 +199,26 @@ def index_pieces(
     return pieces
 
 
+@pytest.mark.parametrize("slots", [False, True])
 def test_first_shuffled_batch_reads_pages_not_the_index_over_s3(
-    tmp_path: Path, s3_endpoint: str
+    tmp_path: Path, s3_endpoint: str, slots: bool
 ) -> None:
     """The issue's 5×10^6 documents in one shard, scaled to 4×10^5 (the page arithmetic is
     the same): counted at a proxy in front of moto, opening plus the first exact-shuffle
     batch of 16 windows of 2048 reads at most 1 MiB plus 64 KiB for the one shard; the whole
-    index alone is 3.2 MB."""
+    index alone is 3.2 MB. With the slot table the writers choose (blocks of 256 tokens),
+    slots only: no top level, no page."""
     import s3fs
 
     count = 400_000
     lengths = np.random.default_rng(1).integers(0, 6, count)
-    write_paged(tmp_path / "ds", lengths, count, PAGE_DOCUMENTS)
+    write_paged(tmp_path / "ds", lengths, count, PAGE_DOCUMENTS, slots=slots)
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing")
-    fs.put(str(tmp_path / "ds"), f"{BUCKET}/paged", recursive=True)
+    fs.put(str(tmp_path / "ds"), f"{BUCKET}/paged-{slots}", recursive=True)
     with fault_server(upstream=s3_endpoint) as proxy:
         options = s3_options(proxy.url)
         with ab.Loader(
-            f"s3://{BUCKET}/paged",
+            f"s3://{BUCKET}/paged-{slots}",
             batch_size=16,
             seq_len=2048,
             shuffle=True,
@@ -228,10 +230,26 @@ def test_first_shuffled_batch_reads_pages_not_the_index_over_s3(
             index_sent = proxy.sent("GET", ".idx")
             index_gets = proxy.count("GET", ".idx")
             fetched = loader.statistics().bytes_fetched
+            firsts = [
+                int(header.removeprefix("bytes=").split("-")[0])
+                for method, path, header in proxy.log
+                if method == "GET" and path.endswith(".idx")
+            ]
     assert sent <= 2**20 + 2**16
     # What the loader counts as fetched includes the next group's reads once planned, which
     # may not have reached the proxy yet when it was read: bounded the same, not by ``sent``.
     assert 0 < fetched <= 2**20 + 2**16
+    if slots:
+        manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+        table = manifest["metadata"]["shard_indexes"][0]["slots"]
+        assert table["block_tokens"] == 256
+        # Slots only (no top level, no page): 16 windows of 9 or 10 slots of 261 bytes, one
+        # range a window (and a rare overflow), a batch; the loader reads a few ahead.
+        slots_at = HEADER_BYTES + 8 * (count + 1) + 16 * -(-count // PAGE_DOCUMENTS) + 36
+        assert all(first >= slots_at for first in firsts), (min(firsts), slots_at)
+        assert 0 < index_sent <= 8 * 16 * 10 * 261
+        assert index_gets <= 8 * 2 * 16
+        return
     # The top level (782 pages: 12.5 KiB), then the pages of 16 windows (one or two each).
     assert 12_512 < index_sent <= 12_512 + 16 * 3 * (8 * PAGE_DOCUMENTS + 8)
     assert index_gets <= 1 + 16 * 2  # the top level, then one range per run of pages
