@@ -4,6 +4,7 @@ checks are refused; no slot is fetched twice while the cache holds it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -236,8 +237,8 @@ def test_an_exact_shuffle_fetches_no_slot_twice(tmp_path: Path) -> None:
     """Ranks of an exact shuffle counted at an HTTP server: no byte of a slot table is
     fetched twice by a rank while the cache holds it, no top level or page is fetched for
     packed windows, and a small cache stays near its bound."""
-    lengths = np.random.default_rng(5).integers(20, 60, 6000)
-    write_paged(tmp_path / "ds", lengths, 2000, 64, slots=True)
+    lengths = np.random.default_rng(5).integers(20, 60, 3000)
+    write_paged(tmp_path / "ds", lengths, 1000, 64, slots=True)
     with fault_server(tmp_path) as server:
         url = f"{server.url}/ds"
         for rank in range(3):
@@ -254,7 +255,7 @@ def test_an_exact_shuffle_fetches_no_slot_twice(tmp_path: Path) -> None:
             assert len(ranges) == 3
             for path, got in ranges.items():
                 got.sort()
-                slots_at = index_file_bytes(2000, 64) + SLOT_HEADER_BYTES
+                slots_at = index_file_bytes(1000, 64) + SLOT_HEADER_BYTES
                 assert got[0][0] >= slots_at, (path, got[0])  # slots only
                 assert all(a[1] <= b[0] for a, b in zip(got, got[1:], strict=False)), path
         budget = 4096
@@ -268,6 +269,26 @@ def test_an_exact_shuffle_fetches_no_slot_twice(tmp_path: Path) -> None:
         ) as loader:
             index = loader._engine.source.index
             peak = 0
-            for _ in loader:
+            for _ in itertools.islice(loader, 30):
                 peak = max(peak, index.cached_bytes)
     assert 0 < peak <= budget + 8 * 3 * (320 + 8 * 16), peak
+
+
+def test_a_slots_entry_that_does_not_fit_its_shard_is_refused_at_open(tmp_path: Path) -> None:
+    """A manifest whose slots entry does not fit the shard or the file is a ManifestError
+    at open."""
+    index, good, url, table, start = corrupt_setup(tmp_path)
+    manifest_path = tmp_path / "ds" / "manifest.json"
+    saved = manifest_path.read_text()
+    for key, value, message in [
+        ("blocks", 4, "slots: 4 blocks of 16 and 4 overflow entries for a shard of 72 elements"),
+        ("block_tokens", 24, "slots: block_tokens 24 is not a power of two"),
+        ("overflow", 5, "cannot hold the 12 paged index .* and slot table"),
+    ]:
+        manifest = json.loads(saved)
+        manifest["metadata"]["shard_indexes"][0]["slots"][key] = value
+        manifest_path.write_text(json.dumps(manifest))
+        with pytest.raises(ab.ManifestError, match=message):
+            ab.open_dataset(str(tmp_path / "ds"))
+    manifest_path.write_text(saved)
+    ab.open_dataset(str(tmp_path / "ds"))
