@@ -135,16 +135,24 @@ class SlotTable:
             )
 
 
-def _costs(begins: Int64Array, elements: int, block: int, documents: int) -> tuple[float, int]:
-    """Index bytes a window of the reference width reads with blocks of ``block`` (expected:
-    the slots it overlaps, plus its share of the overflow), and the starts a slot holds."""
-    blocks = -(-elements // block)
-    counts = np.bincount(begins // block, minlength=blocks)
+def _costs(counts: Int64Array, block: int) -> tuple[float, int]:
+    """Index bytes a window of the reference width reads with blocks of ``block`` holding
+    ``counts`` starts each (expected: the slots it overlaps, plus its share of the
+    overflow), and the starts a slot holds."""
+    blocks = counts.size
     starts = max(1, int(np.quantile(counts, SLOT_QUANTILE, method="higher")))
     table = SlotTable(block, min(starts, 2**16 - 2), 4, 1 if starts < 255 else 2, blocks, 0)
     overflow = int(counts[counts > table.starts].sum())
     per_slot = table.slot_bytes + 2 * overflow / blocks
     return (1 + (REFERENCE_WINDOW - 1) / block) * per_slot, table.starts
+
+
+def _coarser(counts: Int64Array, factor: int) -> Int64Array:
+    """Starts per block of ``factor`` times the blocks of ``counts``."""
+    padded = np.zeros(-(-counts.size // factor) * factor, dtype=counts.dtype)
+    padded[: counts.size] = counts
+    summed: Int64Array = padded.reshape(-1, factor).sum(axis=1)
+    return summed
 
 
 def slot_table_bytes(
@@ -159,15 +167,21 @@ def slot_table_bytes(
     documents, elements = offsets.size - 1, int(offsets[-1])
     if elements == 0:
         return b""
-    begins = offsets[:-1][offsets[:-1] < elements]
+    # Documents starting at the shard's end (empty ones) start in no block.
+    begins = offsets[: int(np.searchsorted(offsets[:-1], elements, side="left"))]
     auto = block is None
     if block is None:
-        costs = {b: _costs(begins, elements, b, documents) for b in BLOCK_CHOICES}
+        smallest = BLOCK_CHOICES[0]
+        finest = np.bincount(begins // smallest, minlength=-(-elements // smallest))
+        per_block = {b: _coarser(finest, b // smallest) for b in BLOCK_CHOICES}
+        costs = {b: _costs(per_block[b], b) for b in BLOCK_CHOICES}
         block = min(BLOCK_CHOICES, key=lambda b: (costs[b][0], -b))
         if starts is None:
             starts = costs[block][1]
-    blocks = -(-elements // block)
-    counts = np.bincount(begins // block, minlength=blocks)
+        counts = per_block[block]
+    else:
+        counts = np.bincount(begins // block, minlength=-(-elements // block))
+    blocks = counts.size
     if starts is None:
         starts = max(1, int(np.quantile(counts, SLOT_QUANTILE, method="higher")))
     count_bytes = 1 if starts < 255 else 2
@@ -187,17 +201,23 @@ def slot_table_bytes(
     head = before_bytes + count_bytes
     before = np.cumsum(counts) - counts
     block_of = begins // block
-    rank = np.arange(begins.size) - before[block_of]
     relative = (begins - block_of * block).astype("<u2")
     rows = np.zeros((blocks, size), dtype=np.uint8)
     rows[:, :before_bytes] = before.astype(f"<u{before_bytes}").view(np.uint8).reshape(blocks, -1)
     count = np.where(over, table.marker, counts).astype(f"<u{count_bytes}")
     rows[:, before_bytes:head] = count.view(np.uint8).reshape(blocks, -1)
     positions = np.zeros((blocks, area // 2), dtype="<u2")
-    inside = ~over[block_of]
-    positions[block_of[inside], rank[inside]] = relative[inside]
+    # Start j of block b goes to entry b·(area/2) + (j - before[b]) of the flat positions.
+    flat = np.arange(begins.size, dtype=np.int64)
+    flat += (np.arange(blocks, dtype=np.int64) * (area // 2) - before)[block_of]
+    if over.any():
+        inside = ~over[block_of]
+        positions.reshape(-1)[flat[inside]] = relative[inside]
+        spilled = relative[~inside]  # the overflowing blocks' starts, in block order
+    else:
+        positions.reshape(-1)[flat] = relative
+        spilled = relative[:0]
     area_view = positions.view(np.uint8)
-    spilled = relative[~inside]  # the overflowing blocks' starts, in block order
     overflowing = np.flatnonzero(over)
     if overflowing.size:
         sizes = counts[overflowing]
@@ -213,10 +233,10 @@ def slot_table_bytes(
             overflowing.size, -1
         )
     rows[:, head : head + area] = area_view
-    flat = memoryview(rows.reshape(-1).data)
+    every = memoryview(rows.reshape(-1).data)
     body = size - CHECKSUM_BYTES
     sums = np.array(
-        [slot_checksum(flat[b * size : b * size + body], b) for b in range(blocks)], dtype="<u4"
+        [slot_checksum(every[b * size : b * size + body], b) for b in range(blocks)], dtype="<u4"
     )
     rows[:, body:] = sums.view(np.uint8).reshape(blocks, -1)
     header = SLOT_MAGIC + SLOT_HEADER.pack(
