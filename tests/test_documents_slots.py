@@ -292,3 +292,19 @@ def test_a_slots_entry_that_does_not_fit_its_shard_is_refused_at_open(tmp_path: 
             ab.open_dataset(str(tmp_path / "ds"))
     manifest_path.write_text(saved)
     ab.open_dataset(str(tmp_path / "ds"))
+
+
+def test_wide_slot_counts_and_tiny_documents(tmp_path: Path) -> None:
+    """Documents of 0 to 2 tokens in blocks of 1,024 holding 300 starts (uint16 counts; the
+    ~1,000 starts of a block overflow): the batches pages give."""
+    lengths = np.random.default_rng(7).integers(0, 3, 6000)
+    write_paged(tmp_path / "pages", lengths, 2500, 64)
+    write_paged(
+        tmp_path / "slots", lengths, 2500, 64, slots=True, block_tokens=1024, slot_starts=300
+    )
+    entry = json.loads((tmp_path / "slots" / "manifest.json").read_text())["metadata"]
+    assert entry["shard_indexes"][0]["slots"]["count_bytes"] == 2
+    kwargs: dict[str, Any] = {"batch_size": 3, "seq_len": 100, "next_token": True, "shuffle": True}
+    assert_same(
+        batches(str(tmp_path / "slots"), **kwargs), batches(str(tmp_path / "pages"), **kwargs)
+    )
