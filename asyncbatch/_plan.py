@@ -407,7 +407,11 @@ def plan(
         costs.append(_cost_rank(ranked.engine, rank, gap, windows, groups if sampled else 0, seed))
     index_note = ""
     if isinstance(source, PackedDocuments) and source.index is not None:
-        index_note = " (estimated: pages as if a shard's documents were of equal length)"
+        index_note = (
+            " (estimated: pages as if a shard's documents were of equal length)"
+            if (source.index.slot_at < 0).any()
+            else " (slot tables: overflow reads not counted)"
+        )
     return Plan(
         url=url,
         world_size=world_size,
@@ -604,7 +608,9 @@ def _index_cost(
     windows = sum(int(starts[i].size) for i in costed)
     if every and windows <= WALK_WINDOWS:  # the source's walk over every group, in order
         gid, seg, page = _index_keys(index, width, [starts[i] for i in costed])
-        return _walk(index, gid, seg, page)
+        requests, nbytes = _walk(index, gid, seg, page)
+        more = _slot_walk(index, width, [starts[i] for i in costed], 1.0)
+        return requests + more[0], nbytes + more[1]
     # Too many windows, or sampled groups: the distinct pages of the rank's windows from
     # those of (a random subset of) the costed groups, scaled to all its windows.
     rng = np.random.default_rng(len(costed))
@@ -615,7 +621,8 @@ def _index_cost(
     _, seg, page = _index_keys(index, width, [starts[i] for i in costed])
     size = INDEX_DTYPE.itemsize
     documents, pages_of = index.documents, index.page
-    live = (documents > 0) & (index.element_ends > index.element_starts)
+    slot_requests, slot_bytes = _slot_walk(index, width, [starts[i] for i in costed], share)
+    live = (documents > 0) & (index.element_ends > index.element_starts) & (index.slot_at < 0)
     # A top level (or whole index) for every shard: the windows spread over them all.
     whole = live & (pages_of == 0)
     paged = live & (pages_of > 0)
@@ -635,7 +642,75 @@ def _index_cost(
             per_key_runs = np.where(met > 0, runs / np.maximum(met, 1), 0)
         requests += float((distinct * per_key_runs).sum())
         nbytes += float((distinct * size * pages_of).sum() + (distinct * per_key_runs).sum() * size)
-    return requests, nbytes
+    return requests + slot_requests, nbytes + slot_bytes
+
+
+def _slot_walk(
+    index: DocumentIndex, width: int, groups: Sequence[Int64Array], share: float
+) -> tuple[float, float]:
+    """(requests, bytes) of the slots packed windows read from indexes with a slot table
+    (no top level, no page): a window's blocks are its elements over ``B``, exact. With
+    ``share`` 1 (every group, in order), each slot is fetched by the first group needing it,
+    neighbours of one group in one range; else the distinct slots of the rank's windows are
+    estimated from those of the groups given (a ``share`` of its windows), saturating. An
+    overflowing block's second read (0.1 % of blocks) is not counted."""
+    tables = index.slot_tables
+    block = np.array([0 if t is None else t.block for t in tables], dtype=np.int64)
+    slot_bytes = np.array([0 if t is None else t.slot_bytes for t in tables], dtype=np.int64)
+    blocks = np.array([0 if t is None else t.blocks for t in tables], dtype=np.int64)
+    if not (block > 0).any() or not groups:
+        return 0.0, 0.0
+    sizes = [int(g.size) for g in groups]
+    at = np.concatenate([*groups, np.zeros(0, dtype=np.int64)])
+    group = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
+    ends = index.element_ends
+    first = np.searchsorted(ends, at, side="right")
+    last = np.searchsorted(ends, at + max(0, width - 1), side="right")
+    count = last - first + 1
+    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    seg = np.repeat(first, count) + step
+    at, group = np.repeat(at, count), np.repeat(group, count)
+    keep = seg < ends.size
+    seg, at, group = seg[keep], at[keep], group[keep]
+    keep = block[seg] > 0
+    seg, at, group = seg[keep], at[keep], group[keep]
+    base = index.element_starts[seg]
+    lo = np.maximum(at, base) - base
+    hi = np.minimum(at + width, ends[seg]) - base
+    keep = lo < hi
+    seg, lo, hi, group = seg[keep], lo[keep], hi[keep], group[keep]
+    if not seg.size:
+        return 0.0, 0.0
+    b = block[seg]
+    first_block = lo // b
+    count = (hi - 1) // b - first_block + 1
+    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    number = np.repeat(first_block, count) + step
+    seg, group = np.repeat(seg, count), np.repeat(group, count)
+    stride = int(blocks.max()) + 1
+    code = seg * stride + number
+    if share >= 1.0:
+        # The first group needing each slot fetches it; a group's new slots, neighbours in
+        # one range.
+        by_code = np.lexsort((group, code))
+        fresh = np.ones(by_code.size, dtype=bool)
+        fresh[1:] = np.diff(code[by_code]) != 0
+        chosen = by_code[fresh]
+        order = np.lexsort((code[chosen], group[chosen]))
+        g, c = group[chosen][order], code[chosen][order]
+        breaks = np.ones(g.size, dtype=bool)
+        breaks[1:] = (np.diff(g) != 0) | (np.diff(c) != 1)
+        return float(breaks.sum()), float(slot_bytes[c // stride].sum())
+    keys = np.unique(code)
+    key_seg = keys // stride
+    met = np.bincount(key_seg, minlength=block.size).astype(np.float64)
+    breaks = np.ones(keys.size, dtype=bool)
+    breaks[1:] = np.diff(keys) != 1
+    runs = np.bincount(key_seg[breaks], minlength=block.size).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        distinct = blocks * -np.expm1(-met / share / np.maximum(blocks, 1))
+        per_key_runs = np.where(met > 0, runs / np.maximum(met, 1), 0)
+    return float((distinct * per_key_runs).sum()), float((distinct * slot_bytes).sum())
 
 
 def _megatron_cost(
@@ -698,7 +773,7 @@ def _index_keys(
     n, per = index.documents[seg], index.page[seg]
     lo = np.maximum(at, base) - base
     hi = np.minimum(at + width, end) - base
-    keep = (lo < hi) & (n > 0)
+    keep = (lo < hi) & (n > 0) & (index.slot_at[seg] < 0)  # slots: see _slot_walk
     seg, lo, hi, n, per, group = seg[keep], lo[keep], hi[keep], n[keep], per[keep], group[keep]
     span = np.maximum(end[keep] - base[keep], 1)
     paged = per > 0
@@ -726,6 +801,7 @@ def _walk(
     if not gid.size:
         return 0.0, 0.0
     touched = np.unique(seg)
+    touched = touched[index.slot_at[touched] < 0]  # windows of a slot table read no top level
     documents, per = index.documents[touched], index.page[touched]
     whole = per == 0
     requests = float(touched.size)
