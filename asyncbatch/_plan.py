@@ -660,24 +660,8 @@ def _slot_walk(
     blocks = np.array([0 if t is None else t.blocks for t in tables], dtype=np.int64)
     if not (block > 0).any() or not groups:
         return 0.0, 0.0
-    sizes = [int(g.size) for g in groups]
-    at = np.concatenate([*groups, np.zeros(0, dtype=np.int64)])
-    group = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
-    ends = index.element_ends
-    first = np.searchsorted(ends, at, side="right")
-    last = np.searchsorted(ends, at + max(0, width - 1), side="right")
-    count = last - first + 1
-    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    seg = np.repeat(first, count) + step
-    at, group = np.repeat(at, count), np.repeat(group, count)
-    keep = seg < ends.size
-    seg, at, group = seg[keep], at[keep], group[keep]
-    keep = block[seg] > 0
-    seg, at, group = seg[keep], at[keep], group[keep]
-    base = index.element_starts[seg]
-    lo = np.maximum(at, base) - base
-    hi = np.minimum(at + width, ends[seg]) - base
-    keep = lo < hi
+    group, seg, lo, hi = _window_segments(index, width, groups)
+    keep = (block[seg] > 0) & (lo < hi)
     seg, lo, hi, group = seg[keep], lo[keep], hi[keep], group[keep]
     if not seg.size:
         return 0.0, 0.0
@@ -751,12 +735,12 @@ def _megatron_cost(
 WALK_WINDOWS = 2**22
 
 
-def _index_keys(
+def _window_segments(
     index: DocumentIndex, width: int, groups: Sequence[Int64Array]
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """``(group, segment, page)`` of every paged-index page the windows of ``width``
-    elements at each group's ``starts`` span, each element's page estimated as if a
-    segment's documents were of equal length (whole indexes: page -1); unique, ordered."""
+) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
+    """``(group, segment, lo, hi)`` for every segment each window of ``width`` elements at
+    each group's ``starts`` overlaps, ``[lo, hi)`` its part local to the segment (empty
+    where ``lo >= hi``)."""
     sizes = [int(g.size) for g in groups]
     at = np.concatenate([*groups, np.zeros(0, dtype=np.int64)])
     group = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
@@ -769,13 +753,24 @@ def _index_keys(
     at, group = np.repeat(at, count), np.repeat(group, count)
     keep = seg < ends.size
     seg, at, group = seg[keep], at[keep], group[keep]
-    base, end = index.element_starts[seg], ends[seg]
-    n, per = index.documents[seg], index.page[seg]
+    base = index.element_starts[seg]
     lo = np.maximum(at, base) - base
-    hi = np.minimum(at + width, end) - base
+    hi = np.minimum(at + width, ends[seg]) - base
+    return group, seg, lo, hi
+
+
+def _index_keys(
+    index: DocumentIndex, width: int, groups: Sequence[Int64Array]
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """``(group, segment, page)`` of every paged-index page the windows of ``width``
+    elements at each group's ``starts`` span, each element's page estimated as if a
+    segment's documents were of equal length (whole indexes: page -1); unique, ordered."""
+    group, seg, lo, hi = _window_segments(index, width, groups)
+    n, per = index.documents[seg], index.page[seg]
+    span = np.maximum(index.element_ends[seg] - index.element_starts[seg], 1)
     keep = (lo < hi) & (n > 0) & (index.slot_at[seg] < 0)  # slots: see _slot_walk
     seg, lo, hi, n, per, group = seg[keep], lo[keep], hi[keep], n[keep], per[keep], group[keep]
-    span = np.maximum(end[keep] - base[keep], 1)
+    span = span[keep]
     paged = per > 0
     safe = np.maximum(per, 1)
     first_page = np.where(paged, lo * n // span // safe, -1)
