@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 import s3fs
-from common import git_revision, paired_ratio, positive
+from common import git_revision, paired_ratio, positive, read_plan_files
 from common import moto_server as start_moto
 from delayproxy import running_proxy
 
@@ -354,17 +354,13 @@ def drive(steps: Generator[Any, Any, Any], files: list[str], counts: dict[str, A
             assert isinstance(step, Read)
             plan = step.plan
             assert isinstance(plan, ReadPlan)  # index reads are byte ranges
-            buffer = np.empty(plan.nbytes, dtype=np.uint8)
-            for f, a, b, d in zip(
+            buffer = read_plan_files(plan, files)
+            for f, a, b in zip(
                 plan.read_shard.tolist(),
                 plan.read_start.tolist(),
                 plan.read_end.tolist(),
-                plan.read_dest.tolist(),
                 strict=True,
             ):
-                with open(files[f], "rb") as handle:
-                    handle.seek(a)
-                    buffer[d : d + b - a] = np.frombuffer(handle.read(b - a), dtype=np.uint8)
                 counts["bytes"] += b - a
                 counts["requests"] += 1
                 key = (f, a, b)

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import s3fs
-from common import git_revision, paired_ratio, positive
+from common import git_revision, paired_ratio, positive, settle
 from common import moto_server as start_moto
 from delayproxy import Counts, running_proxy
 
@@ -127,18 +127,6 @@ def moto_server() -> Iterator[str]:
     """moto's S3 server in its own process; its URL."""
     with start_moto() as (url, _):
         yield url
-
-
-def settle(proxy: Any) -> None:
-    """Wait until the proxy has passed on the last bytes of earlier reads (a closed loader's
-    cancelled ones), so that they count for none of the next steps."""
-    last = proxy.counts()
-    while True:
-        time.sleep(0.1)
-        now = proxy.counts()
-        if now == last:
-            return
-        last = now
 
 
 def measure(

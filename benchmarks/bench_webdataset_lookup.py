@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from common import REPO, git_revision, paired_ratio, positive
+from common import REPO, git_revision, paired_ratio, positive, read_plan_files
 
 import asyncbatch as ab
 import asyncbatch.formats
@@ -85,19 +85,7 @@ def baseline_module(revision: str) -> ModuleType:
 
 def serve(read: Read, files: list[str]) -> np.ndarray:
     """The bytes ``read`` asks for, from the local files."""
-    plan = read.plan
-    buffer = np.empty(plan.nbytes, dtype=np.uint8)
-    for f, a, b, d in zip(
-        plan.read_shard.tolist(),
-        plan.read_start.tolist(),
-        plan.read_end.tolist(),
-        plan.read_dest.tolist(),
-        strict=True,
-    ):
-        with open(files[f], "rb") as handle:
-            handle.seek(a)
-            buffer[d : d + b - a] = np.frombuffer(handle.read(b - a), dtype=np.uint8)
-    return buffer
+    return read_plan_files(read.plan, files)  # type: ignore[no-any-return]
 
 
 def plan_of(source: Any, ids: np.ndarray, files: list[str]) -> tuple[float, Any]:
