@@ -315,3 +315,74 @@ def test_a_resumable_transport_is_asked_only_for_the_missing_tail() -> None:
 
     assert asyncio.run(main()) == [data[:100], data[120:170]]
     assert sorted(transport.asked) == [(0, 100), (50, 100), (120, 170), (145, 170)]
+
+
+class SlotTransport(ResumingTransport):
+    """:class:`ResumingTransport` over several objects (``o://<n>``, the same bytes), that
+    counts the reads in flight and the tasks alive during them; ``missing`` answers
+    ``FileNotFoundError`` (not retried)."""
+
+    max_inflight = 3
+
+    def __init__(self, data: bytes, missing: str = "") -> None:
+        super().__init__(data)
+        self.missing = missing
+        self.inflight = self.most = self.most_tasks = 0
+        #: Reads asked for after ``missing`` failed (the other slots' last steps).
+        self.after_error: list[str] = []
+        self.failed = False
+
+    async def read_range(self, url: str, **kwargs: Any) -> None:
+        if self.failed:
+            self.after_error.append(url)
+        if url == self.missing:
+            self.failed = True
+            raise FileNotFoundError(url)
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        self.most_tasks = max(self.most_tasks, len(asyncio.all_tasks()))
+        try:
+            await asyncio.sleep(0)
+            await super().read_range(url, **kwargs)
+        finally:
+            self.inflight -= 1
+
+
+def test_a_group_over_a_resumable_transport_reads_in_its_max_inflight_slots() -> None:
+    """Every range of a 60-range group over 5 objects arrives whole (each resumed on its
+    own), with never more than the transport's ``max_inflight`` reads, nor tasks for
+    more, alive at once; a range that fails for good stops the group."""
+    from asyncbatch.stores._ranged import read_by_ranges
+
+    data = bytes(range(256)) * 4
+    rng = np.random.default_rng(0)
+    which = rng.integers(0, 5, 60).astype(np.int64)
+    starts = rng.integers(0, 900, 60).astype(np.int64)
+    ends = starts + rng.integers(2, 100, 60)  # ResumingTransport halves each: 2 bytes at least
+    ends[::10] = starts[::10]  # and some empty ones, asked for nothing
+    at = np.cumsum(ends - starts) - (ends - starts)
+    urls = [f"o://{n}" for n in range(5)]
+
+    async def read(transport: SlotTransport) -> npt.NDArray[np.uint8]:
+        store = stacked(transport, FAST)
+        dest = np.zeros(int((ends - starts).sum()), dtype=np.uint8)
+        try:
+            await read_by_ranges(store, urls, which, starts, ends, dest, at)
+        finally:
+            await store.close()
+        return dest
+
+    transport = SlotTransport(data)
+    dest = asyncio.run(read(transport))
+    for start, end, where in zip(starts.tolist(), ends.tolist(), at.tolist(), strict=True):
+        assert dest[where : where + end - start].tobytes() == data[start:end]
+    assert transport.most == SlotTransport.max_inflight
+    assert transport.most_tasks <= SlotTransport.max_inflight + 1  # the slots and main()
+    assert len(transport.asked) == 2 * int((ends > starts).sum())  # a break, then the tail
+
+    failing = SlotTransport(data, missing="o://2")
+    with pytest.raises(NotFoundError):
+        asyncio.run(read(failing))
+    assert failing.inflight == 0  # the others cancelled and awaited
+    assert len(failing.after_error) < SlotTransport.max_inflight  # their last steps only
+    assert len(failing.asked) < len(transport.asked) // 2  # the group stopped there

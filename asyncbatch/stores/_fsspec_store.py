@@ -56,6 +56,11 @@ class FsspecStore:
         self._pool: ThreadPoolExecutor | None = None
         self._opening = asyncio.Lock()
 
+    @property
+    def max_inflight(self) -> int:
+        """Requests this transport keeps in flight at most."""
+        return self._max_inflight
+
     async def _filesystem(self) -> Any:
         if self._fs is None:
             # The groups of a run start together: one of them creates the filesystem (and

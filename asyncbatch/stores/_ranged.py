@@ -536,7 +536,11 @@ async def read_by_ranges(
 ) -> None:
     """``Store.read_into`` through the plain protocol: one ``read_ranges`` call per object, run
     together; on the first failure the others are cancelled and awaited, never left running
-    against a buffer nobody wants (or past the loop's end)."""
+    against a buffer nobody wants (or past the loop's end). A store that reads each range
+    in slots of its own (``read_each``) takes the whole group in one call."""
+    each = getattr(store, "read_each", None)
+    if each is not None and await each(urls, which, starts, ends, dest, dest_offsets):
+        return
     view = memoryview(dest)  # type: ignore[arg-type]
     by_object: dict[int, tuple[list[int], list[int], list[Buffer]]] = {}
     for index, start, end, at in zip(

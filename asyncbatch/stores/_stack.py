@@ -139,6 +139,10 @@ class TransportStore:
         )
         #: Whether the transport resumes ranges: the retrying layer then retries each one.
         self.resumes = self._resumer is not None
+        #: Ranges the transport keeps in flight at most (its ``max_inflight``; 64 if it
+        #: says none): the retrying layer reads a group's ranges in as many slots.
+        inflight = getattr(transport, "max_inflight", None)
+        self.max_inflight = inflight if isinstance(inflight, int) and inflight > 0 else 64
         #: The transport as a :class:`Store` for its optional calls, each behind its flag.
         below: Any = transport
         self._below = below
@@ -483,6 +487,40 @@ class RetryingStore:
             low,
             high,
         )
+
+    async def read_each(
+        self,
+        urls: Sequence[str],
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        dest: npt.NDArray[np.uint8],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> bool:
+        """A group's ranges, each retried on its own, over a transport that resumes ranges:
+        read in ``max_inflight`` slots that take the next range as they finish one (not a
+        task per range: a group of thousands keeps only its slots' objects alive, and the
+        collector scans less). False, reading nothing, over another transport."""
+        inner = self._resuming
+        if inner is None:
+            return False
+        if self.counts is not None:
+            self.counts.requests += int(starts.size)
+            self.counts.bytes_fetched += int(ends.sum() - starts.sum())
+        view = memoryview(dest)  # type: ignore[arg-type]
+        ranges = iter(
+            zip(which.tolist(), starts.tolist(), ends.tolist(), dest_offsets.tolist(), strict=True)
+        )
+
+        async def slot() -> None:
+            for index, start, end, at in ranges:  # shared: each range taken once
+                if end > start:
+                    await self._read_range(
+                        inner, urls[index], start, end, view[at : at + end - start]
+                    )
+
+        await run_all(slot() for _ in range(min(int(starts.size), inner.max_inflight)))
+        return True
 
     async def _read_range(
         self, inner: TransportStore, url: str, start: int, end: int, buffer: Buffer
