@@ -732,3 +732,43 @@ def test_a_pin_that_cannot_be_sent_is_not_retried(
         asyncio.run(read())
     assert not isinstance(caught.value, ab.RetriesExhaustedError)
     assert server.requests == before
+
+
+@pytest.mark.parametrize("split", [None, 1, 5, 4096])
+@run
+async def test_read_into_copies_a_body_into_the_callers_buffer_and_stops_at_its_length(
+    split: int | None,
+) -> None:
+    """A ``Content-Length`` body read with ``read_into`` (head and body in one write, or in
+    pieces of ``split`` bytes) arrives whole into the caller's buffer, never past its length
+    (the next answer's bytes stay on the connection, which is reused); a chunked body is read
+    into it the same way."""
+    data = bytes(range(256)) * 40
+
+    async def answer(
+        server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        raw = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+        chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n"
+        for reply in (raw, chunked):
+            await server.head(reader)
+            for at in range(0, len(reply), split or len(reply)):
+                writer.write(reply[at : at + (split or len(reply))])
+                await writer.drain()
+
+    async with serving(answer) as server:
+        wire = pool(server)
+        response = await wire.request("GET", server.url + "/")
+        into = bytearray(len(data) + 100)
+        view, got = memoryview(into), 0
+        while count := await response.read_into(view[got : got + 3000]):
+            got += count
+        assert (got, bytes(into[:got]), response.complete) == (len(data), data, True)
+        response.release()
+        response = await wire.request("GET", server.url + "/")
+        small = bytearray(8)
+        count = await response.read_into(memoryview(small))
+        assert bytes(small[:count]) == b"abcde"[:count]
+        response.close()
+        assert server.connections == 1
+        await wire.close()

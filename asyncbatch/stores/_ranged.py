@@ -42,14 +42,12 @@ from .._errors import (
 from .._redact import redact, stand_in
 from ._base import Buffer, ObjectInfo, Progress, ResumesRanges, Store, Versioned, check_length
 from ._retry import refused
-from ._wire import HeaderError
+from ._wire import HeaderError, Response
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
     from aiohttp import ClientResponse
-
-    from ._wire import Response
 
     Body = ClientResponse | Response
 
@@ -435,6 +433,7 @@ async def receive_range(
             start,
             end,
             framed=response.content_length == expected,
+            read_into=response.read_into if isinstance(response, Response) else None,
         )
     finally:
         if progress.got < end - start:
@@ -453,11 +452,15 @@ async def fill(
     start: int,
     end: int,
     framed: bool = False,
+    read_into: Callable[[memoryview], Awaitable[int]] | None = None,
 ) -> None:
     """Read a body into ``buffer[progress.got:]`` until ``expected`` more bytes arrived.
 
     ``read()`` returns the next chunk, ``b""`` at the end (``framed``: a body whose length
-    is known ends at its last byte, with no read of its end). A pause longer than
+    is known ends at its last byte, with no read of its end); ``read_into(view)``, where the
+    body has one, copies the next bytes into ``view`` itself and says how many (0 at the
+    end), with no piece made in between: the expected bytes are read so, any beyond them by
+    ``read()``. A pause longer than
     ``idle_timeout`` is a :class:`StoreTimeoutError`; a body that ends early or breaks off is
     a retryable :class:`ShortReadError`; more bytes than expected, a
     :class:`RangeNotSupportedError`.
@@ -465,13 +468,19 @@ async def fill(
     stop = progress.got + expected
     total = end - start
     loop = asyncio.get_running_loop()
+    target = memoryview(buffer).cast("B") if read_into is not None else None
     try:
         # One deadline for the body, moved on at each chunk (cheaper than one per chunk).
         async with asyncio.timeout(idle_timeout) as deadline:
             while True:
                 broke: BaseException | None = None
+                landed = 0
+                chunk = b""
                 try:
-                    chunk = await read()
+                    if read_into is not None and target is not None and progress.got < stop:
+                        landed = await read_into(target[progress.got : stop])
+                    else:
+                        chunk = await read()
                 except (StoreError, TimeoutError):
                     raise
                 except Exception as exc:  # aiohttp, botocore: the connection broke mid-body
@@ -489,6 +498,12 @@ async def fill(
                         end,
                         retryable=True,
                     ) from stand_in(broke)
+                if landed:
+                    progress.got += landed
+                    if framed and progress.got == stop:
+                        break
+                    deadline.reschedule(loop.time() + idle_timeout)
+                    continue
                 if not chunk:
                     break
                 if progress.got + len(chunk) > stop:

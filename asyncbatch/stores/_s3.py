@@ -61,7 +61,7 @@ from ._ranged import (
     tail_from,
 )
 from ._retry import DEFAULT_POLICY, RetryPolicy
-from ._s3_signed import SignedGets, signed_gets
+from ._s3_signed import SignedGets, _Body, signed_gets
 from ._validate import check_options
 
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
@@ -607,6 +607,7 @@ class S3Store(FsspecStore):
                 url,
                 start,
                 end,
+                read_into=body.reader() if isinstance(body, _Body) else None,
             )
         finally:
             body.close()

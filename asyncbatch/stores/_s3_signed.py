@@ -64,6 +64,8 @@ _CODE = re.compile(rb"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(rb"<Message>([^<]*)</Message>")
 #: Bytes of an error body read at most (S3's are a few hundred).
 _ERROR_BODY = 64 * 1024
+#: A bucket not yet resolved (:meth:`SignedGets._bucket`).
+_UNKNOWN: Any = object()
 
 
 @lru_cache(maxsize=16)
@@ -114,10 +116,10 @@ def sign_v4(
     scope = f"{day}/{region}/s3/aws4_request"
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
-    signature = hmac.new(_signing_key(secret_key, day, region), to_sign.encode(), "sha256")
+    signature = hmac.digest(_signing_key(secret_key, day, region), to_sign.encode(), "sha256")
     headers["Authorization"] = (
         f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={signed_names},"
-        f" Signature={signature.hexdigest()}"
+        f" Signature={signature.hex()}"
     )
 
 
@@ -156,6 +158,12 @@ class _Body:
         runs past the body's end): aiohttp's ``read(size)`` would join the pieces into a new
         copy of up to ``size`` bytes, which the store then copies into its buffer again."""
         return await self._response.content.readany()
+
+    def reader(self) -> Callable[[memoryview], Awaitable[int]] | None:
+        """``read_into`` where the body is on this module's connections (its pieces copied
+        straight into the caller's buffer); None through aiohttp."""
+        response = self._response
+        return response.read_into if isinstance(response, Response) else None
 
     def close(self) -> None:
         if self._response.content.at_eof():
@@ -353,7 +361,9 @@ class SignedGets:
         ``ContentLength``, ``ResponseMetadata``). An error status raises botocore's
         ``ClientError``; a connect timeout, its ``ConnectTimeoutError``; other aiohttp and
         OS errors pass unchanged."""
-        where = await self._bucket(Bucket)
+        where = self._buckets.get(Bucket, _UNKNOWN)
+        if where is _UNKNOWN:  # the first GET of a bucket (no coroutine for the others)
+            where = await self._bucket(Bucket)
         if where is None:
             kwargs = {"Bucket": Bucket, "Key": Key, "VersionId": VersionId, "Range": Range}
             kwargs |= {"IfMatch": IfMatch, "RequestPayer": RequestPayer}
@@ -415,18 +425,18 @@ class SignedGets:
         }
 
     async def _sign(self, headers: dict[str, str], where: _Bucket, path: str, query: str) -> None:
-        from botocore.exceptions import NoCredentialsError
-
         assert where.region is not None
         if self._credentials is None:
             self._credentials = await self._find_credentials()
             if self._credentials is None:
-                raise NoCredentialsError()
+                raise _no_credentials()
         frozen = self._credentials.get_frozen_credentials()
-        if inspect.isawaitable(frozen):  # aiobotocore's: a refresh may await
+        # aiobotocore's is a coroutine (a refresh may await); botocore's, a tuple. Not
+        # ``inspect.isawaitable``: its ABC check costs more than the rest of a GET's signing.
+        if inspect.iscoroutine(frozen):
             frozen = await frozen
         if not frozen.access_key or not frozen.secret_key:
-            raise NoCredentialsError()
+            raise _no_credentials()
         sign_v4(
             headers,
             host=where.host,
@@ -445,6 +455,13 @@ class SignedGets:
             await pool.close()
         if session is not None:
             await session.close()
+
+
+def _no_credentials() -> Exception:
+    from botocore.exceptions import NoCredentialsError
+
+    error: Exception = NoCredentialsError()
+    return error
 
 
 async def _client_error(response: aiohttp.ClientResponse | Response) -> tuple[Exception, str]:

@@ -17,7 +17,8 @@ over asyncio's transports (TLS included):
 Parsing is strict where leniency lets a server desynchronise the connection (RFC 9112):
 lengths and chunk sizes are ASCII digits only, an answer framed both ways is read chunked and
 its connection closed, and whatever is malformed closes the connection rather than pooling
-it. Every byte of a body is copied a bounded number of times, however it is chunked.
+it. Every byte of a body is copied a bounded number of times, however it is chunked; one read
+with ``read_into`` copies what arrived straight into the caller's buffer.
 
 Errors are the OS's (``ConnectionResetError``, ``ssl.SSLError``, ``socket.gaierror``) and
 :class:`WireError` for what is not HTTP (:class:`HeaderError`, a header that cannot be sent,
@@ -175,6 +176,15 @@ class _Connection(asyncio.Protocol):
             piece = piece[start:]
         self.buffered -= len(piece)
         return piece
+
+    def take_into(self, view: memoryview) -> int:
+        """Copy up to ``len(view)`` bytes of what arrived (some must have) into ``view``, with
+        no piece made of them; how many."""
+        piece, start = self.pieces[0], self.offset
+        count = min(len(view), len(piece) - start)
+        view[:count] = memoryview(piece)[start : start + count]
+        self._advance(count)
+        return count
 
     def _advance(self, count: int) -> None:
         """Past ``count`` bytes of the first piece (no further than its end)."""
@@ -351,6 +361,25 @@ class Response:
         piece = conn.take(min(most, self._chunk))
         self._chunk -= len(piece)
         return piece
+
+    async def read_into(self, view: memoryview) -> int:
+        """The next bytes of the body copied into ``view`` (a non-empty byte-format view; at
+        most its length): how many, 0 at its end. A body framed by ``Content-Length`` is
+        copied from the pieces that arrived, never sliced into a new one first (the head and
+        the body's start often come as one piece)."""
+        conn = self._conn
+        remaining = self._remaining
+        if conn is None or remaining is None or self._chunk >= 0:
+            piece = await self.read(len(view))
+            view[: len(piece)] = piece
+            return len(piece)
+        if remaining == 0:
+            return 0
+        if not conn.pieces:
+            await conn.more()
+        count = conn.take_into(view[: min(len(view), remaining)])
+        self._remaining = remaining - count
+        return count
 
     def at_eof(self) -> bool:
         """Whether the body was read to its end (as aiohttp's ``content.at_eof()``)."""
