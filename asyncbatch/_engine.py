@@ -78,6 +78,14 @@ LOCAL_GROUPS_IN_QUEUE = 4
 FIRST_TAKEN_WAIT = 0.005
 
 
+async def _handed_over(group: asyncio.Task[bool], queue: BatchQueue) -> None:
+    """Wait until ``group`` is queued, then (a little while) until the consumer takes it."""
+    await asyncio.wait({group})
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(FIRST_TAKEN_WAIT):
+            await queue.taken()
+
+
 def group_size(prefetch: int, batch_bytes: int, want: int = 0, local: bool = False) -> int:
     """Batches per group: two groups fit in the prefetch queue (four, of up to 256 batches,
     for ``local`` files), and one stays under 16 MiB unless ``want`` (a block shuffle's
@@ -175,9 +183,11 @@ class Engine:
             alone = self.source.reads_rows_alone if isinstance(self.source, ReadsRowsAlone) else 0
             first_size = 1 if 0 < alone < self.unit else self.unit
             first = True
+            decoding: asyncio.Task[bool] | None = None
             while True:
                 for batches in self.groups(first_batch, done, history, first_size):
                     await queue.reserve(len(batches))
+                    fetched = asyncio.get_running_loop().create_future() if first else None
                     previous = asyncio.create_task(
                         self._deliver(
                             reader,
@@ -190,19 +200,27 @@ class Engine:
                             batches,
                             previous,
                             queue,
+                            fetched,
                         )
                     )
                     tasks.add(previous)
                     previous.add_done_callback(tasks.discard)
-                    if first:
+                    if decoding is not None:  # the second group: the third waits for the first
+                        await _handed_over(decoding, queue)
+                        decoding = None
+                    if fetched is not None:
                         # The first group alone, then the rest: planned and read beside
                         # the prefetch's later groups, it would wait on their work; and its
                         # batch handed over before that work begins, for the same reason.
+                        # With decode=, the second group is read while the first one's
+                        # samples decode (else the pool idles for its reads), and the third
+                        # waits: the first decoded batch tells how many the queue holds.
                         first = False
-                        await asyncio.wait({previous})
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(FIRST_TAKEN_WAIT):
-                                await queue.taken()
+                        await asyncio.wait({previous, fetched}, return_when="FIRST_COMPLETED")
+                        if fetched.done() and self.decoding is not None:
+                            decoding = previous
+                        else:
+                            await _handed_over(previous, queue)
                 if not infinite or per_epoch == 0:
                     break
                 done += max(0, per_epoch - first_batch)
@@ -321,16 +339,18 @@ class Engine:
         batches: range,
         previous: asyncio.Task[bool] | None,
         queue: BatchQueue,
+        fetched: asyncio.Future[None] | None = None,
     ) -> bool:
         """Read a group, wait for the group before it, transform it (``transformer``: the
-        thread of ``self.transform``), then queue it; False once failed."""
+        thread of ``self.transform``), then queue it; False once failed. ``fetched`` is set
+        once the group's bytes are read (before they decode)."""
         held = GroupBytes(queue)  # counted in the queue until the group's batches are put
         stored: list[int] = []
         sizes: list[int] | None = None
         try:
             try:
                 group, stored, sizes = await self._read_group(
-                    reader, decoder, gap, epoch, history, batches, held, samples
+                    reader, decoder, gap, epoch, history, batches, held, samples, fetched
                 )
                 items: list[Batch | Final] = list(group)
             except (asyncio.CancelledError, GeneratorExit):  # stopped, not failed
@@ -377,10 +397,12 @@ class Engine:
         batches: range,
         held: GroupBytes,
         samples: Executor | None = None,
+        fetched: asyncio.Future[None] | None = None,
     ) -> tuple[list[Batch], list[int], list[int] | None]:
         """The group's batches, the bytes each holds in the store (its share of the group's
         planned bytes) and, where known, its own bytes; counts the bytes it holds in
-        ``held``. With ``decode=``, its samples decoded on ``samples`` (the decode pool)."""
+        ``held``. With ``decode=``, its samples decoded on ``samples`` (the decode pool),
+        once ``fetched`` is set."""
         order = self.order
         ids = order.sample_ids(epoch, batches.start, batches[-1] + 1, history)
         if order.batch_length(batches[-1]) == order.batch_size:  # only the last may be short
@@ -415,6 +437,8 @@ class Engine:
         stored = [b - a for a, b in itertools.pairwise(shares)]
         if self.decoding is not None:
             assert samples is not None
+            if fetched is not None and not fetched.done():
+                fetched.set_result(None)
             group, decoded, error = await decode_group(
                 self.decoding, samples, fields, ids, lengths, batches, epoch
             )

@@ -521,3 +521,34 @@ def test_default_prefetch_holds_decoded_batches_within_its_bytes(tmp_path: Path)
     with ab.Loader(str(folder), batch_size=4, decode="image", prefetch=8) as loader:
         next(iter(loader))
         assert loader.statistics().capacity == 8  # an explicit prefetch counts batches
+
+
+def test_the_next_groups_are_read_while_the_first_one_decodes(tmp_path: Path) -> None:
+    """With ``decode=``, the first group's batch is read alone, and the groups after it are
+    read while its samples decode: waiting for its decoding left the pool idle for the
+    next group's reads (the second batch of an S3 run took twice the others)."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "shard-000000.tar")) as sink:
+        for sample in make_samples(40):
+            sink.write(sample)
+    gate = threading.Event()
+
+    def held(sample: dict[str, Any]) -> dict[str, Any]:
+        gate.wait(20)  # the first batch's decoding, held until the test has looked
+        return sample
+
+    with ab.Loader(
+        str(folder), batch_size=4, decode="image", sample_transform=held, decode_threads=1
+    ) as loader:
+        iterator = iter(loader)
+        first = threading.Thread(target=next, args=(iterator,))
+        first.start()
+        deadline = time.monotonic() + 10
+        while loader.statistics().requests <= 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        read_while_decoding = loader.statistics().requests
+        gate.set()
+        first.join(20)
+        assert sum(1 for _ in iterator) == 9
+    assert read_while_decoding > 4  # the first batch's 4 reads (a GET each), and more
