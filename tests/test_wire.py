@@ -242,6 +242,20 @@ async def test_an_interim_answer_is_skipped() -> None:
         await wire.close()
 
 
+@run
+async def test_a_switch_of_protocols_nobody_asked_for_is_a_wire_error() -> None:
+    """A 101 to a plain GET: what follows it is another protocol's bytes, never read as an
+    answer (it was taken as an interim one, and the 200 after it read)."""
+    answer = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n"
+    answer += b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc"
+    async with serving(answering(answer)) as server:
+        wire = pool(server)
+        with pytest.raises(WireError, match="101 Switching Protocols"):
+            await wire.request("GET", server.url + "/")
+        assert not wire._idle and not wire._open
+        await wire.close()
+
+
 @pytest.mark.parametrize(
     ("answer", "error"),
     [
@@ -642,6 +656,11 @@ def test_a_refused_header_value_is_never_quoted() -> None:
         (b"Content-Length: %s\r\n\r\nab" % (b"9" * 30), "is not a length"),
         (b"X: a\rb\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
         (b"X: a\x00b\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
+        # Names that are not tokens: a proxy may read them another way (RFC 9110 5.1).
+        (b"Content Length: 2\r\n\r\nab", "not a header line"),
+        (b"Content-Length\x0c: 2\r\n\r\nab", "not a header line"),
+        (b"(X): 1\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
+        (b"\xe9: 1\r\nContent-Length: 2\r\n\r\nab", "not a header line"),
     ],
 )
 @run

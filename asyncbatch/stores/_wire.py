@@ -15,10 +15,11 @@ over asyncio's transports (TLS included):
 - redirects are not followed, nothing is retried beyond that, no proxy is used.
 
 Parsing is strict where leniency lets a server desynchronise the connection (RFC 9112):
-lengths and chunk sizes are ASCII digits only, an answer framed both ways is read chunked and
-its connection closed, and whatever is malformed closes the connection rather than pooling
-it. Every byte of a body is copied a bounded number of times, however it is chunked; one read
-with ``read_into`` copies what arrived straight into the caller's buffer.
+lengths and chunk sizes are ASCII digits only, header names are tokens, an answer framed both
+ways is read chunked and its connection closed, a 101 (no request asks to switch protocols)
+is an error, and whatever is malformed closes the connection rather than pooling it. Every
+byte of a body is copied a bounded number of times, however it is chunked; one read with
+``read_into`` copies what arrived straight into the caller's buffer.
 
 Errors are the OS's (``ConnectionResetError``, ``ssl.SSLError``, ``socket.gaierror``) and
 :class:`WireError` for what is not HTTP (:class:`HeaderError`, a header that cannot be sent,
@@ -487,6 +488,8 @@ class Pool:
                 status, reason, headers, keep = _parse_head(head)
                 if status >= 200:
                     return Response(self, conn, url, status, reason, headers, method, keep)
+                if status == 101:  # no request asks to switch: what follows is not HTTP
+                    raise WireError("101 Switching Protocols to a request that asked for none")
             raise WireError(f"more than {MAX_INTERIM} interim answers (1xx) to one request")
         except BaseException:
             self._drop(conn)
@@ -621,8 +624,7 @@ def _parse_head(head: bytes) -> tuple[int, str, Headers, bool]:
         name, colon, value = line.partition(":")
         if (
             not colon
-            or not name
-            or name != name.strip()
+            or _TOKEN.fullmatch(name) is None  # RFC 9110 5.1: a token, nothing around it
             or (suspect and ("\r" in line or "\0" in line))
         ):
             raise WireError(f"not a header line: {line[:80]!r}")
